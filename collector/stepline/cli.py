@@ -1,0 +1,186 @@
+"""The `stepline` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from stepline import schema
+from stepline.settings import Settings, SettingsError
+from stepline.store import StoreError
+from stepline.storeurl import StoreUrlError, default_store_url
+
+log = logging.getLogger("stepline")
+
+STORE_HELP = ("store URL: chdb:///path (embedded ClickHouse) or http(s)://user:pass@host:8123/db "
+              "(default: $STEPLINE_STORE, else chdb://./stepline-data)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `stepline` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # chDB's client logs every engine-level query at INFO; that is not the operator's business.
+    logging.getLogger("clickhouse_connect").setLevel(logging.WARNING)
+    try:
+        return int(args.func(args))
+    except (SettingsError, StoreError, StoreUrlError) as exc:
+        print(f"stepline: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from stepline import demo
+    from stepline.sim import cli as sim_cli
+
+    parser = argparse.ArgumentParser(
+        prog="stepline",
+        description="One ClickHouse timeline for vLLM engines: every step, every request, every GPU counter.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    collect = sub.add_parser("collect", help="run the collector sidecar",
+                             description="Scrape engines into the store until SIGTERM/SIGINT, then drain and stop.")
+    collect.add_argument("--engine", action="append", default=None, metavar="[NAME=]URL",
+                         help="a vLLM server to scrape, e.g. http://127.0.0.1:8000 (repeat for several; "
+                              "default $STEPLINE_ENGINES, comma-separated)")
+    collect.add_argument("--store", help=STORE_HELP)
+    collect.add_argument("--retention", type=int, dest="retention_days", metavar="DAYS",
+                         help="days of data to keep; whole days expire at once (default 30)")
+    collect.add_argument("--listen", help="address for the collector's own listeners (default 127.0.0.1)")
+    collect.add_argument("--metrics-port", type=int, help="port of the collector's own /metrics (default 9465)")
+    collect.add_argument("--query-port", type=int,
+                         help="port of the read-only SQL endpoint over the embedded store (default 8124)")
+    collect.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", metavar="SECONDS",
+                         help="how often to scrape each engine's /metrics (default 5)")
+    collect.add_argument("--disable-source", action="append", default=None, metavar="NAME",
+                         help="switch a source off (repeatable)")
+    collect.add_argument("--host-name", help="name of this machine on the timeline (default: hostname)")
+    collect.set_defaults(func=_collect)
+
+    query = sub.add_parser("query", help="run read-only SQL against the timeline",
+                           description="Through the running collector's endpoint when one holds the embedded "
+                                       "store, else straight from the store.")
+    query.add_argument("sql", help="the query, e.g. \"SELECT kind, count() FROM events GROUP BY kind\"")
+    query.add_argument("--store", help=STORE_HELP)
+    query.add_argument("--format", default="table",
+                       help="table (default), csv, tsv, json (one object per line), or any ClickHouse format name")
+    query.set_defaults(func=_query)
+
+    status = sub.add_parser("status", help="sources up, rows per table, age of the newest row",
+                            description="A one-screen health summary of the timeline and its collector.")
+    status.add_argument("--store", help=STORE_HELP)
+    status.set_defaults(func=_status)
+
+    schema_p = sub.add_parser("schema", help="print the DDL of the timeline",
+                              description="Print the CREATE statements stepline runs, for one node or a cluster.")
+    schema_p.add_argument("--cluster", metavar="NAME",
+                          help="render ON CLUSTER: ReplicatedMergeTree local tables and Distributed tables over them")
+    schema_p.add_argument("--database", default="stepline", help="database name (default stepline)")
+    schema_p.add_argument("--retention", type=int, default=30, dest="retention_days", metavar="DAYS",
+                          help="days of data to keep (default 30)")
+    schema_p.set_defaults(func=_schema)
+
+    sim = sub.add_parser("sim", help="run the vLLM-compatible engine simulator",
+                         description="Serve a simulated vLLM 0.33 engine's /metrics: no GPU needed.")
+    sim_cli.add_arguments(sim)
+    sim.set_defaults(func=sim_cli.run)
+
+    demo_p = sub.add_parser("demo", help="simulate a burst and collect it into the embedded store",
+                            description="Start the simulator and the collector, run the burst workload, "
+                                        "then print a summary from SQL.")
+    demo.add_arguments(demo_p)
+    demo_p.set_defaults(func=demo.run)
+    return parser
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from stepline.collector import Collector
+
+    settings = Settings.from_env(
+        store=args.store, retention_days=args.retention_days, listen=args.listen, metrics_port=args.metrics_port,
+        query_port=args.query_port, scrape_interval_s=args.scrape_interval_s, host_name=args.host_name,
+        engines=tuple(args.engine) if args.engine else None,
+        disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
+    )
+    if not settings.engines:
+        log.warning("no --engine given: only the collector's own events will be recorded")
+    collector = Collector(settings)
+    try:
+        collector.start()
+    except OSError as exc:
+        raise SettingsError(f"cannot listen on {settings.listen}: {exc.strerror}") from None
+    collector.run_until_signalled()
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from stepline.reader import open_reader, render_table
+
+    reader = open_reader(args.store or default_store_url())
+    try:
+        fmt = args.format.lower()
+        if fmt == "table":
+            result = reader.client.query(args.sql)
+            print(render_table(result.column_names, result.result_rows))
+            print(f"({len(result.result_rows)} rows, via {reader.via})", file=sys.stderr)
+            return 0
+        names = {"csv": "CSVWithNames", "tsv": "TabSeparatedWithNames", "json": "JSONEachRow"}
+        sys.stdout.write(reader.client.raw_query(args.sql, fmt=names.get(fmt, args.format)).decode("utf-8"))
+        return 0
+    except ClickHouseError as exc:
+        print(f"stepline: query failed: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
+        return 1
+    finally:
+        reader.close()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from stepline.reader import open_reader, render_table, source_health, table_status
+
+    reader = open_reader(args.store or default_store_url())
+    try:
+        print(f"timeline: {reader.via}")
+        if reader.collector is not None and reader.collector.metrics_url:
+            try:
+                health = source_health(reader.collector.metrics_url)
+                rows = [(name, "up" if up else "DOWN") for name, up in sorted(health.items())]
+                print(render_table(("source", "state"), rows) if rows else "sources: none configured")
+            except OSError as exc:
+                print(f"sources: cannot read {reader.collector.metrics_url}: {exc}")
+        else:
+            print("collector: not running")
+        tables = table_status(reader.client)
+        print(render_table(("table", "rows", "newest row"),
+                           [(t.table, t.rows, _age(t.newest_age_s)) for t in tables]))
+    finally:
+        reader.close()
+    return 0
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit} ago"
+    return f"{seconds:.1f}s ago"
+
+
+def _schema(args: argparse.Namespace) -> int:
+    for statement in schema.ddl(args.database, args.retention_days, cluster=args.cluster):
+        print(statement + ";\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The collector: store, writers, sources, self-metrics and the query endpoint, wired and run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+from stepline import sources as source_registry
+from stepline.clock import Clock, SystemClock
+from stepline.queryserver import QueryEndpoint
+from stepline.rows import Event, micros
+from stepline.runner import Runner, Scheduled
+from stepline.selfmetrics import MetricsServer, SelfMetrics
+from stepline.settings import Settings
+from stepline.sources.base import SourceContext
+from stepline.store import CollectorInfo, Store, remove_collector_info, write_collector_info
+from stepline.writer import Writers
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    """Everything the sidecar runs, started and stopped in the right order."""
+
+    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.metrics = SelfMetrics()
+        self.store: Store | None = None
+        self.writers: Writers | None = None
+        self.runner: Runner | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.query_endpoint: QueryEndpoint | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        """Open the store and start everything; raises StoreError/SettingsError/OSError with one clear line."""
+        s = self.settings
+        ctx = SourceContext(host=s.host_name, clock=self.clock)
+        specs = source_registry.enabled(s)
+        scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
+        store = Store.open(s.store)
+        self.store = store
+        try:
+            store.ensure_schema(s.retention_days)
+            self.writers = Writers(store, self.metrics, max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
+                                   flush_interval_s=s.flush_interval_s)
+            self.writers.start()
+            self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
+            self.metrics_server.start()
+            if store.url.embedded:
+                self.query_endpoint = QueryEndpoint(store.reader(), host=s.listen, port=s.query_port,
+                                                    password=s.query_password, database=store.database,
+                                                    metrics=self.metrics)
+                self.query_endpoint.start()
+                metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
+                write_collector_info(store.url.path, CollectorInfo(os.getpid(), self.query_endpoint.url,
+                                                                   metrics_url, s.query_password is not None))
+        except BaseException:
+            self._close()
+            raise
+        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name)
+        self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
+                   f"{store.url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
+                                                "retention_days": str(s.retention_days)})
+        self.runner.start()
+        log.info("collecting from %d source(s) into %s; self-metrics on http://%s:%d/metrics%s",
+                 len(scheduled), store.url.redacted(), s.listen, self.metrics_server.port,
+                 f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
+
+    def event(self, kind: str, severity: str, message: str, attributes: dict[str, str] | None = None) -> None:
+        """Put one of the collector's own events on the timeline."""
+        if self.writers is not None:
+            self.writers.write([Event(micros(self.clock.time()), self.settings.host_name, "", "collector", kind,
+                                      severity, message, attributes or {})])
+
+    def stop(self) -> None:
+        """Stop polling, drain every queued row into the store, then close."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.runner is not None:
+            self.runner.stop()
+        self.event("collector_stopped", "info", "collector stopped cleanly")
+        self._close()
+
+    def _close(self) -> None:
+        if self.writers is not None:
+            self.writers.stop()
+        if self.query_endpoint is not None:
+            self.query_endpoint.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        if self.store is not None:
+            if self.store.url.embedded:
+                remove_collector_info(self.store.url.path)
+            self.store.close()
+
+    def run_until_signalled(self) -> None:
+        """Run until SIGTERM or SIGINT, then stop cleanly (nothing accepted is lost)."""
+        done = threading.Event()
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("received %s: draining and stopping", signal.Signals(signum).name)
+            done.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not done.wait(1.0):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def wait_for_rows(self, table: str, at_least: int, timeout_s: float) -> int:
+        """Block until `table` holds at least `at_least` rows (for the demo and tests)."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout_s
+        count = 0
+        while time.monotonic() < deadline:
+            count = int(self.store.query(f"SELECT count() FROM `{table}`").result_rows[0][0])
+            if count >= at_least:
+                break
+            time.sleep(0.2)
+        return count

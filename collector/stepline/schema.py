@@ -1,0 +1,233 @@
+"""The timeline's DDL: one definition per table, rendered for one node or for a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bump when a table changes shape; `Store` refuses a store that holds a newer version.
+SCHEMA_VERSION = 1
+
+TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
+DIM = "LowCardinality(String)"
+COUNTER = "UInt64 CODEC(Delta, ZSTD(1))"
+GAUGE = "Float64 CODEC(Gorilla, ZSTD(1))"
+SMALL_GAUGE = "Float32 CODEC(Gorilla, ZSTD(1))"
+COUNT = "UInt32 CODEC(T64, ZSTD(1))"
+SAMPLES = "Array(Float32) CODEC(ZSTD(1))"
+
+
+@dataclass(frozen=True)
+class Table:
+    """One timeline table: its columns (name, type) and its sorting key."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]
+    order_by: tuple[str, ...]
+    comment: str
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.columns)
+
+
+KEY = (("ts", TIME), ("host", DIM), ("engine", DIM))
+
+TABLES: tuple[Table, ...] = (
+    Table(
+        "steps",
+        (
+            *KEY,
+            ("engine_index", "UInt16"),
+            ("model_name", DIM),
+            ("step", COUNTER),
+            ("elapsed_ms", SMALL_GAUGE),
+            ("num_ctx_requests", COUNT),
+            ("num_ctx_tokens", COUNT),
+            ("num_generation_requests", COUNT),
+            ("num_generation_tokens", COUNT),
+            ("running", COUNT),
+            ("waiting", COUNT),
+            ("skipped_waiting", COUNT),
+            ("kv_cache_usage", SMALL_GAUGE),
+            ("prefix_cache_queries", COUNT),
+            ("prefix_cache_hits", COUNT),
+            ("preempted", COUNT),
+            ("spec_num_drafts", COUNT),
+            ("spec_num_draft_tokens", COUNT),
+            ("spec_num_accepted_tokens", COUNT),
+            ("ttft_seconds", SAMPLES),
+            ("itl_seconds", SAMPLES),
+            ("is_dummy", "Bool"),
+        ),
+        ("host", "engine", "engine_index", "ts", "step"),
+        "One row per engine iteration, from the stat-logger plugin.",
+    ),
+    Table(
+        "requests",
+        (
+            *KEY,
+            ("engine_index", "UInt16"),
+            ("model_name", DIM),
+            ("request_id", "String"),
+            ("source", DIM),
+            ("finish_reason", DIM),
+            ("arrival_ts", TIME),
+            ("queue_seconds", SMALL_GAUGE),
+            ("prefill_seconds", SMALL_GAUGE),
+            ("decode_seconds", SMALL_GAUGE),
+            ("inference_seconds", SMALL_GAUGE),
+            ("e2e_seconds", SMALL_GAUGE),
+            ("ttft_seconds", SMALL_GAUGE),
+            ("mean_tpot_seconds", SMALL_GAUGE),
+            ("prompt_tokens", COUNT),
+            ("cached_tokens", COUNT),
+            ("generation_tokens", COUNT),
+            ("max_tokens", COUNT),
+            ("preemptions", COUNT),
+        ),
+        ("host", "engine", "ts", "request_id", "source"),
+        "One row per finished request (ts = finish time), from the plugin and/or OTLP spans.",
+    ),
+    Table(
+        "engine_samples",
+        (
+            *KEY,
+            ("engine_index", DIM),
+            ("model_name", DIM),
+            ("metric", DIM),
+            ("kind", "Enum8('counter' = 1, 'gauge' = 2, 'bucket' = 3, 'sum' = 4, 'count' = 5, 'info' = 6)"),
+            ("labels", "Map(LowCardinality(String), String)"),
+            ("value", GAUGE),
+            ("delta", GAUGE),
+        ),
+        ("host", "engine", "metric", "ts"),
+        "Every vllm: sample scraped from /metrics; delta is the reset-safe increase for counter kinds.",
+    ),
+    Table(
+        "gpu_samples",
+        (
+            *KEY,
+            ("gpu_index", "UInt8"),
+            ("gpu_uuid", DIM),
+            ("gpu_name", DIM),
+            ("sm_clock_mhz", SMALL_GAUGE),
+            ("mem_clock_mhz", SMALL_GAUGE),
+            ("power_w", SMALL_GAUGE),
+            ("energy_mj", COUNTER),
+            ("temp_gpu_c", SMALL_GAUGE),
+            ("temp_mem_c", SMALL_GAUGE),
+            ("util_gpu_pct", SMALL_GAUGE),
+            ("util_mem_copy_pct", SMALL_GAUGE),
+            ("mem_used_bytes", COUNTER),
+            ("mem_total_bytes", COUNTER),
+            ("pcie_tx_bytes_per_s", GAUGE),
+            ("pcie_rx_bytes_per_s", GAUGE),
+            ("pcie_replay_total", COUNTER),
+            ("nvlink_tx_bytes_per_s", GAUGE),
+            ("nvlink_rx_bytes_per_s", GAUGE),
+            ("clock_event_reasons", "UInt64"),
+            ("dram_bw_util_pct", SMALL_GAUGE),
+            ("tensor_active_pct", SMALL_GAUGE),
+            ("sm_occupancy_pct", SMALL_GAUGE),
+        ),
+        ("host", "gpu_index", "ts"),
+        "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported.",
+    ),
+    Table(
+        "host_samples",
+        (
+            *KEY,
+            ("scope", "Enum8('host' = 1, 'process' = 2)"),
+            ("pid", "UInt32"),
+            ("cpu_pct", SMALL_GAUGE),
+            ("cpu_per_core_pct", SAMPLES),
+            ("load1", SMALL_GAUGE),
+            ("mem_used_bytes", COUNTER),
+            ("mem_available_bytes", COUNTER),
+            ("swap_used_bytes", COUNTER),
+            ("rss_bytes", COUNTER),
+            ("threads", COUNT),
+            ("open_files", COUNT),
+            ("net_rx_bytes", "Map(LowCardinality(String), UInt64)"),
+            ("net_tx_bytes", "Map(LowCardinality(String), UInt64)"),
+            ("net_errors", "Map(LowCardinality(String), UInt64)"),
+            ("disk_read_bytes", COUNTER),
+            ("disk_write_bytes", COUNTER),
+        ),
+        ("host", "scope", "engine", "ts"),
+        "psutil samples: one host row, and one process row per engine process found.",
+    ),
+    Table(
+        "events",
+        (
+            *KEY,
+            ("source", DIM),
+            ("kind", DIM),
+            ("severity", "Enum8('info' = 1, 'warning' = 2, 'critical' = 3)"),
+            ("message", "String"),
+            ("attributes", "Map(LowCardinality(String), String)"),
+        ),
+        ("host", "engine", "ts", "kind"),
+        "Discrete happenings: engine up/down/restart, configuration seen, source errors, drops, XIDs.",
+    ),
+)
+
+TABLE_BY_NAME = {table.name: table for table in TABLES}
+
+
+def _columns_sql(table: Table) -> str:
+    return ",\n".join(f"    `{name}` {type_}" for name, type_ in table.columns)
+
+
+def _storage_sql(table: Table, retention_days: int) -> str:
+    return (
+        f"PARTITION BY toDate(ts)\n"
+        f"ORDER BY ({', '.join(table.order_by)})\n"
+        f"TTL toDateTime(ts) + INTERVAL {retention_days} DAY\n"
+        # Whole-day parts expire at once: cheap, and no partial rewrites of old parts.
+        # The deduplication window makes retried inserts with the same token idempotent.
+        "SETTINGS ttl_only_drop_parts = 1, non_replicated_deduplication_window = 1000\n"
+        f"COMMENT {_quote(table.comment)}"
+    )
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[str]:
+    """The statements that create the store: database, tables, and the schema-version table."""
+    if retention_days < 1:
+        raise ValueError(f"retention must be at least 1 day, got {retention_days}")
+    on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
+    statements = [f"CREATE DATABASE IF NOT EXISTS `{database}`{on_cluster}"]
+    for table in TABLES:
+        if cluster is None:
+            statements.append(
+                f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}`\n(\n{_columns_sql(table)}\n)\n"
+                f"ENGINE = MergeTree\n{_storage_sql(table, retention_days)}"
+            )
+            continue
+        local = f"{table.name}_local"
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on_cluster}\n(\n{_columns_sql(table)}\n)\n"
+            f"ENGINE = ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}')\n"
+            f"{_storage_sql(table, retention_days)}"
+        )
+        # Shard by (host, engine) so one engine's timeline stays on one shard.
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}`{on_cluster}\n"
+            f"AS `{database}`.`{local}`\n"
+            f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local}`, cityHash64(host, engine))"
+        )
+    version_engine = (
+        f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/schema_version', '{{replica}}')"
+        if cluster
+        else "MergeTree"
+    )
+    statements.append(
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`schema_version`{on_cluster}\n"
+        "(\n    `version` UInt32,\n    `applied_at` DateTime64(6, 'UTC')\n)\n"
+        f"ENGINE = {version_engine}\nORDER BY version"
+    )
+    return statements

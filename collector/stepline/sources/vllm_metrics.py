@@ -1,0 +1,213 @@
+"""Source: a vLLM engine's /metrics, every `vllm:` sample into `engine_samples`."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn
+from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepline.rows import EngineSample, Event, micros
+from stepline.sources.base import Emit, SourceContext, SourceError
+
+PREFIX = "vllm:"
+MAX_EXPOSITION_BYTES = 16 << 20
+# Labels every vLLM series carries; they get columns of their own, the rest go to `labels`.
+IDENTITY_LABELS = ("model_name", "engine")
+COUNTER_KINDS = frozenset({"counter", "bucket", "sum", "count"})
+
+Fetch = Callable[[str, float], tuple[str, bytes]]
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class ExpositionError(ValueError):
+    """The text is not a Prometheus exposition of a vLLM engine."""
+
+
+def http_fetch(url: str, timeout_s: float) -> tuple[str, bytes]:
+    """GET url; returns (content type, body), refusing bodies over MAX_EXPOSITION_BYTES."""
+    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        body = response.read(MAX_EXPOSITION_BYTES + 1)
+        if len(body) > MAX_EXPOSITION_BYTES:
+            raise SourceError(f"{url} answered with more than {MAX_EXPOSITION_BYTES >> 20} MiB")
+        return str(response.headers.get("Content-Type", "")), body
+
+
+@dataclass(frozen=True)
+class ParsedSample:
+    """One sample of the exposition, classified."""
+
+    metric: str
+    kind: str
+    labels: dict[str, str]
+    value: float
+
+
+def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
+    """The `vllm:` samples of an exposition, and the process start time when it is exported.
+
+    `_created` samples are dropped: they restate when a series was born and carry no load.
+    """
+    samples: list[ParsedSample] = []
+    start_time: float | None = None
+    families = 0
+    try:
+        for family in text_string_to_metric_families(text):
+            families += 1
+            if family.name == "process_start_time_seconds" and family.samples:
+                start_time = family.samples[0].value
+            if not family.name.startswith(PREFIX):
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                samples.append(ParsedSample(sample.name, _kind(family.type, sample.name), dict(sample.labels),
+                                            float(sample.value)))
+    except ValueError as exc:
+        raise ExpositionError(f"not a Prometheus exposition ({' '.join(str(exc).split())[:120]})") from None
+    if not samples:
+        raise ExpositionError(
+            f"no {PREFIX} metrics among {families} families: is this a vLLM server's /metrics?"
+        )
+    return samples, start_time
+
+
+def _kind(family_type: str, sample_name: str) -> str:
+    if family_type == "histogram":
+        for suffix in ("bucket", "sum", "count"):
+            if sample_name.endswith(f"_{suffix}"):
+                return suffix
+    if family_type == "counter":
+        return "counter"
+    if family_type == "info" or sample_name.endswith("_info"):
+        return "info"
+    return "gauge"
+
+
+@dataclass
+class _EngineState:
+    last: dict[SeriesKey, float] = field(default_factory=dict)
+    start_time: float | None = None
+    up: bool | None = None
+
+
+class VllmMetricsSource:
+    """Scrapes one engine; counters become reset-safe deltas, up/down/restart become events."""
+
+    def __init__(self, url: str, ctx: SourceContext, *, engine: str | None = None, timeout_s: float = 3.0,
+                 fetch: Fetch = http_fetch) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL {url!r} must be http(s)://host:port")
+        if not parts.path or parts.path == "/":
+            url = url.rstrip("/") + "/metrics"
+        self.url = url
+        self.engine = engine or f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        self._ctx = ctx
+        self._timeout_s = timeout_s
+        self._fetch = fetch
+        self._state = _EngineState()
+
+    @property
+    def name(self) -> str:
+        return f"vllm_metrics:{self.engine}"
+
+    def poll(self, emit: Emit) -> None:
+        """Scrape the engine once."""
+        try:
+            content_type, body = self._fetch(self.url, self._timeout_s)
+        except (urllib.error.URLError, OSError, SourceError) as exc:
+            self._down(emit, f"engine {self.engine} unreachable at {self.url}: {_reason(exc)}")
+        else:
+            self.ingest(body, self._ctx.clock.time(), emit, content_type)
+
+    def ingest(self, body: bytes, ts: float, emit: Emit, content_type: str = "text/plain") -> None:
+        """Turn one exposition taken at `ts` into rows (also the entry point of fast replay)."""
+        if "html" in content_type.lower():
+            self._down(emit, f"engine {self.engine} answered {self.url} with {content_type}, not Prometheus text")
+        try:
+            samples, start_time = parse_exposition(body.decode("utf-8", errors="replace"))
+        except ExpositionError as exc:
+            self._down(emit, f"engine {self.engine} at {self.url}: {exc}")
+        rows = self._rows(samples, start_time, ts, emit)
+        if self._state.up is not True:
+            self._state.up = True
+            emit([self._event(ts, "engine_up", "info", f"engine {self.engine} answers at {self.url}")])
+        emit(rows)
+
+    def _rows(self, samples: list[ParsedSample], start_time: float | None, ts: float, emit: Emit
+              ) -> list[EngineSample]:
+        state = self._state
+        last = state.last
+        restarted = start_time is not None and state.start_time is not None and start_time != state.start_time
+        if not restarted and last:
+            restarted = any(
+                s.kind in COUNTER_KINDS and s.value < last.get(_key(s), -math.inf) for s in samples
+            )
+        if restarted:
+            emit([self._event(ts, "engine_restart", "warning",
+                              f"engine {self.engine} restarted: its counters started again from zero")])
+        # A series first seen after an earlier scrape of this engine was born between the two scrapes:
+        # all of its value is new. On the collector's first scrape nothing is known of the past.
+        born_between = bool(last)
+        current: dict[SeriesKey, float] = {}
+        rows: list[EngineSample] = []
+        # A few families (cache_config_info, admission_rejections) lack model_name: one server serves one model.
+        model = next((s.labels["model_name"] for s in samples if "model_name" in s.labels), "")
+        host, engine, stamp = self._ctx.host, self.engine, micros(ts)
+        for s in samples:
+            key = _key(s)
+            current[key] = s.value
+            delta = 0.0
+            if s.kind in COUNTER_KINDS:
+                previous = None if restarted else last.get(key)
+                if previous is None:
+                    delta = s.value if (born_between or restarted) else 0.0
+                else:
+                    delta = s.value - previous if s.value >= previous else s.value
+            labels = {k: v for k, v in s.labels.items() if k not in IDENTITY_LABELS}
+            rows.append(EngineSample(stamp, host, engine, s.labels.get("engine", ""), s.labels.get("model_name", model),
+                                     s.metric, s.kind, labels, s.value, delta))
+        state.last = current
+        state.start_time = start_time
+        return rows
+
+    def _down(self, emit: Emit, message: str) -> NoReturn:
+        if self._state.up is not False:
+            self._state.up = False
+            emit([self._event(self._ctx.clock.time(), "engine_down", "critical", message)])
+        raise SourceError(message)
+
+    def _event(self, ts: float, kind: str, severity: str, message: str) -> Event:
+        return Event(micros(ts), self._ctx.host, self.engine, "vllm_metrics", kind, severity, message,
+                     {"url": self.url})
+
+
+def _key(sample: ParsedSample) -> SeriesKey:
+    return sample.metric, tuple(sorted(sample.labels.items()))
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def build(ctx: SourceContext, engines: tuple[str, ...], timeout_s: float) -> list[VllmMetricsSource]:
+    """One source per `--engine`, each `URL` or `NAME=URL`."""
+    sources = []
+    for spec in engines:
+        name, sep, url = spec.partition("=")
+        if sep and "://" not in name:
+            sources.append(VllmMetricsSource(url, ctx, engine=name, timeout_s=timeout_s))
+        else:
+            sources.append(VllmMetricsSource(spec, ctx, timeout_s=timeout_s))
+    return sources

@@ -1,0 +1,247 @@
+"""The store: one class over clickhouse-connect, embedded (chDB) or a ClickHouse server."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.query import QueryResult
+
+from stepline import schema
+from stepline.storeurl import StoreUrl, parse_store_url
+
+log = logging.getLogger(__name__)
+
+# Written by a running collector next to the embedded store, so that the CLI finds its query endpoint.
+COLLECTOR_FILE = "stepline-collector.json"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used; the message is one line naming the problem."""
+
+
+class StoreLocked(StoreError):
+    """Another process holds the embedded store."""
+
+    def __init__(self, message: str, holder: CollectorInfo | None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+@dataclass(frozen=True)
+class CollectorInfo:
+    """What a running collector announces about itself next to its embedded store."""
+
+    pid: int
+    query_url: str
+    metrics_url: str
+    password_required: bool
+
+
+def read_collector_info(store_dir: str) -> CollectorInfo | None:
+    """The announcement of the collector holding `store_dir`, if one is there and readable."""
+    try:
+        with open(os.path.join(store_dir, COLLECTOR_FILE), encoding="utf-8") as fh:
+            raw = json.load(fh)
+        return CollectorInfo(int(raw["pid"]), str(raw["query_url"]), str(raw.get("metrics_url", "")),
+                             bool(raw.get("password_required")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable %s in %s: %s", COLLECTOR_FILE, store_dir, exc)
+        return None
+
+
+def write_collector_info(store_dir: str, info: CollectorInfo) -> None:
+    """Announce a collector's query endpoint (atomically: readers never see half a file)."""
+    tmp = os.path.join(store_dir, f".{COLLECTOR_FILE}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(dataclasses.asdict(info), fh)
+    os.replace(tmp, os.path.join(store_dir, COLLECTOR_FILE))
+
+
+def remove_collector_info(store_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(store_dir, COLLECTOR_FILE))
+
+
+def embedded_store_locked(store_dir: str) -> bool:
+    """Whether another process has the embedded ClickHouse at `store_dir` open.
+
+    ClickHouse holds an exclusive flock on `status` for as long as its engine runs; probing it
+    tells "busy" apart from every other failure before chDB prints its own noise.
+    """
+    status = os.path.join(store_dir, "status")
+    if _open_in_this_process(status):
+        return False  # chDB shares its engine within a process: this process may open it again
+    try:
+        fd = os.open(status, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _open_in_this_process(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == real:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300]
+
+
+class Store:
+    """The timeline store: creates its schema, inserts rows, answers SQL."""
+
+    def __init__(self, url: StoreUrl, client: Client) -> None:
+        self.url = url
+        self.client = client
+        self.database = url.database
+
+    @classmethod
+    def open(cls, url: str | StoreUrl, *, connect_timeout_s: float = 5.0) -> Store:
+        """Connect to the store at `url`; raise StoreError with one clear line when that fails."""
+        parsed = parse_store_url(url) if isinstance(url, str) else url
+        if parsed.embedded:
+            client = _open_embedded(parsed)
+        else:
+            try:
+                client = clickhouse_connect.get_client(
+                    interface=parsed.scheme,
+                    host=parsed.host,
+                    port=parsed.port,
+                    username=parsed.username,
+                    password=parsed.password,
+                    connect_timeout=connect_timeout_s,
+                    send_receive_timeout=60,
+                    autogenerate_session_id=False,
+                )
+            except Exception as exc:  # any transport or server failure reads the same to the user
+                raise StoreError(f"cannot reach the store at {parsed.redacted()}: {_one_line(exc)}") from None
+        return cls(parsed, client)
+
+    def ensure_schema(self, retention_days: int) -> None:
+        """Create database and tables if missing (idempotent); refuse a store of a newer schema."""
+        statements = schema.ddl(self.database, retention_days)
+        try:
+            self.client.command(statements[0])
+            self.client.command(statements[-1])  # schema_version first: check before touching tables
+            found = self.schema_version()
+            if found > schema.SCHEMA_VERSION:
+                raise StoreError(
+                    f"the store at {self.url.redacted()} holds schema version {found}, newer than this "
+                    f"stepline's {schema.SCHEMA_VERSION}: upgrade stepline"
+                )
+            for statement in statements[1:-1]:
+                self.client.command(statement)
+            self._apply_retention(retention_days)
+            if found < schema.SCHEMA_VERSION:
+                self.client.insert(
+                    f"`{self.database}`.`schema_version`",
+                    [[schema.SCHEMA_VERSION, round(time.time() * 1_000_000)]],
+                    column_names=["version", "applied_at"],
+                )
+        except ClickHouseError as exc:
+            raise StoreError(f"cannot create the schema in {self.url.redacted()}: {_one_line(exc)}") from None
+
+    def schema_version(self) -> int:
+        """The newest schema version recorded in the store (0 for a new store)."""
+        rows = self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`").result_rows
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+    def _apply_retention(self, retention_days: int) -> None:
+        rows = self.client.query(
+            "SELECT name, engine_full FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database},
+        ).result_rows
+        for name, engine_full in rows:
+            if name not in schema.TABLE_BY_NAME:
+                continue
+            # The server shows the TTL as written or normalised to toIntervalDay(N), by version.
+            match = re.search(r"TTL .*?(?:toIntervalDay\((\d+)\)|INTERVAL (\d+) DAY)", engine_full)
+            if match and int(match.group(1) or match.group(2)) == retention_days:
+                continue
+            log.info("setting retention of %s to %d days", name, retention_days)
+            self.client.command(
+                f"ALTER TABLE `{self.database}`.`{name}` MODIFY TTL toDateTime(ts) + INTERVAL {retention_days} DAY"
+            )
+
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
+        """Insert rows into one table; raises ClickHouseError (or a transport error) on failure."""
+        self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names))
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+        """Run a query in the store's database."""
+        return self.client.query(sql, parameters=parameters)
+
+    def raw(self, sql: str, fmt: str, parameters: dict[str, Any] | None = None) -> bytes:
+        """Run a query and return its output in a ClickHouse format (CSV, JSON, ...)."""
+        return self.client.raw_query(sql, parameters=parameters, fmt=fmt)
+
+    def reader(self) -> Client:
+        """A second client on the same store, so readers never queue behind the writers' inserts."""
+        if self.url.embedded:
+            # chDB shares one engine per path within a process: this handle joins it, no new lock.
+            return clickhouse_connect.get_client(dsn=f"chdb://{self.url.path}", database=self.database)
+        return clickhouse_connect.get_client(
+            interface=self.url.scheme, host=self.url.host, port=self.url.port, username=self.url.username,
+            password=self.url.password, database=self.database, autogenerate_session_id=False,
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _open_embedded(url: StoreUrl) -> Client:
+    if os.path.exists(url.path) and not os.path.isdir(url.path):
+        raise StoreError(f"the embedded store {url.path} is a file, not a directory")
+    if embedded_store_locked(url.path):
+        holder = read_collector_info(url.path)
+        where = f" (collector pid {holder.pid}, query endpoint {holder.query_url})" if holder else ""
+        raise StoreLocked(
+            f"the embedded store {url.path} is in use by another process{where}: "
+            "query it through that collector, or stop it first",
+            holder,
+        )
+    try:
+        os.makedirs(url.path, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create the embedded store directory {url.path}: {exc.strerror}") from None
+    try:
+        client = clickhouse_connect.get_client(dsn=f"chdb://{url.path}")
+    except Exception as exc:  # chDB reports every start-up failure through its own exception types
+        raise StoreError(f"cannot open the embedded store {url.path}: {_one_line(exc)}") from None
+    client.command(f"CREATE DATABASE IF NOT EXISTS `{url.database}`")
+    client.database = url.database
+    return client

@@ -1,0 +1,86 @@
+"""Store URLs: `chdb:///path` (embedded ClickHouse) or `http(s)://user:pass@host:port/db` (a server)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+DEFAULT_DATABASE = "stepline"
+DEFAULT_STORE_DIR = "stepline-data"
+
+
+class StoreUrlError(ValueError):
+    """A store URL that stepline cannot use."""
+
+
+@dataclass(frozen=True)
+class StoreUrl:
+    """A parsed store URL; `path` is set for chdb, host/port for http(s)."""
+
+    scheme: str
+    database: str
+    path: str = ""
+    host: str = ""
+    port: int = 0
+    username: str = "default"
+    password: str = ""
+
+    @property
+    def embedded(self) -> bool:
+        return self.scheme == "chdb"
+
+    def redacted(self) -> str:
+        """The URL as it may be printed: never with its password."""
+        if self.embedded:
+            return f"chdb://{self.path}"
+        user = f"{self.username}@" if self.username != "default" else ""
+        return f"{self.scheme}://{user}{self.host}:{self.port}/{self.database}"
+
+
+def default_store_url() -> str:
+    """`$STEPLINE_STORE`, else an embedded store in ./stepline-data."""
+    return os.environ.get("STEPLINE_STORE") or f"chdb://{os.path.abspath(DEFAULT_STORE_DIR)}"
+
+
+def parse_store_url(text: str) -> StoreUrl:
+    """Parse a store URL, or raise StoreUrlError naming what is wrong with it."""
+    text = text.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise StoreUrlError(
+            f"store URL {text!r} has no scheme: use chdb:///path/to/dir or http(s)://host:8123/database"
+        )
+    scheme = scheme.lower()
+    if scheme == "chdb":
+        path_part, _, query = rest.partition("?")
+        if not path_part:
+            raise StoreUrlError(f"store URL {text!r} names no directory: use chdb:///path/to/dir")
+        database = parse_qs(query).get("database", [DEFAULT_DATABASE])[0]
+        return StoreUrl("chdb", _identifier(database, text), path=os.path.abspath(unquote(path_part)))
+    if scheme in ("http", "https"):
+        parts = urlsplit(text)
+        if not parts.hostname:
+            raise StoreUrlError(f"store URL {text!r} names no host")
+        try:
+            port = parts.port or (8443 if scheme == "https" else 8123)
+        except ValueError as exc:
+            raise StoreUrlError(f"store URL {text!r} has a bad port: {exc}") from None
+        database = unquote(parts.path.strip("/")) or DEFAULT_DATABASE
+        return StoreUrl(
+            scheme,
+            _identifier(database, text),
+            host=parts.hostname,
+            port=port,
+            username=unquote(parts.username or "default"),
+            password=unquote(parts.password or ""),
+        )
+    raise StoreUrlError(
+        f"store URL {text!r} has scheme {scheme!r}: stepline knows chdb:// (embedded) and http(s):// (server)"
+    )
+
+
+def _identifier(database: str, text: str) -> str:
+    if not database or not all(ch.isalnum() or ch == "_" for ch in database):
+        raise StoreUrlError(f"store URL {text!r}: database name {database!r} must be letters, digits or _")
+    return database

@@ -1,0 +1,54 @@
+"""Shared fixtures: one embedded ClickHouse per test session, a fresh database per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import clickhouse_connect
+import pytest
+from clickhouse_connect.driver.client import Client
+
+from stepline.store import Store
+
+# A copy of the exposition captured from vLLM 0.33.0 (shared/fixtures in the design repo).
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VLLM_METRICS_FIXTURE = FIXTURES / "vllm-0.33.0-metrics.txt"
+
+
+@pytest.fixture(scope="session")
+def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's embedded store directory.
+
+    chDB hosts one engine path per process, and starting it costs about half a second: one
+    anchor client keeps it up for the whole session, and tests isolate themselves by database.
+    """
+    path = tmp_path_factory.mktemp("chdb")
+    anchor = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+    yield path
+    anchor.close()
+
+
+@pytest.fixture
+def store_url(chdb_dir: Path) -> str:
+    """A store URL with a database of its own."""
+    return f"chdb://{chdb_dir}?database=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    """An open store with the schema created."""
+    s = Store.open(store_url)
+    s.ensure_schema(30)
+    yield s
+    s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
+    s.close()
+
+
+@pytest.fixture
+def chdb_client(chdb_dir: Path) -> Iterator[Client]:
+    """A raw clickhouse-connect client on the session's embedded engine."""
+    client = clickhouse_connect.get_client(dsn=f"chdb://{chdb_dir}")
+    yield client
+    client.close()

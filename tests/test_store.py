@@ -1,0 +1,157 @@
+"""The store: schema creation, version guard, retention, cluster DDL, URLs and clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from stepline import schema
+from stepline.rows import micros
+from stepline.store import Store, StoreError, StoreLocked, embedded_store_locked
+from stepline.storeurl import StoreUrlError, parse_store_url
+
+
+def _tables(store: Store) -> set[str]:
+    rows = store.query("SELECT name FROM system.tables WHERE database = {db:String}",
+                       parameters={"db": store.database}).result_rows
+    return {r[0] for r in rows}
+
+
+def test_schema_creates_every_table_and_is_idempotent(store: Store) -> None:
+    expected = {t.name for t in schema.TABLES} | {"schema_version"}
+    assert _tables(store) == expected
+    store.insert("events", [[micros(time.time()), "h", "e", "test", "k", "info", "m", {}]],
+                 schema.TABLE_BY_NAME["events"].column_names)
+    store.ensure_schema(30)
+    store.ensure_schema(30)
+    assert _tables(store) == expected
+    assert store.query("SELECT count() FROM schema_version").result_rows[0][0] == 1
+    assert store.query("SELECT count() FROM events").result_rows[0][0] == 1
+    assert store.schema_version() == schema.SCHEMA_VERSION
+
+
+def test_tables_follow_the_timeline_conventions(store: Store) -> None:
+    rows = store.query(
+        "SELECT name, partition_key, sorting_key, engine_full FROM system.tables "
+        "WHERE database = {db:String} AND name != 'schema_version'", parameters={"db": store.database}
+    ).result_rows
+    for name, partition_key, sorting_key, engine_full in rows:
+        assert partition_key == "toDate(ts)", name
+        assert sorting_key.startswith("host"), name
+        assert "ttl_only_drop_parts = 1" in engine_full, name
+    types = dict(store.query(
+        "SELECT concat(table, '.', name), type FROM system.columns WHERE database = {db:String}",
+        parameters={"db": store.database}).result_rows)
+    for table in schema.TABLES:
+        assert types[f"{table.name}.ts"] == "DateTime64(6, 'UTC')"
+        assert types[f"{table.name}.host"] == "LowCardinality(String)"
+        assert types[f"{table.name}.engine"] == "LowCardinality(String)"
+
+
+def test_retention_change_rewrites_the_ttl(store: Store) -> None:
+    store.ensure_schema(7)
+    engine_full = store.query(
+        "SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = 'steps'",
+        parameters={"db": store.database}).result_rows[0][0]
+    assert "toIntervalDay(7)" in engine_full or "INTERVAL 7 DAY" in engine_full
+
+
+def test_a_store_of_a_newer_schema_is_refused(store: Store) -> None:
+    store.insert("schema_version", [[schema.SCHEMA_VERSION + 1, 0]], ["version", "applied_at"])
+    with pytest.raises(StoreError, match=rf"schema version {schema.SCHEMA_VERSION + 1}, newer .* upgrade stepline"):
+        store.ensure_schema(30)
+
+
+@pytest.mark.parametrize("cluster", [None, "fleet"])
+def test_every_ddl_statement_parses_with_clickhouse_own_parser(store: Store, cluster: str | None) -> None:
+    statements = schema.ddl("stepline", 30, cluster=cluster)
+    for statement in statements:
+        formatted = store.query("SELECT formatQuery({q:String})", parameters={"q": statement}).result_rows[0][0]
+        assert formatted.startswith("CREATE")
+    text = "\n".join(statements)
+    if cluster:
+        assert text.count("ON CLUSTER `fleet`") == len(statements)
+        assert text.count("ENGINE = Distributed(`fleet`") == len(schema.TABLES)
+        assert text.count("ReplicatedMergeTree(") == len(schema.TABLES) + 1
+    else:
+        assert "ON CLUSTER" not in text and "Replicated" not in text
+
+
+def test_retention_below_one_day_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1 day"):
+        schema.ddl("stepline", 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("mysql://host/db", "scheme 'mysql'"),
+        ("/var/lib/stepline", "has no scheme"),
+        ("chdb://", "names no directory"),
+        ("http://:8123/db", "names no host"),
+        ("http://host:99999/db", "bad port"),
+        ("http://host:8123/bad-name", "letters, digits or _"),
+    ],
+)
+def test_bad_store_urls_get_one_clear_line(text: str, fragment: str) -> None:
+    with pytest.raises(StoreUrlError) as info:
+        parse_store_url(text)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_store_urls_parse() -> None:
+    embedded = parse_store_url("chdb:///var/lib/stepline?database=prod")
+    assert (embedded.scheme, embedded.path, embedded.database) == ("chdb", "/var/lib/stepline", "prod")
+    server = parse_store_url("https://reader:s%40cret@ch.internal:8443/timeline")
+    assert (server.host, server.port, server.username, server.password, server.database) == (
+        "ch.internal", 8443, "reader", "s@cret", "timeline")
+    assert "s@cret" not in server.redacted()
+    assert parse_store_url("http://ch").port == 8123
+    assert parse_store_url("chdb://relative/dir").path == os.path.abspath("relative/dir")
+
+
+def test_an_unreachable_server_is_one_line() -> None:
+    with pytest.raises(StoreError) as info:
+        Store.open("http://127.0.0.1:9/stepline", connect_timeout_s=1.0)
+    assert str(info.value).startswith("cannot reach the store at http://127.0.0.1:9/stepline")
+    assert "\n" not in str(info.value)
+
+
+def test_an_embedded_store_held_by_another_process_is_reported(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time, clickhouse_connect
+            c = clickhouse_connect.get_client(dsn="chdb://{tmp_path}")
+            print("open", flush=True)
+            sys.stdin.readline()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        assert embedded_store_locked(str(tmp_path))
+        started = time.monotonic()
+        with pytest.raises(StoreLocked) as info:
+            Store.open(f"chdb://{tmp_path}")
+        assert "is in use by another process" in str(info.value)
+        assert "\n" not in str(info.value)
+        assert time.monotonic() - started < 5
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+    assert not embedded_store_locked(str(tmp_path))
+
+
+def test_the_store_directory_may_not_be_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "not-a-dir"
+    target.write_text("x")
+    with pytest.raises(StoreError, match="is a file, not a directory"):
+        Store.open(f"chdb://{target}")

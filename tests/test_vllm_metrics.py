@@ -65,7 +65,8 @@ def test_fixture_parses_to_exact_values() -> None:
     info = [s for s in samples if s.metric == "vllm:cache_config_info"]
     assert len(info) == 1 and info[0].kind == "info" and info[0].labels["num_gpu_blocks"] == "48213"
     # The histogram whose name ends in _total keeps its name and its kinds.
-    assert {s.kind for s in samples if s.metric.startswith("vllm:iteration_tokens_total_")} == {"bucket", "sum", "count"}
+    iteration = {s.kind for s in samples if s.metric.startswith("vllm:iteration_tokens_total_")}
+    assert iteration == {"bucket", "sum", "count"}
     assert not any(s.metric.endswith("_created") for s in samples)
     assert not any(not s.metric.startswith("vllm:") for s in samples)
     assert len(samples) == 399 - 44  # every vllm: line but the _created ones

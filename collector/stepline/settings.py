@@ -29,7 +29,7 @@ class Settings:
     query_port: int = 8124
     query_password: str | None = field(default=None, repr=False)
     scrape_interval_s: float = 5.0
-    scrape_timeout_s: float = 3.0
+    scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
     disabled_sources: frozenset[str] = frozenset()
     writer_max_rows: int = 200_000
     writer_batch_rows: int = 20_000
@@ -76,11 +76,12 @@ class Settings:
             if self.listen != "localhost":
                 raise SettingsError(f"listen address {self.listen!r} is not an IP address") from None
         for name in ("scrape_interval_s", "scrape_timeout_s", "flush_interval_s"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.scrape_timeout_s > self.scrape_interval_s:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SettingsError(f"{name} must be positive, got {value}")
+        if self.scrape_timeout > self.scrape_interval_s:
             raise SettingsError(
-                f"scrape timeout {self.scrape_timeout_s} s exceeds the scrape interval {self.scrape_interval_s} s"
+                f"scrape timeout {self.scrape_timeout} s exceeds the scrape interval {self.scrape_interval_s} s"
             )
         if not 1 <= self.writer_batch_rows <= self.writer_max_rows:
             raise SettingsError(
@@ -92,6 +93,11 @@ class Settings:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"engine {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
         return self
+
+    @property
+    def scrape_timeout(self) -> float:
+        """Seconds one scrape may take: never more than the interval, so scrapes cannot pile up."""
+        return self.scrape_timeout_s if self.scrape_timeout_s is not None else min(3.0, self.scrape_interval_s)
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes).validated()

@@ -22,7 +22,7 @@ class SourceSpec:
 
 
 def _vllm_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
-    return list(vllm_metrics.build(ctx, settings.engines, settings.scrape_timeout_s))
+    return list(vllm_metrics.build(ctx, settings.engines, settings.scrape_timeout))
 
 
 REGISTRY: tuple[SourceSpec, ...] = (

@@ -1,0 +1,117 @@
+"""`stepline demo`: a simulated engine under the burst workload, collected into the embedded store."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from stepline import summary
+from stepline.collector import Collector
+from stepline.settings import Settings
+from stepline.sim import server as sim_server
+from stepline.sim.replay import replay
+from stepline.sim.workloads import WORKLOAD_NAMES, Workload, make_workload
+from stepline.sources.base import SourceContext
+from stepline.sources.vllm_metrics import VllmMetricsSource
+from stepline.store import Store
+from stepline.storeurl import default_store_url
+
+log = logging.getLogger(__name__)
+
+ENGINE = "sim"
+REALTIME_DURATION_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", help="store URL (default: $STEPLINE_STORE, else chdb://./stepline-data)")
+    parser.add_argument("--fast", action="store_true",
+                        help="replay the full 10-minute burst on a virtual clock in seconds, stamped as if it "
+                             "had just happened, instead of about a minute in real time")
+    parser.add_argument("--workload", choices=WORKLOAD_NAMES, default="burst", help="what traffic to simulate")
+    parser.add_argument("--duration", type=float, metavar="SECONDS",
+                        help=f"workload length (default: {REALTIME_DURATION_S:.0f} s in real time, "
+                             "the workload's nominal length with --fast)")
+    parser.add_argument("--scrape-interval", type=float, metavar="SECONDS",
+                        help="scrape interval (default 1 s in real time, 5 s with --fast)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the process exit code."""
+    store_url = args.store or default_store_url()
+    if args.fast:
+        interval = args.scrape_interval or 5.0
+        workload = make_workload(args.workload, duration_s=args.duration)
+        settings = Settings.from_env(store=store_url, engines=(), metrics_port=0, query_port=0,
+                                     scrape_interval_s=interval)
+        collector = Collector(settings)
+        collector.start()
+        _replay(collector, workload, interval)
+    else:
+        interval = args.scrape_interval or 1.0
+        workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
+        server = sim_server.serve(workload, host="127.0.0.1", port=0, repeat=False)
+        try:
+            settings = Settings.from_env(store=store_url, engines=(f"{ENGINE}={server.url}",), metrics_port=0,
+                                         query_port=0, scrape_interval_s=interval)
+            collector = Collector(settings)
+            collector.start()
+            _watch(collector, server, workload.duration_s + workload.drain_s, interval)
+        finally:
+            server.stop()
+    collector.stop()
+    _print_summary(collector.settings.store)
+    return 0
+
+
+def _replay(collector: Collector, workload: Workload, interval: float) -> None:
+    assert collector.writers is not None
+    writers = collector.writers
+    source = VllmMetricsSource(f"http://{ENGINE}.invalid/metrics", SourceContext(collector.settings.host_name,
+                                                                                  collector.clock), engine=ENGINE)
+    started = time.monotonic()
+    result = replay(workload, None, interval,
+                    lambda ts, body: source.ingest(body, ts, writers.write), keep_records=False)
+    print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
+          f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
+
+
+def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, interval: float) -> None:
+    print(f"simulated vLLM engine at {server.url}/metrics; collecting for about {seconds:.0f} s "
+          f"(Ctrl-C stops early, keeping what was collected)")
+    if collector.query_endpoint is not None:
+        print(f"while it runs, `stepline query` goes through the collector at {collector.query_endpoint.url}")
+    deadline = time.monotonic() + seconds + 2 * interval
+    next_report = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if server.simulation.is_done() and time.monotonic() > deadline - seconds:
+                time.sleep(2 * interval)  # one more scrape sees the final counters
+                break
+            if time.monotonic() >= next_report:
+                next_report += 10
+                sched = server.simulation.scheduler
+                print(f"  t+{seconds - (deadline - time.monotonic() - 2 * interval):4.0f}s  "
+                      f"running {len(sched.running):3d}  waiting {len(sched.waiting):3d}  "
+                      f"steps {server.simulation.iteration_index}")
+    except KeyboardInterrupt:
+        print("stopping early")
+
+
+def _print_summary(store_url: str) -> None:
+    store = Store.open(store_url)
+    try:
+        for engine in summary.engines(store):
+            print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
+            print(summary.render(summary.per_minute(store, engine)))
+        counts = store.query("SELECT kind, count() FROM events GROUP BY kind ORDER BY kind").result_rows
+        rows = store.query("SELECT count() FROM engine_samples").result_rows[0][0]
+        print(f"\n{rows} samples in engine_samples; events: " + ", ".join(f"{k} {n}" for k, n in counts))
+    finally:
+        store.close()
+    print("\nlook further:\n"
+          "  stepline status\n"
+          "  stepline query \"SELECT ts, value FROM engine_samples WHERE metric = 'vllm:num_requests_waiting' "
+          "ORDER BY ts DESC LIMIT 10\"\n"
+          "  stepline query \"SELECT ts, kind, message FROM events ORDER BY ts\"")

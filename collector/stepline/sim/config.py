@@ -1,0 +1,51 @@
+"""The simulated engine's settings, named after vLLM's own flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stepline.sim.costmodel import CostModel
+
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """vLLM scheduler and cache settings the simulator honours."""
+
+    model: str = DEFAULT_MODEL
+    engine: str = "0"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    # 0 means "no cap", as in vLLM.
+    long_prefill_token_threshold: int = 0
+    # The fixture's engine (Qwen3-8B, 0.85 of an 80 GB GPU) had 48213 blocks of 16 tokens.
+    num_gpu_blocks: int = 48213
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.block_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (off) or positive, got {self.long_prefill_token_threshold}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds when full."""
+        return self.num_gpu_blocks * self.block_size

@@ -1,0 +1,78 @@
+"""How long one engine step takes, from what it carries.
+
+One step costs
+
+    step_s = STEP_OVERHEAD_S
+           + PREFILL_TOKEN_S            * prefill tokens
+           + PREFILL_ATTENTION_PAIR_S   * sum over chunks of chunk * (chunk start + chunk / 2)
+           + DECODE_REQUEST_S           * decoding requests
+           + DECODE_CONTEXT_TOKEN_S     * sum of the decoding requests' context lengths
+
+The constants describe an 8B dense model (Qwen3-8B-like) on one H100/H200-class GPU:
+
+- STEP_OVERHEAD_S = 9 ms: weights read once per step, kernel launches, sampling, output handling.
+- PREFILL_TOKEN_S = 27 us: ~16 GFLOP per token of dense matmuls at ~600 TFLOP/s effective;
+  an 8192-token chunk alone costs ~0.22 s.
+- PREFILL_ATTENTION_PAIR_S = 0.61 ns per (chunk token x context token) pair (~0.6 MFLOP of
+  attention per pair for 36 layers x 4096 query dims, near 1 PFLOP/s): each chunk token
+  attends to everything before it, so a chunk's attention grows with its position. The late
+  chunks of a 359k-token prompt take ~1.8 s of attention each, the first one ~20 ms.
+- DECODE_REQUEST_S = 0.15 ms: per-sequence activations, sampling and bookkeeping.
+- DECODE_CONTEXT_TOKEN_S = 30 ns: reading one token's KV (~144 KiB for Qwen3-8B) at
+  memory bandwidth; memory-bound, so far dearer per token than the prefill pairs.
+
+Consequences (asserted by tests/test_sim_costmodel.py): one request decoding alone at 512k
+context steps in ~25 ms (~40 tok/s); a decode-only step of 32 requests at 4k context takes
+~18 ms; a step carrying an 8192-token chunk takes ~0.25 s at the start of a prompt and ~2 s at
+the end of a 359k-token one, so every request decoding beside it drops to 0.5-4 tok/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEP_OVERHEAD_S = 9e-3
+PREFILL_TOKEN_S = 27e-6
+PREFILL_ATTENTION_PAIR_S = 6.1e-10
+DECODE_REQUEST_S = 0.15e-3
+DECODE_CONTEXT_TOKEN_S = 30e-9
+
+
+def attention_pairs(start: int, tokens: int) -> float:
+    """(query, key) pairs of a prefill chunk of `tokens` starting at context position `start`."""
+    return tokens * (start + tokens / 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Linear step-time model; see the module docstring for what each constant stands for."""
+
+    step_overhead_s: float = STEP_OVERHEAD_S
+    prefill_token_s: float = PREFILL_TOKEN_S
+    prefill_attention_pair_s: float = PREFILL_ATTENTION_PAIR_S
+    decode_request_s: float = DECODE_REQUEST_S
+    decode_context_token_s: float = DECODE_CONTEXT_TOKEN_S
+
+    def step_seconds(
+        self,
+        prefill_tokens: int,
+        prefill_pairs: float,
+        decode_requests: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """Seconds one step takes; `prefill_pairs` is the sum of `attention_pairs` of its chunks."""
+        return (
+            self.step_overhead_s
+            + self.prefill_token_s * prefill_tokens
+            + self.prefill_attention_pair_s * prefill_pairs
+            + self.decode_request_s * decode_requests
+            + self.decode_context_token_s * decode_context_tokens
+        )
+
+    def chunk_step_seconds(
+        self, chunk_start: int, chunk_tokens: int, decode_requests: int = 0, decode_context_tokens: int = 0
+    ) -> float:
+        """Seconds of a step carrying one prefill chunk beside some decoding requests."""
+        return self.step_seconds(
+            chunk_tokens, attention_pairs(chunk_start, chunk_tokens), decode_requests, decode_context_tokens
+        )

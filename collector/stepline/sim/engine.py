@@ -1,0 +1,191 @@
+"""The simulation driver: arrivals in, steps run in simulated time, records and /metrics out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stepline.clock import Clock, SystemClock
+from stepline.sim.config import EngineConfig
+from stepline.sim.metrics import VllmMetrics
+from stepline.sim.records import FinishedRequest, StepRecord
+from stepline.sim.scheduler import Batch, Request, Scheduler
+from stepline.sim.workloads import Workload
+
+StepCallback = Callable[[StepRecord], None]
+
+
+class Simulation:
+    """One simulated engine serving `workload`; time is seconds since the simulation started.
+
+    A step's outputs exist only once it has ended: `advance_to(t)` runs the steps that end by `t`
+    and leaves one that ends later in flight, as a real engine would be mid-step at time t.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: EngineConfig | None = None,
+        clock: Clock | None = None,
+        *,
+        on_step: StepCallback | None = None,
+        repeat: bool = False,
+    ) -> None:
+        self.workload = workload
+        self.config = config or EngineConfig()
+        # Wall-clock time of simulated second 0; records are stamped start_ts + simulated seconds.
+        self.start_ts = (clock or SystemClock()).time()
+        self.now = 0.0
+        self.iteration_index = 0
+        self.rejected = 0  # arrivals whose KV could never fit: a real server refuses them at the API
+        self.metrics = VllmMetrics(self.config)
+        self._scheduler = Scheduler(self.config)
+        self._cost = self.config.cost
+        self._on_step = on_step
+        self._repeat = repeat and bool(workload.arrivals)
+        self._cursor = 0
+        self._cycle = 0
+        self._cycle_base = 0.0
+        self._inflight: tuple[Batch, float] | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler, for inspection."""
+        return self._scheduler
+
+    def is_done(self) -> bool:
+        """True when every arrival has come and every request has finished."""
+        return (
+            not self._repeat
+            and self._cursor >= len(self.workload.arrivals)
+            and self._inflight is None
+            and not self._scheduler.has_work()
+        )
+
+    def render_metrics(self) -> bytes:
+        """The engine's /metrics exposition as of its last completed step."""
+        return self.metrics.render()
+
+    def advance_to(self, t: float) -> None:
+        """Run every step that ends by simulated second `t`."""
+        scheduler = self._scheduler
+        while True:
+            if self._inflight is not None:
+                batch, end = self._inflight
+                if end > t:
+                    return
+                self.now = end
+                self._inflight = None
+                self._finish_step(batch, end)
+                continue
+            self._take_arrivals(self.now)
+            if scheduler.has_work():
+                batch = scheduler.schedule(self.now)
+                if not batch.is_empty:
+                    cost = self._cost.step_seconds(
+                        batch.prefill_tokens, batch.prefill_pairs, len(batch.decodes), batch.decode_context_tokens
+                    )
+                    self._inflight = (batch, self.now + cost)
+                    continue
+                if batch.num_preempted:
+                    continue  # the only runner preempted itself; it is first in line for the next try
+            upcoming = self._next_arrival()
+            if upcoming is None or upcoming > t:
+                self.now = max(self.now, t)
+                return
+            self.now = max(self.now, upcoming)
+
+    def _next_arrival(self) -> float | None:
+        arrivals = self.workload.arrivals
+        if self._cursor < len(arrivals):
+            return self._cycle_base + arrivals[self._cursor].offset_s
+        if self._repeat:
+            return self._cycle_base + self.workload.duration_s + arrivals[0].offset_s
+        return None
+
+    def _take_arrivals(self, now: float) -> None:
+        arrivals = self.workload.arrivals
+        while True:
+            if self._cursor >= len(arrivals):
+                if not self._repeat:
+                    return
+                self._cursor = 0
+                self._cycle += 1
+                self._cycle_base += self.workload.duration_s
+            arrival = arrivals[self._cursor]
+            offset = self._cycle_base + arrival.offset_s
+            if offset > now:
+                return
+            self._cursor += 1
+            if not self._scheduler.fits(arrival.prompt_tokens, arrival.output_tokens):
+                self.rejected += 1
+                continue
+            suffix = f"-{self._cycle}" if self._cycle else ""
+            self._scheduler.add(
+                Request(
+                    arrival.request_id + suffix,
+                    offset,
+                    arrival.prompt_tokens,
+                    arrival.output_tokens,
+                    arrival.cached_fraction,
+                    arrival.finish_reason,
+                    arrival.max_tokens,
+                )
+            )
+
+    def _finish_step(self, batch: Batch, end: float) -> None:
+        scheduler = self._scheduler
+        outcome = scheduler.complete(batch, end)
+        # Requests that arrived during the step are in the queue when the stats are taken.
+        self._take_arrivals(end)
+        finished = tuple(self._finished_record(r, end) for r in outcome.finished)
+        record = StepRecord(
+            ts=self.start_ts + end,
+            iteration_index=self.iteration_index,
+            elapsed_ms=(end - batch.start) * 1e3,
+            num_ctx_requests=len(batch.prefills),
+            num_ctx_tokens=batch.prefill_tokens,
+            num_generation_requests=len(batch.decodes),
+            num_generation_tokens=len(batch.decodes),
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            kv_cache_usage=scheduler.kv_cache_usage,
+            prefix_cache_requests=batch.prefix_cache_requests,
+            prefix_cache_queries=batch.prefix_cache_queries,
+            prefix_cache_hits=batch.prefix_cache_hits,
+            num_preempted_reqs=batch.num_preempted,
+            num_prompt_tokens=outcome.prompt_tokens,
+            num_prompt_tokens_computed=outcome.prompt_tokens - outcome.prompt_tokens_cached,
+            num_prompt_tokens_cached=outcome.prompt_tokens_cached,
+            num_output_tokens=outcome.output_tokens,
+            time_to_first_tokens_iter=tuple(outcome.ttfts),
+            inter_token_latencies_iter=tuple(outcome.itls),
+            finished_requests=finished,
+        )
+        self.iteration_index += 1
+        self.metrics.observe_step(record)
+        if self._on_step is not None:
+            self._on_step(record)
+
+    def _finished_record(self, request: Request, end: float) -> FinishedRequest:
+        scheduled = request.first_scheduled if request.first_scheduled is not None else request.arrival
+        first_token = request.first_token if request.first_token is not None else end
+        decode_time = end - first_token
+        generated = request.generated
+        return FinishedRequest(
+            request_id=request.request_id,
+            finish_reason=request.finish_reason,
+            arrival_ts=self.start_ts + request.arrival,
+            finished_ts=self.start_ts + end,
+            e2e_latency=end - request.arrival,
+            queued_time=scheduled - request.arrival,
+            prefill_time=first_token - scheduled,
+            decode_time=decode_time,
+            inference_time=end - scheduled,
+            time_to_first_token=first_token - request.arrival,
+            mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0,
+            num_prompt_tokens=request.prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_generation_tokens=generated,
+            max_tokens_param=request.max_tokens,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,66 @@
+"""What one simulated step and one finished request leave behind, named after vLLM's stats.
+
+`StepRecord` merges vLLM's `SchedulerStats`, `SchedulerIterationDetails` and `IterationStats`
+for one engine step; `FinishedRequest` mirrors `FinishedRequestStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """One request's life, as vLLM's `FinishedRequestStats` reports it (seconds, tokens)."""
+
+    request_id: str
+    finish_reason: FinishReason
+    arrival_ts: float
+    finished_ts: float
+    e2e_latency: float
+    queued_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    time_to_first_token: float
+    mean_time_per_output_token: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step: what was scheduled, how long it took, and what came out of it."""
+
+    # Wall-clock end of the step, when its outputs exist (IterationStats.iteration_timestamp).
+    ts: float
+    iteration_index: int
+    elapsed_ms: float
+    # SchedulerIterationDetails: prefill ("context") and decode ("generation") work scheduled.
+    num_ctx_requests: int
+    num_ctx_tokens: int
+    num_generation_requests: int
+    num_generation_tokens: int
+    # SchedulerStats, taken after the step's outputs were processed.
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # IterationStats: prompts count once, on the step that completes their prefill.
+    num_preempted_reqs: int
+    num_prompt_tokens: int
+    num_prompt_tokens_computed: int
+    num_prompt_tokens_cached: int
+    # Tokens sampled this step (IterationStats.num_generation_tokens), first tokens included.
+    num_output_tokens: int
+    time_to_first_tokens_iter: tuple[float, ...]
+    inter_token_latencies_iter: tuple[float, ...]
+    finished_requests: tuple[FinishedRequest, ...]

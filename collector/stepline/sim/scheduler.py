@@ -1,0 +1,286 @@
+"""vLLM-style continuous batching with chunked prefill, a prefix cache and recompute preemption.
+
+Each step: every running decoding request gets one token; then the one partial prefill continues;
+then, unless the step preempted someone, waiting requests are admitted first come, first served
+while the token budget, max_num_seqs and free KV blocks allow. At most one prefill is left
+unfinished at a time. When a request needs a KV block and none is free, the most recently
+admitted running request is preempted: its KV is freed and it goes back to the front of the
+queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from stepline.sim.config import EngineConfig
+from stepline.sim.costmodel import attention_pairs
+from stepline.sim.records import FinishReason
+
+
+class Request:
+    """One request's state inside the engine; times are simulated seconds."""
+
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "cached_fraction",
+        "computed",
+        "finish_reason",
+        "finished",
+        "first_scheduled",
+        "first_token",
+        "generated",
+        "last_token",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "output_tokens",
+        "prompt_tokens",
+        "request_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_fraction: float = 0.0,
+        finish_reason: FinishReason = "length",
+        max_tokens: int | None = None,
+    ) -> None:
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError(f"{request_id}: prompt and output need at least one token")
+        self.request_id = request_id
+        self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.cached_fraction = min(1.0, max(0.0, cached_fraction))
+        self.finish_reason: FinishReason = finish_reason
+        self.max_tokens = max_tokens if max_tokens is not None else output_tokens
+        self.computed = 0  # tokens whose KV is in the cache
+        self.generated = 0
+        self.blocks = 0
+        self.num_cached_tokens = -1  # set on first admission, as vLLM does
+        self.num_preemptions = 0
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token = 0.0
+        self.finished = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when only the newest sampled token lacks KV."""
+        return self.generated > 0 and self.computed == self.prompt_tokens + self.generated - 1
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes; `prefills` holds (request, chunk start, chunk tokens)."""
+
+    start: float
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int, int]] = field(default_factory=list)
+    prefill_tokens: int = 0
+    prefill_pairs: float = 0.0
+    decode_context_tokens: int = 0
+    num_preempted: int = 0
+    prefix_cache_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step would compute nothing."""
+        return not self.decodes and not self.prefills
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a completed step produced."""
+
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+
+
+class Scheduler:
+    """Waiting and running queues, KV blocks, and the per-step scheduling decision."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_blocks = config.num_gpu_blocks
+        self.partial: Request | None = None
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        """Queue an arrived request."""
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        """True when anything is running or waiting."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks held by running requests (0-1)."""
+        return 1.0 - self.free_blocks / self.config.num_gpu_blocks
+
+    def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
+        """True when a request's whole KV fits the cache; vLLM refuses longer ones at the API."""
+        return self._blocks_for(prompt_tokens + output_tokens) <= self.config.num_gpu_blocks
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _cache_hit(self, request: Request) -> int:
+        """Cached prompt tokens, in whole blocks; vLLM always recomputes at least the last token."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        block = self.config.block_size
+        hit = int(request.prompt_tokens * request.cached_fraction) // block * block
+        return min(hit, (request.num_tokens - 1) // block * block)
+
+    def _grow(self, request: Request, tokens: int, batch: Batch) -> bool:
+        """Give `request` KV for `tokens` more, preempting from the tail; False if it was preempted."""
+        need = self._blocks_for(request.computed + tokens) - request.blocks
+        while need > self.free_blocks:
+            victim = self.running.pop()
+            if victim is not request and victim in batch.decodes:
+                # Only the partial prefill, grown after the decodes, can reach an already
+                # scheduled decode at the tail; that decode loses its token this step.
+                batch.decodes.remove(victim)
+                batch.decode_context_tokens -= victim.computed
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is request:
+                return False
+        self.free_blocks -= need
+        request.blocks += need
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.free_blocks += request.blocks
+        request.blocks = 0
+        request.computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request is self.partial:
+            self.partial = None
+        self.waiting.appendleft(request)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        return min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
+
+    def _add_prefill(self, batch: Batch, request: Request, tokens: int) -> None:
+        start = request.computed
+        batch.prefills.append((request, start, tokens))
+        batch.prefill_tokens += tokens
+        batch.prefill_pairs += attention_pairs(start, tokens)
+        request.computed += tokens
+        # A request is the partial prefill while prompt (or recompute) tokens remain.
+        if request.computed < request.num_tokens:
+            self.partial = request
+        elif request is self.partial:
+            self.partial = None
+
+    def schedule(self, now: float) -> Batch:
+        """Decide the next step's batch; KV is allocated and progress recorded immediately."""
+        batch = Batch(start=now)
+        budget = self.config.max_num_batched_tokens
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            if request is self.partial or not request.is_decoding:
+                continue
+            if request.computed % self.config.block_size == 0 and not self._grow(request, 1, batch):
+                break
+            request.computed += 1
+            batch.decodes.append(request)
+            batch.decode_context_tokens += request.computed
+            budget -= 1
+
+        partial = self.partial
+        if partial is not None and budget > 0:
+            tokens = self._chunk(partial.num_tokens - partial.computed, budget)
+            if self._grow(partial, tokens, batch):
+                self._add_prefill(batch, partial, tokens)
+                budget -= tokens
+
+        # As in vLLM, a step that had to preempt admits nobody: the KV it freed is not spare.
+        if not batch.num_preempted:
+            self._admit(batch, budget, now)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int, now: float) -> None:
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0]
+            hit = self._cache_hit(request)
+            remaining = request.num_tokens - hit
+            tokens = self._chunk(remaining, budget)
+            if tokens < remaining and self.partial is not None:
+                break  # only one prefill may stay unfinished; FCFS, so nobody overtakes
+            need = self._blocks_for(hit + tokens)
+            if need > self.free_blocks:
+                break  # waiting requests never preempt running ones
+            waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit
+                # vLLM counts re-admissions of preempted requests apart, not in these counters.
+                batch.prefix_cache_requests += 1
+                batch.prefix_cache_queries += request.num_tokens
+                batch.prefix_cache_hits += hit
+            if request.first_scheduled is None:
+                request.first_scheduled = now
+            request.computed = hit
+            request.blocks = need
+            self.free_blocks -= need
+            self.running.append(request)
+            self._add_prefill(batch, request, tokens)
+            budget -= tokens
+
+    def complete(self, batch: Batch, now: float) -> Outcome:
+        """Sample tokens for a finished step at time `now` and retire finished requests."""
+        outcome = Outcome()
+        for request in batch.decodes:
+            outcome.itls.append(now - request.last_token)
+            self._sample(request, now, outcome)
+        for request, _, _ in batch.prefills:
+            if request.computed < request.num_tokens:
+                continue  # a chunk in the middle of a prompt samples nothing
+            if request.first_token is None:
+                request.first_token = now
+                outcome.ttfts.append(now - request.arrival)
+                outcome.prompt_tokens += request.prompt_tokens
+                outcome.prompt_tokens_cached += max(0, request.num_cached_tokens)
+            else:
+                outcome.itls.append(now - request.last_token)  # resumed after a preemption
+            self._sample(request, now, outcome)
+        if outcome.finished:
+            self.running = [r for r in self.running if not r.finished]
+        return outcome
+
+    def _sample(self, request: Request, now: float, outcome: Outcome) -> None:
+        request.generated += 1
+        request.last_token = now
+        outcome.output_tokens += 1
+        if request.generated >= request.output_tokens:
+            request.finished = True
+            self.free_blocks += request.blocks
+            request.blocks = 0
+            outcome.finished.append(request)

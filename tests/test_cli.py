@@ -1,0 +1,108 @@
+"""The command line, run as a user runs it: a real process, real stores, one clear line on errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stepline.cli import build_parser
+
+
+def _stepline(*args: str, cwd: Path | None = None, timeout: float = 120,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stepline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def test_every_subcommand_has_useful_help() -> None:
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(subcommands) >= {"collect", "query", "status", "schema", "sim", "demo"}
+    for name, sub in subcommands.items():
+        text = sub.format_help()
+        assert sub.description, name
+        assert "--store" in text or name in ("schema", "sim"), name
+
+
+def test_schema_prints_cluster_ddl() -> None:
+    result = _stepline("schema", "--cluster", "fleet", "--retention", "14")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ENGINE = Distributed(`fleet`") == 6
+    assert "INTERVAL 14 DAY" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("query", "SELECT 1", "--store", "mysql://x/y"), "stepline: store URL 'mysql://x/y' has scheme 'mysql'"),
+        (("status", "--store", "chdb:///nonexistent/stepline"), "stepline: no store at /nonexistent/stepline"),
+        (("collect", "--store", "http://127.0.0.1:9/x"), "stepline: cannot reach the store at http://127.0.0.1:9/x"),
+        (("collect", "--engine", "localhost:8000"), "stepline: engine 'localhost:8000' must be http(s)://"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    result = _stepline(*args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(message), result.stderr
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A store filled by `stepline demo --fast` in a process of its own."""
+    cwd = tmp_path_factory.mktemp("demo")
+    result = _stepline("demo", "--fast", "--duration", "120", cwd=cwd, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gen tok/s" in result.stdout and "look further" in result.stdout
+    yield cwd / "stepline-data"
+
+
+def test_demo_leaves_samples_and_events_that_query_reads(demo_store: Path) -> None:
+    url = f"chdb://{demo_store}"
+    result = _stepline("query", "SELECT kind, count() AS n FROM events GROUP BY kind ORDER BY kind", "--store", url)
+    assert result.returncode == 0, result.stderr
+    assert "collector_started" in result.stdout and "engine_up" in result.stdout
+    assert "via embedded store" in result.stderr
+    result = _stepline("query", "SELECT count() AS n FROM engine_samples", "--store", url, "--format", "csv")
+    assert result.returncode == 0, result.stderr
+    header, count = result.stdout.split()
+    assert header == '"n"' and int(count) > 10_000
+    status = _stepline("status", "--store", url)
+    assert status.returncode == 0, status.stderr
+    assert "collector: not running" in status.stdout and "engine_samples" in status.stdout
+
+
+def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
+    url = f"chdb://{demo_store}"
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "stepline.cli", "collect", "--store", url, "--metrics-port", "0", "--query-port", "0",
+         "--engine", "http://127.0.0.1:9"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (demo_store / "stepline-collector.json").exists():
+            assert collector.poll() is None, collector.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        result = _stepline("query", "SELECT count() FROM engine_samples", "--store", url, "--format", "tsv")
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout.split()[-1]) > 10_000
+        status = _stepline("status", "--store", url)
+        assert "vllm_metrics:127.0.0.1:9  DOWN" in status.stdout, status.stdout
+        refused = _stepline("query", "DROP TABLE engine_samples", "--store", url)
+        assert refused.returncode == 1 and "read-only" in refused.stderr
+    finally:
+        collector.terminate()
+        _, stderr = collector.communicate(timeout=60)
+    assert collector.returncode == 0, stderr
+    assert "draining and stopping" in stderr
+    after = _stepline("query", "SELECT count() FROM events WHERE kind = 'collector_stopped'", "--store", url,
+                      "--format", "tsv")
+    assert after.stdout.strip() == "2"

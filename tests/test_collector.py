@@ -1,0 +1,76 @@
+"""The collector end to end: a live engine endpoint in, the embedded store out, SQL while it runs."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import clickhouse_connect
+import pytest
+
+from stepline.collector import Collector
+from stepline.reader import open_reader, table_status
+from stepline.settings import Settings
+from stepline.sim import server as sim_server
+from stepline.sim.workloads import make_workload
+from stepline.store import read_collector_info
+from stepline.storeurl import parse_store_url
+
+
+@pytest.fixture
+def engine() -> Iterator[sim_server.SimServer]:
+    server = sim_server.serve(make_workload("steady", duration_s=20), port=0, speed=5.0, repeat=True)
+    yield server
+    server.stop()
+
+
+def _wait(predicate: object, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
+                                                               engine: sim_server.SimServer) -> None:
+    settings = Settings.from_env({}, store=store_url, engines=(f"sim={engine.url}", "dead=http://127.0.0.1:9"),
+                                 metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1)
+    collector = Collector(settings)
+    collector.start()
+    try:
+        assert collector.store is not None and collector.query_endpoint is not None
+        _wait(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
+        # The collector announces its endpoint next to the store; a client reads through it.
+        info = read_collector_info(parse_store_url(store_url).path)
+        assert info is not None and info.query_url == collector.query_endpoint.url
+        client = clickhouse_connect.get_client(host="127.0.0.1", port=collector.query_endpoint.port,
+                                               database=collector.store.database)
+        kinds = dict(client.query("SELECT kind, count() FROM events GROUP BY kind").result_rows)
+        assert kinds["engine_up"] == 1 and kinds["engine_down"] == 1 and kinds["collector_started"] == 1
+        assert client.query("SELECT count() FROM engine_samples WHERE engine = 'sim' "
+                            "AND metric = 'vllm:num_requests_running'").result_rows[0][0] >= 2
+        client.close()
+        # The self-metrics say what was written and which source is down.
+        assert collector.metrics_server is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{collector.metrics_server.port}/metrics").read().decode()
+        assert 'stepline_source_up{source="vllm_metrics:sim"} 1.0' in text
+        assert 'stepline_source_up{source="vllm_metrics:dead"} 0.0' in text
+        assert 'stepline_writer_rows_written_total{table="engine_samples"}' in text
+    finally:
+        collector.stop()
+    # After a clean stop everything accepted is in the store, and the store opens directly.
+    assert read_collector_info(parse_store_url(store_url).path) is None
+    written = collector.metrics.registry.get_sample_value("stepline_writer_rows_written_total",
+                                                          {"table": "engine_samples"})
+    reader = open_reader(store_url)
+    try:
+        status = {t.table: t for t in table_status(reader.client)}
+        assert status["engine_samples"].rows == written
+        assert status["events"].rows >= 4  # started, up, down, stopped
+        kinds = {r[0] for r in reader.client.query("SELECT kind FROM events").result_rows}
+        assert "collector_stopped" in kinds
+    finally:
+        reader.close()

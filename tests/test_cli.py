@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def _stepline(*args: str, cwd: Path | None = None, timeout: float = 120,
 
 def test_every_subcommand_has_useful_help() -> None:
     parser = build_parser()
-    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subcommands: dict[str, argparse.ArgumentParser] = action.choices
     assert set(subcommands) >= {"collect", "query", "status", "schema", "sim", "demo"}
     for name, sub in subcommands.items():
         text = sub.format_help()
@@ -91,7 +93,7 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
             assert collector.poll() is None, collector.communicate()[1]
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        result = _stepline("query", "SELECT count() FROM engine_samples", "--store", url, "--format", "tsv")
+        result = _stepline("query", "SELECT count() FROM engine_samples", "--store", url, "--format", "TabSeparated")
         assert result.returncode == 0, result.stderr
         assert int(result.stdout.split()[-1]) > 10_000
         status = _stepline("status", "--store", url)
@@ -104,5 +106,5 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
     assert collector.returncode == 0, stderr
     assert "draining and stopping" in stderr
     after = _stepline("query", "SELECT count() FROM events WHERE kind = 'collector_stopped'", "--store", url,
-                      "--format", "tsv")
+                      "--format", "TabSeparated")
     assert after.stdout.strip() == "2"

@@ -48,7 +48,7 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
         assert info is not None and info.query_url == collector.query_endpoint.url
         client = clickhouse_connect.get_client(host="127.0.0.1", port=collector.query_endpoint.port,
                                                database=collector.store.database)
-        kinds = dict(client.query("SELECT kind, count() FROM events GROUP BY kind").result_rows)
+        kinds = {kind: n for kind, n in client.query("SELECT kind, count() FROM events GROUP BY kind").result_rows}
         assert kinds["engine_up"] == 1 and kinds["engine_down"] == 1 and kinds["collector_started"] == 1
         assert client.query("SELECT count() FROM engine_samples WHERE engine = 'sim' "
                             "AND metric = 'vllm:num_requests_running'").result_rows[0][0] >= 2
@@ -70,7 +70,7 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
         status = {t.table: t for t in table_status(reader.client)}
         assert status["engine_samples"].rows == written
         assert status["events"].rows >= 4  # started, up, down, stopped
-        kinds = {r[0] for r in reader.client.query("SELECT kind FROM events").result_rows}
-        assert "collector_stopped" in kinds
+        seen = {r[0] for r in reader.client.query("SELECT kind FROM events").result_rows}
+        assert "collector_stopped" in seen
     finally:
         reader.close()

@@ -45,9 +45,9 @@ def test_tables_follow_the_timeline_conventions(store: Store) -> None:
         assert partition_key == "toDate(ts)", name
         assert sorting_key.startswith("host"), name
         assert "ttl_only_drop_parts = 1" in engine_full, name
-    types = dict(store.query(
+    types = {name: type_ for name, type_ in store.query(
         "SELECT concat(table, '.', name), type FROM system.columns WHERE database = {db:String}",
-        parameters={"db": store.database}).result_rows)
+        parameters={"db": store.database}).result_rows}
     for table in schema.TABLES:
         assert types[f"{table.name}.ts"] == "DateTime64(6, 'UTC')"
         assert types[f"{table.name}.host"] == "LowCardinality(String)"

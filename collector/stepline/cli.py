@@ -27,7 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # chDB's client logs every engine-level query at INFO; that is not the operator's business.
-    logging.getLogger("clickhouse_connect").setLevel(logging.WARNING)
+    logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
+    # urllib3 narrates its retries; the store error that follows says what matters, in one line.
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except (SettingsError, StoreError, StoreUrlError) as exc:
@@ -112,13 +114,13 @@ def _collect(args: argparse.Namespace) -> int:
         engines=tuple(args.engine) if args.engine else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
     )
-    if not settings.engines:
-        log.warning("no --engine given: only the collector's own events will be recorded")
     collector = Collector(settings)
     try:
         collector.start()
     except OSError as exc:
         raise SettingsError(f"cannot listen on {settings.listen}: {exc.strerror}") from None
+    if not settings.engines:
+        log.warning("no --engine given: only the collector's own events will be recorded")
     collector.run_until_signalled()
     return 0
 

@@ -118,6 +118,10 @@ def _open_in_this_process(path: str) -> bool:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
+    # Transport errors nest the cause deep inside retry wrappers: the errno text is what a person needs.
+    errno_text = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
+    if errno_text:
+        return errno_text.group(1).strip()
     return text[:300]
 
 

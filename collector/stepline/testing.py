@@ -23,6 +23,6 @@ class MemorySink:
                 raise ConnectionError("store unreachable (MemorySink.failing)")
             self.batches.setdefault(table, []).append(list(rows))
 
-    def rows(self, table: str) -> list[Sequence[Any]]:
+    def rows(self, table: str) -> list[Any]:
         with self._lock:
             return [row for batch in self.batches.get(table, []) for row in batch]

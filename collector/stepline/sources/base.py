@@ -9,7 +9,7 @@ from typing import Protocol
 from stepline.clock import Clock
 from stepline.rows import Row
 
-Emit = Callable[[Iterable[Row]], None]
+Emit = Callable[[Iterable[Row]], object]
 
 
 class SourceError(RuntimeError):

@@ -1,0 +1,418 @@
+"""ClickHouse's HTTP protocol, server side: read-only SQL guard, request decoding, Native framing, errors."""
+
+from __future__ import annotations
+
+import bisect
+import importlib
+import re
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from email import policy
+from email.parser import BytesParser
+
+READONLY = 164
+SYNTAX_ERROR = 62
+NOT_IMPLEMENTED = 48
+QUERY_IS_TOO_LARGE = 229
+AUTHENTICATION_FAILED = 516
+
+_ALLOWED_LEADING = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
+# Functions that reach files, the network or other processes. The engine refuses most table functions under
+# readonly=1, but not the scalar file() nor INTO OUTFILE, so the guard is what actually stops those.
+_DENIED_FUNCTIONS = frozenset({
+    "file", "filecluster", "url", "urlcluster", "gcs", "oss", "cosn", "cluster", "clusterallreplicas",
+    "redis", "sqlite", "odbc", "jdbc", "input", "mongodb", "dictionary", "catboostevaluate",
+})
+_DENIED_PREFIXES = (
+    "s3", "hdfs", "azureblob", "iceberg", "deltalake", "hudi", "paimon", "remote", "mysql", "postgresql",
+    "executable", "ytsaurus", "arrowflight", "kafka",
+)
+
+
+class SqlRefused(Exception):
+    """A query the read-only endpoint will not run; carries a ClickHouse error code and name."""
+
+    def __init__(self, message: str, code: int = READONLY, name: str = "READONLY", status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+        self.status = status  # overrides the usual HTTP status for `code`
+
+
+def read_only(kind: str) -> SqlRefused:
+    return SqlRefused(f"stepline's query endpoint is read-only: {kind} is not allowed")
+
+
+@dataclass(frozen=True)
+class Token:
+    """One significant lexeme: kind is word, ident (quoted identifier), string, or punct; end is its offset."""
+
+    kind: str
+    text: str
+    end: int
+
+
+_QUOTED = r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|`(?:[^`\\]|\\.|``)*`"  # backslash escapes, doubled quote
+_QUOTED_RE = re.compile(_QUOTED, re.S)
+# ClickHouse's lexer, as far as the guard needs it: what is code, a literal, a quoted identifier or a comment.
+_LEXEME = re.compile(
+    r"(?P<skip>[ \t\n\r\f\v]+|[^\x00-\x7f]+|--[^\n]*|#[ !][^\n]*)"  # it skips Unicode spaces: `file\u200b(` calls
+    r"|(?P<open>/\*|\$[A-Za-z0-9_]*\$)"  # a block comment (they nest) or a heredoc: ends found by hand
+    rf"|(?P<quoted>{_QUOTED})|(?P<word>[A-Za-z0-9_$]+)|(?P<punct>.)",
+    re.S,
+)
+_COMMENT_MARK = re.compile(r"/\*|\*/")
+_WORD = re.compile(r"[A-Za-z0-9_$]+")
+_TAG = re.compile(r"(?=(\$[A-Za-z0-9_]*\$))")
+
+
+def tokens(sql: str) -> Iterator[Token]:
+    """Significant tokens of `sql`, split where ClickHouse's lexer splits comments, quotes and heredocs."""
+    pos, tags = 0, None if "$" in sql else dict[str, list[int]]()  # None: heredoc places not indexed yet
+    while (m := _LEXEME.match(sql, pos)) is not None:
+        kind, start, pos, text = m.lastgroup, m.start(), m.end(), m.group()
+        if text == "/*" and kind == "open":
+            depth = 1
+            while depth:
+                if (mark := _COMMENT_MARK.search(sql, pos)) is None:
+                    raise SqlRefused(f"unterminated comment at position {start}", SYNTAX_ERROR, "SYNTAX_ERROR")
+                depth, pos = depth + (1 if mark.group() == "/*" else -1), mark.end()
+        elif kind == "open":
+            if tags is None:  # where every $tag$ occurs, so that many unclosed tags cost one pass, not one each
+                tags = {}
+                for t in _TAG.finditer(sql):
+                    tags.setdefault(t.group(1), []).append(t.start())
+            places = tags[text]
+            if (k := bisect.bisect_left(places, pos)) < len(places):
+                pos = places[k] + len(text)
+                yield Token("string", sql[start:pos], pos)
+            else:  # no closing tag: not a heredoc, a bareword as ClickHouse reads it
+                word = _WORD.match(sql, start)
+                pos = word.end() if word else start + 1
+                yield Token("word", sql[start:pos], pos)
+        elif kind == "quoted":
+            yield Token("string" if text[0] == "'" else "ident", text, pos)
+        elif kind == "punct" and text in "'\"`":
+            raise SqlRefused(f"unterminated quoted literal at {start}", SYNTAX_ERROR, "SYNTAX_ERROR")
+        elif kind != "skip":
+            yield Token(str(kind), text, pos)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One read-only statement: its text without trailing `;`, and its FORMAT clause if it has one."""
+
+    sql: str
+    format: str | None
+
+
+def _function_name(tok: Token) -> str | None:
+    if tok.kind == "word":
+        return tok.text.lower()
+    if tok.kind == "ident":
+        body = tok.text[1:-1]
+        if "\\" in body:  # escapes could spell a denied name; no real query needs them here
+            raise read_only("an escaped function name")
+        return body.replace(tok.text[0] * 2, tok.text[0]).lower()
+    return None
+
+
+def read_only_statement(sql: str) -> Statement:
+    """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise."""
+    toks: list[Token] = []
+    leading: str | None = None
+    it = tokens(sql)
+    for tok in it:
+        if tok.kind == "punct" and tok.text == ";":
+            if any(not (rest.kind == "punct" and rest.text == ";") for rest in it):
+                raise read_only("a second statement")
+            break
+        if leading is None and not (tok.kind == "punct" and tok.text == "("):
+            leading = tok.text.upper() if tok.kind == "word" else "this statement"
+            if leading not in _ALLOWED_LEADING:
+                raise read_only(leading)
+        toks.append(tok)
+    if leading is None:
+        raise SqlRefused("Empty query", SYNTAX_ERROR, "SYNTAX_ERROR")
+    depth, fmt = 0, None
+    for k, tok in enumerate(toks):
+        nxt = toks[k + 1] if k + 1 < len(toks) else None
+        upper = tok.text.upper() if tok.kind == "word" else ""
+        if upper in ("OUTFILE", "INFILE"):
+            raise read_only(f"INTO {upper}" if upper == "OUTFILE" else "FROM INFILE")
+        if upper == "READONLY" and nxt is not None and nxt.text == "=":
+            raise read_only("changing readonly")
+        if nxt is not None and nxt.text == "(" and (name := _function_name(tok)) is not None and (
+            name in _DENIED_FUNCTIONS or name.startswith(_DENIED_PREFIXES)
+        ):
+            raise read_only(f"{name}()")
+        depth += {"(": 1, ")": -1}.get(tok.text, 0) if tok.kind == "punct" else 0
+        if upper == "FORMAT" and depth == 0 and nxt is not None and nxt.kind == "word":
+            after = toks[k + 2] if k + 2 < len(toks) else None
+            if after is None or (after.kind == "word" and after.text.upper() == "SETTINGS"):
+                fmt = nxt.text
+    return Statement(sql[: toks[-1].end], fmt)
+
+
+# ---- request decoding and settings policy ----------------------------------------------------------------
+
+# URL parameters that steer the HTTP transport, not the query; ClickHouse does not treat them as settings.
+_TRANSPORT_PARAMS = frozenset({
+    "query", "database", "default_format", "user", "password", "quota_key", "query_id", "session_id",
+    "session_timeout", "session_check", "compress", "decompress", "wait_end_of_query", "buffer_size",
+    "client_protocol_version", "role", "stacktrace", "send_progress_in_http_headers", "enable_http_compression",
+    "cancel_http_readonly_queries_on_client_close", "add_http_cors_header",
+})
+# Settings that name files, schemas, hosts or identities. URL settings are applied before readonly=1, so
+# anything that could reach outside the store is refused rather than trusted to the engine.
+_DENIED_SETTING_PARTS = ("schema", "template", "regexp", "path", "file", "directory", "url", "s3", "azure", "hdfs",
+                         "kafka", "password", "introspection")
+_NO_OP_READONLY = (("readonly", "1"), ("readonly", "2"))  # asks for no more than the endpoint enforces
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def too_large(size: int, limit: int) -> SqlRefused:
+    """The refusal for a request body over the endpoint's limit."""
+    message = f"request body of {size} bytes exceeds the query endpoint's limit of {limit} bytes"
+    return SqlRefused(message, QUERY_IS_TOO_LARGE, "QUERY_IS_TOO_LARGE")
+
+
+def decompress(encoding: str, body: bytes, limit: int) -> bytes:
+    """Undo a request Content-Encoding, refusing output beyond `limit` bytes (a zip bomb is a large body)."""
+    if encoding in ("", "identity"):
+        return body
+    modules = {"lz4": "lz4.frame", "zstd": "backports.zstd"}  # clickhouse-connect's dependencies
+    try:
+        if encoding in ("gzip", "x-gzip", "deflate"):  # 32+: zlib or gzip framing, whichever the header says
+            out: bytes = zlib.decompressobj(32 + zlib.MAX_WBITS).decompress(body, limit + 1)
+        elif encoding in modules:
+            module = importlib.import_module(modules[encoding])
+            stream = module.LZ4FrameDecompressor() if encoding == "lz4" else module.ZstdDecompressor()
+            out = stream.decompress(body, limit + 1)
+        else:
+            raise SqlRefused(f"Unknown Content-Encoding of HTTP request: {encoding}", 48, "NOT_IMPLEMENTED")
+    except (zlib.error, RuntimeError, OSError, ImportError) as ex:
+        raise SqlRefused(f"cannot decompress the {encoding} request body: {ex}", 271, "CANNOT_DECOMPRESS") from None
+    if len(out) > limit:
+        raise too_large(len(out), limit)
+    return out
+
+
+def form_fields(content_type: str, body: bytes) -> dict[str, str]:
+    """Fields of a multipart/form-data body (clickhouse-connect sends long bind parameters that way)."""
+    fields: dict[str, str] = {}
+    message = BytesParser(policy=policy.HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if part.get_filename() is not None or not isinstance(name, str):
+            raise SqlRefused("external data tables are not supported", NOT_IMPLEMENTED, "NOT_IMPLEMENTED")
+        payload = part.get_payload(decode=True)
+        fields[name] = payload.decode() if isinstance(payload, bytes) else ""
+    return fields
+
+
+def query_settings(params: Mapping[str, str], base: Mapping[str, str], caps: Mapping[str, int]) -> dict[str, str]:
+    """Settings from URL parameters over `base`: transport ones dropped, risky ones refused, `caps` enforced."""
+    if flag := next((f for f in ("compress", "decompress") if params.get(f, "0").lower() in ("1", "true")), None):
+        raise SqlRefused(f"{flag}=1 (ClickHouse-native compression) is not supported; use gzip or none", 48,
+                         "NOT_IMPLEMENTED")
+    chosen = dict(base)
+    for key, value in params.items():
+        if key in _TRANSPORT_PARAMS or key.startswith(("http_", "param_")) or (key, value) in _NO_OP_READONLY:
+            continue
+        if key == "readonly":
+            raise read_only("changing readonly")
+        if not NAME.match(key):
+            raise SqlRefused(f"Unknown setting {key!r}", 115, "UNKNOWN_SETTING")
+        if any(part in key.lower() for part in _DENIED_SETTING_PARTS):
+            raise read_only(f"setting {key}")
+        chosen[key] = value
+    for key, cap in caps.items():
+        try:
+            within = 0 < float(chosen.get(key, cap)) <= cap
+        except ValueError:
+            within = False
+        chosen[key] = chosen.get(key, str(cap)) if within else str(cap)
+    return chosen
+
+
+# ---- Native format: add the framing that client_protocol_version asks for -------------------------------
+
+BLOCK_INFO = b"\x01\x00\x02\xff\xff\xff\xff\x00"  # is_overflows=0, bucket_num=-1, end of fields
+REVISION_WITH_CUSTOM_SERIALIZATION = 54454
+_FIXED_WIDTH = {
+    "UInt8": 1, "Int8": 1, "Bool": 1, "Enum8": 1, "Nothing": 1, "UInt16": 2, "Int16": 2, "Date": 2,
+    "Enum16": 2, "BFloat16": 2, "UInt32": 4, "Int32": 4, "Float32": 4, "Date32": 4, "DateTime": 4, "IPv4": 4,
+    "Decimal32": 4, "Time": 4, "UInt64": 8, "Int64": 8, "Float64": 8, "DateTime64": 8, "Decimal64": 8,
+    "Time64": 8, "UInt128": 16, "Int128": 16, "UUID": 16, "IPv6": 16, "Decimal128": 16, "UInt256": 32,
+    "Int256": 32, "Decimal256": 32,
+}
+_ALIASES = {
+    "Point": "Tuple(Float64, Float64)", "Ring": "Array(Point)", "LineString": "Array(Point)",
+    "Polygon": "Array(Ring)", "MultiLineString": "Array(LineString)", "MultiPolygon": "Array(Polygon)",
+}
+_U64 = struct.Struct("<Q")
+_KEY_WIDTH = (1, 2, 4, 8)
+_HAS_ADDITIONAL_KEYS = 1 << 9
+
+
+def _split_args(inner: str) -> list[str]:
+    args, depth, start, i = [], 0, 0, 0
+    while i < len(inner):
+        c = inner[i]
+        if quoted := _QUOTED_RE.match(inner, i):
+            i = quoted.end()
+            continue
+        depth += 1 if c == "(" else -1 if c == ")" else 0
+        if c == "," and depth == 0:
+            args.append(inner[start:i].strip())
+            start = i + 1
+        i += 1
+    args.append(inner[start:].strip())
+    return args
+
+
+def _parse_type(text: str) -> tuple[str, list[str]]:
+    text = _ALIASES.get(text.strip(), text.strip())
+    paren = text.find("(")
+    if paren < 0:
+        return text, []
+    return text[:paren].strip(), _split_args(text[paren + 1 : text.rindex(")")])
+
+
+def _element_type(arg: str) -> str:
+    """Type of a Tuple element, dropping its name (`a UInt8`, `` `a b` String``) when it has one."""
+    if arg[:1] in "`\"" and (quoted := _QUOTED_RE.match(arg)):
+        return arg[quoted.end() :].strip()
+    head = arg.split("(", 1)[0]
+    return arg.split(None, 1)[1] if len(head.split()) > 1 else arg
+
+
+def _children(name: str, args: list[str]) -> list[str]:
+    if name in ("Array", "Nullable", "LowCardinality"):
+        return args[:1]
+    if name == "SimpleAggregateFunction":
+        return args[-1:]
+    if name == "Map":
+        return args
+    if name in ("Tuple", "Nested"):
+        return [_element_type(a) for a in args]
+    return []
+
+
+def _prefix_count(type_name: str) -> int:
+    """LowCardinality columns write an 8-byte state prefix before any data, in type-tree order."""
+    name, args = _parse_type(type_name)
+    return (name == "LowCardinality") + sum(_prefix_count(a) for a in _children(name, args))
+
+
+def _skip(buf: bytes, pos: int, type_name: str, rows: int) -> int:
+    """Position after `rows` values of `type_name` in Native bulk layout starting at `pos`."""
+    if rows == 0:
+        return pos
+    name, args = _parse_type(type_name)
+    if name in _FIXED_WIDTH or name.startswith("Interval"):
+        return pos + _FIXED_WIDTH.get(name, 8) * rows
+    if name == "Decimal":
+        precision = int(args[0])
+        return pos + (4 if precision <= 9 else 8 if precision <= 18 else 16 if precision <= 38 else 32) * rows
+    if name == "FixedString":
+        return pos + int(args[0]) * rows
+    if name == "String":
+        for _ in range(rows):
+            length, pos = _varint(buf, pos)
+            pos += length
+        return pos
+    if name == "Nullable":
+        return _skip(buf, pos + rows, args[0], rows)
+    if name == "SimpleAggregateFunction":
+        return _skip(buf, pos, args[-1], rows)
+    if name in ("Array", "Map", "Nested"):
+        nested: int = _U64.unpack_from(buf, pos + 8 * (rows - 1))[0]
+        pos += 8 * rows
+        inner = args[0] if name == "Array" else f"Tuple({', '.join(args)})"
+        return _skip(buf, pos, inner, nested)
+    if name == "Tuple":
+        for element in _children(name, args):
+            pos = _skip(buf, pos, element, rows)
+        return pos
+    if name == "LowCardinality":
+        index_type: int = _U64.unpack_from(buf, pos)[0]
+        pos += 8
+        if index_type & _HAS_ADDITIONAL_KEYS:
+            keys: int = _U64.unpack_from(buf, pos)[0]
+            dictionary = _parse_type(args[0])
+            pos = _skip(buf, pos + 8, dictionary[1][0] if dictionary[0] == "Nullable" else args[0], keys)
+        indexes: int = _U64.unpack_from(buf, pos)[0]
+        return pos + 8 + _KEY_WIDTH[index_type & 0xFF] * indexes
+    raise SqlRefused(f"column type {type_name} cannot be sent in Native format to a client_protocol_version client; "
+                     "cast it or use another format", NOT_IMPLEMENTED, "NOT_IMPLEMENTED")
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while buf[pos] & 0x80:
+        value, shift, pos = value | (buf[pos] & 0x7F) << shift, shift + 7, pos + 1
+    return value | buf[pos] << shift, pos + 1
+
+
+def native_for_revision(data: bytes, revision: int) -> bytes:
+    """Re-frame revision-0 Native blocks (what chDB writes) as ClickHouse does for `client_protocol_version`."""
+    if revision <= 0 or not data:
+        return data
+    out, pos, n = bytearray(), 0, len(data)
+    while pos < n:
+        out += BLOCK_INFO
+        start = pos
+        columns, pos = _varint(data, pos)
+        rows, pos = _varint(data, pos)
+        out += data[start:pos]
+        for _ in range(columns):
+            start = pos
+            name_length, pos = _varint(data, pos)
+            type_length, pos = _varint(data, pos + name_length)
+            type_name = data[pos : pos + type_length].decode()
+            pos += type_length
+            out += data[start:pos]
+            if revision >= REVISION_WITH_CUSTOM_SERIALIZATION:
+                out.append(0)  # no custom (sparse) serialization
+            start = pos
+            if rows:
+                pos = _skip(data, pos + 8 * _prefix_count(type_name), type_name, rows)
+            out += data[start:pos]
+    return bytes(out)
+
+
+# ---- errors and content types ---------------------------------------------------------------------------
+
+_HTTP_STATUS = {code: status for status, codes in (
+    (400, (6, 27, 36, 53, 62, 117, 321, 456, 457)), (401, (194,)), (403, (192, 193, 497, 516)), (408, (159,)),
+    (404, (46, 47, 50, 56, 60, 63, 73, 81, 115)), (413, (229,)), (501, (48,)), (503, (202,)),
+) for code in codes}
+_CONTENT_TYPES = (
+    (("json",), "application/json"), (("tabseparated", "tsv"), "text/tab-separated-values"), (("csv",), "text/csv"),
+    (("xml",), "application/xml"), (("pretty", "vertical", "markdown", "values", "prometheus"), "text/plain"),
+)
+
+
+def http_status(code: int) -> int:
+    """The HTTP status ClickHouse answers an exception code with (500 for most)."""
+    return _HTTP_STATUS.get(code, 500)
+
+
+def exception_text(code: int, name: str, message: str) -> str:
+    """A ClickHouse-style exception line: `Code: N. DB::Exception: message. (NAME)`."""
+    if message.startswith("Code: "):
+        return message.rstrip() + "\n"  # already ClickHouse-formatted (chDB passes the engine's text through)
+    return f"Code: {code}. DB::Exception: {message.rstrip('.')}. ({name})\n"
+
+
+def content_type(fmt: str) -> str:
+    """Content-Type ClickHouse sends for an output format."""
+    f = fmt.lower()
+    for prefixes, mime in _CONTENT_TYPES:
+        if f.startswith(prefixes):
+            return f"{mime}; charset=UTF-8"
+    return "application/octet-stream"

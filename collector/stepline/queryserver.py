@@ -1,0 +1,417 @@
+"""Read-only SQL over ClickHouse's own HTTP protocol, answered from the embedded store (CLI, Grafana)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError
+from clickhouse_connect.driver.exceptions import Error as DriverError
+
+from stepline import chhttp
+from stepline.chhttp import SqlRefused
+from stepline.selfmetrics import SelfMetrics
+
+logger = logging.getLogger(__name__)
+
+Settings = tuple[tuple[str, str], ...]
+
+_QUERY_ID = re.compile(r"[\x21-\x7e]{1,128}\Z")  # echoed in a header, so no spaces or control characters
+_PLACEHOLDER = re.compile(r"\{\w+:[^}]+\}")
+_SESSION_WAIT_S = 30.0
+_DRAIN_CAP_BYTES = 64 << 20
+_TEXT = "text/plain; charset=UTF-8"
+
+
+class _Verbatim:
+    """A bind value clickhouse-connect passes on as is: HTTP `param_` values are already ClickHouse escaped text."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _bindings(sql: str, params: Mapping[str, str]) -> dict[str, Any] | None:
+    # Without a {name:Type} placeholder clickhouse-connect would %-format the query client-side instead.
+    if not params or not _PLACEHOLDER.search(sql):
+        return None
+    return {k: _Verbatim(v) for k, v in params.items() if not (k.startswith("$") and k.endswith("$"))}
+
+
+class _Sessions:
+    """Read-only chDB sessions on the store's path, pooled by settings; each runs one query at a time.
+
+    A session applies its settings, then readonly=1, when it opens: nothing it runs later (a query's own SETTINGS,
+    a second statement) can change a setting or write. Per-call settings would not do: clickhouse-connect's chDB
+    backend applies them with SET and restores them after, and readonly=1 would make them stick.
+    """
+
+    def __init__(self, path: str, max_sessions: int) -> None:
+        self._path = path
+        self._max = max_sessions
+        self._idle: dict[Settings, list[Client]] = {}
+        self._count = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def run(self, settings: Settings, database: str, sql: str, params: Mapping[str, str]) -> bytes:
+        session = self._acquire(settings)
+        keep = False
+        try:
+            session.database = database
+            data = session.raw_query(sql, parameters=_bindings(sql, params))
+            keep = True
+            return data
+        except DatabaseError:
+            keep = True  # an engine error leaves the session usable
+            raise
+        finally:
+            self._release(settings, session, keep)
+
+    def _acquire(self, key: Settings) -> Client:
+        deadline = time.monotonic() + _SESSION_WAIT_S
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise SqlRefused("the query endpoint is stopping", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
+                if self._idle.get(key):
+                    return self._idle[key].pop()
+                spare = next((k for k, v in self._idle.items() if v), None)
+                if self._count >= self._max and spare is not None:
+                    self._idle[spare].pop().close()  # idle, so closing it cannot block
+                    self._count -= 1
+                if self._count < self._max:
+                    self._count += 1
+                    break
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise SqlRefused(f"all {self._max} query sessions are busy", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
+        try:  # readonly last: every SET before it is still allowed, none after it is
+            settings = {**dict(key), "readonly": 1}
+            return clickhouse_connect.get_client(interface="chdb", path=self._path, settings=settings)
+        except BaseException:
+            self._release(key, None, keep=False)
+            raise
+
+    def _release(self, key: Settings, session: Client | None, keep: bool) -> None:
+        with self._cond:
+            self._cond.notify()
+            if keep and session is not None and not self._closed:
+                self._idle.setdefault(key, []).append(session)
+                return
+            self._count -= 1
+        if session is not None:
+            session.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle = [s for sessions in self._idle.values() for s in sessions]
+            self._idle.clear()
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for session in idle:
+            session.close()
+
+
+@dataclass
+class _Reply:
+    status: int
+    body: bytes
+    outcome: str  # served | refused | failed | ping
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class QueryEndpoint:
+    """ClickHouse's HTTP interface, read-only, over the embedded (chDB) store a clickhouse-connect client opened.
+
+    The endpoint owns `client` and closes it on stop(); it only reads its path, and runs queries in read-only
+    sessions of its own there. chDB hosts one engine path per process: stop the endpoint before opening another.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        host: str = "127.0.0.1",
+        port: int = 8123,
+        password: str | None = None,
+        database: str = "stepline",
+        max_body_bytes: int = 1 << 20,
+        *,
+        max_execution_time_s: int = 60,
+        max_result_bytes: int = 1 << 30,
+        max_sessions: int = 4,
+        metrics: SelfMetrics | None = None,
+    ) -> None:
+        uri = str(getattr(client, "uri", ""))
+        if not uri.startswith("chdb://"):
+            raise ValueError(f"query endpoint: serves embedded chdb:// stores only, not {uri!r}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"query endpoint: port {port} is outside 0-65535")
+        limits = {"max_body_bytes": max_body_bytes, "max_execution_time_s": max_execution_time_s,
+                  "max_result_bytes": max_result_bytes, "max_sessions": max_sessions}
+        for name, value in limits.items():
+            if value < 1:
+                raise ValueError(f"query endpoint: {name} must be at least 1, got {value}")
+        self._client = client
+        self._sessions = _Sessions(uri[len("chdb://") :], max_sessions)
+        self.host, self._port, self.database, self.max_body_bytes = host, port, database, max_body_bytes
+        self._password = password.encode() if password is not None else None
+        self._base_settings = {"session_timezone": "UTC", "result_overflow_mode": "throw"}
+        self._caps = {"max_execution_time": max_execution_time_s, "max_result_bytes": max_result_bytes}
+        self._counts = {"served": 0, "refused": 0, "failed": 0}
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (useful with port 0), else the configured one."""
+        return self._server.server_address[1] if self._server is not None else self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve on a background thread."""
+        if self._server is not None:
+            raise RuntimeError("query endpoint already started")
+        self._server = _Server((self.host, self._port), _Handler)
+        self._server.endpoint = self
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.2,), name="stepline-query",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("query endpoint listening on %s (password %s)", self.url, "on" if self._password else "off")
+
+    def stop(self) -> None:
+        """Stop serving, then close the read-only sessions and the client."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._sessions.close()
+        self._client.close()
+
+    def stats(self) -> dict[str, int]:
+        """Requests served, refused (read-only guard, password, size) and failed (engine or request errors)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def count(self, outcome: str) -> None:
+        """Count one request's outcome; pings are not counted."""
+        if outcome in self._counts:
+            with self._lock:
+                self._counts[outcome] += 1
+            if self._metrics is not None:
+                self._metrics.queries.labels(outcome=outcome).inc()
+
+    def answer(self, method: str, target: str, headers: Message, body: bytes, peer: str) -> _Reply:
+        """Turn one HTTP request into a reply; never raises."""
+        url = urlsplit(target)
+        params = dict(parse_qsl(url.query, keep_blank_values=True))
+        if url.path in ("/ping", "/replicas_status") or (url.path == "/" and method != "POST" and not params):
+            return _Reply(200, b"Ok.\n", "ping", {"Content-Type": _TEXT})
+        try:
+            if url.path != "/":
+                raise SqlRefused(f"There is no handle {url.path}: use / or /ping", 0, "NO_HANDLE", status=404)
+            self._authenticate(headers, params)
+            reply = self._query(params, headers, body)
+        except SqlRefused as ex:
+            reply = self._error(ex.code, ex.name, str(ex), ex.status)
+        except DatabaseError as ex:
+            reply = self._error(ex.code or 1000, ex.name or "UNKNOWN_EXCEPTION", str(ex))
+        except DriverError as ex:  # e.g. a bind parameter clickhouse-connect rejects
+            reply = self._error(36, "BAD_ARGUMENTS", str(ex), 400)
+        except Exception as ex:
+            logger.exception("query endpoint: internal error answering %s", peer)
+            reply = self._error(1001, "STD_EXCEPTION", f"internal error: {type(ex).__name__}: {ex}")
+        if reply.outcome != "served":
+            line = reply.body.decode(errors="replace").strip().split("\n")[0][:300]
+            logger.warning("query endpoint: %s (HTTP %d) for %s: %s", reply.outcome, reply.status, peer, line)
+        query_id = params.get("query_id", "")
+        reply.headers.update({
+            "X-ClickHouse-Query-Id": query_id if _QUERY_ID.match(query_id) else str(uuid.uuid4()),
+            "X-ClickHouse-Server-Display-Name": "stepline",
+            "X-ClickHouse-Timezone": params.get("session_timezone") or "UTC",
+        })
+        return reply
+
+    def too_large(self, size: int) -> _Reply:
+        """The reply to a body over max_body_bytes."""
+        ex = chhttp.too_large(size, self.max_body_bytes)
+        logger.warning("query endpoint: refused: %s", ex)
+        return self._error(ex.code, ex.name, str(ex))
+
+    def _error(self, code: int, name: str, message: str, status: int | None = None) -> _Reply:
+        refused = code in (chhttp.READONLY, chhttp.AUTHENTICATION_FAILED, chhttp.QUERY_IS_TOO_LARGE)
+        headers = {"Content-Type": _TEXT, "X-ClickHouse-Exception-Code": str(code)}
+        status = status or chhttp.http_status(code)
+        if status == 401:
+            headers["WWW-Authenticate"] = 'Basic realm="stepline", charset="UTF-8"'
+        body = chhttp.exception_text(code, name, message).encode()
+        return _Reply(status, body, "refused" if refused else "failed", headers)
+
+    def _authenticate(self, headers: Message, params: Mapping[str, str]) -> None:
+        if self._password is None:
+            return
+        supplied = headers.get("X-ClickHouse-Key")
+        basic = headers.get("Authorization", "")
+        if supplied is None and basic[:6].lower() == "basic ":
+            try:
+                supplied = base64.b64decode(basic[6:].strip(), validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                supplied = ""
+        supplied = params.get("password") if supplied is None else str(supplied)
+        if supplied is None or not hmac.compare_digest(supplied.encode(), self._password):
+            what = "required" if supplied is None else "failed: password is incorrect"
+            raise SqlRefused(f"default: Authentication {what}", chhttp.AUTHENTICATION_FAILED,
+                             "AUTHENTICATION_FAILED", status=401 if supplied is None else 403)
+
+    def _query(self, params: dict[str, str], headers: Message, body: bytes) -> _Reply:
+        body = chhttp.decompress(headers.get("Content-Encoding", "").strip().lower(), body, self.max_body_bytes)
+        content_type = headers.get("Content-Type", "")
+        if content_type.lower().startswith("multipart/form-data"):
+            params.update(chhttp.form_fields(content_type, body))
+            body = b""
+        try:
+            text, valid = body.decode(), True
+        except UnicodeDecodeError:
+            text, valid = body.decode(errors="replace"), False  # still guarded first: an INSERT's binary rows
+        statement = chhttp.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
+        if not valid:
+            raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
+        fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
+        if not chhttp.NAME.match(fmt):
+            raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
+        settings = chhttp.query_settings(params, self._base_settings, self._caps)
+        sql = statement.sql if statement.format else f"{statement.sql}\nFORMAT {fmt}"
+        binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
+        database = params.get("database") or headers.get("X-ClickHouse-Database") or self.database
+        started = time.monotonic_ns()
+        data = self._sessions.run(tuple(sorted(settings.items())), database, sql, binds)
+        revision = params.get("client_protocol_version", "0")
+        if fmt.lower() == "native" and revision.isdigit():
+            data = chhttp.native_for_revision(data, int(revision))
+        summary = dict.fromkeys(("read_rows", "read_bytes", "written_rows", "written_bytes", "total_rows_to_read",
+                                 "result_rows"), "0")  # chDB does not report these through clickhouse-connect
+        summary.update(result_bytes=str(len(data)), elapsed_ns=str(time.monotonic_ns() - started))
+        return _Reply(200, data, "served", {
+            "Content-Type": chhttp.content_type(fmt), "X-ClickHouse-Format": fmt,
+            "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
+        })
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    endpoint: QueryEndpoint
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, declared: int) -> None:
+        super().__init__(size)
+        self.size, self.declared = size, declared
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: clickhouse-connect and clickhouse-go pool connections
+    server_version = "stepline-query"
+    timeout = 60.0  # an idle keep-alive connection gives its thread back
+    server: _Server
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    def do_POST(self) -> None:
+        self._serve()
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silenced: a request line can carry `password=`; the endpoint logs outcomes itself."""
+
+    def _serve(self, head: bool = False) -> None:
+        endpoint = self.server.endpoint
+        try:
+            body = self._read_body(endpoint.max_body_bytes)
+        except _TooLarge as ex:
+            endpoint.count("refused")
+            self._send(endpoint.too_large(ex.size), head)
+            self._discard(min(ex.declared, _DRAIN_CAP_BYTES))
+            return
+        except (ValueError, OSError) as ex:  # broken framing or a dropped connection: nothing sensible to answer
+            logger.warning("query endpoint: unreadable request from %s: %s", self.client_address[0], ex)
+            endpoint.count("failed")
+            self.close_connection = True
+            return
+        reply = endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0])
+        endpoint.count(reply.outcome)
+        self._send(reply, head)
+
+    def _read_body(self, limit: int) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():  # clickhouse-connect's inserts
+            parts: list[bytes] = []
+            total = 0
+            while size := int(self.rfile.readline(1024).split(b";")[0].strip() or b"x", 16):
+                total += size
+                if total > limit:
+                    raise _TooLarge(total, 0)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline(8)
+            while self.rfile.readline(1024).strip():
+                pass  # trailers
+            return b"".join(parts)
+        declared = int(self.headers.get("Content-Length") or 0)
+        if declared < 0:
+            raise ValueError("negative Content-Length")
+        if declared > limit:
+            raise _TooLarge(declared, declared)
+        return self.rfile.read(declared)
+
+    def _discard(self, size: int) -> None:
+        # Read what the client is still sending, so closing does not reset the connection before it reads the reply.
+        try:
+            self.connection.settimeout(2.0)
+            while size > 0 and (chunk := self.rfile.read(min(size, 1 << 16))):
+                size -= len(chunk)
+        except OSError:
+            pass
+
+    def _send(self, reply: _Reply, head: bool) -> None:
+        try:
+            self.send_response(reply.status)
+            for key, value in reply.headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(reply.body)))
+            if reply.status == 413:  # the rest of the body is left unread
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if not head:
+                self.wfile.write(reply.body)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True

@@ -8,6 +8,7 @@ import time
 
 from stepline import summary
 from stepline.collector import Collector
+from stepline.rows import micros
 from stepline.settings import Settings
 from stepline.sim import server as sim_server
 from stepline.sim.replay import replay
@@ -19,7 +20,6 @@ from stepline.storeurl import default_store_url
 
 log = logging.getLogger(__name__)
 
-ENGINE = "sim"
 REALTIME_DURATION_S = 60.0
 
 
@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
     store_url = args.store or default_store_url()
+    since = time.time()
+    # Each run is an engine of its own: a fast replay is stamped into the recent past, where an
+    # earlier run may already lie, and the two must not blur into one engine's counters.
+    engine = time.strftime("sim-%H%M%S")
     if args.fast:
         interval = args.scrape_interval or 5.0
         workload = make_workload(args.workload, duration_s=args.duration)
@@ -46,13 +50,13 @@ def run(args: argparse.Namespace) -> int:
                                      scrape_interval_s=interval)
         collector = Collector(settings)
         collector.start()
-        _replay(collector, workload, interval)
+        since = _replay(collector, workload, interval, engine)
     else:
         interval = args.scrape_interval or 1.0
         workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
         server = sim_server.serve(workload, host="127.0.0.1", port=0, repeat=False)
         try:
-            settings = Settings.from_env(store=store_url, engines=(f"{ENGINE}={server.url}",), metrics_port=0,
+            settings = Settings.from_env(store=store_url, engines=(f"{engine}={server.url}",), metrics_port=0,
                                          query_port=0, scrape_interval_s=interval)
             collector = Collector(settings)
             collector.start()
@@ -60,20 +64,22 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.stop()
     collector.stop()
-    _print_summary(collector.settings.store)
+    _print_summary(collector.settings.store, engine, since)
     return 0
 
 
-def _replay(collector: Collector, workload: Workload, interval: float) -> None:
+def _replay(collector: Collector, workload: Workload, interval: float, engine: str) -> float:
+    """Replay the workload into the collector's writers; returns when (in stamped time) it began."""
     assert collector.writers is not None
     writers = collector.writers
-    source = VllmMetricsSource(f"http://{ENGINE}.invalid/metrics", SourceContext(collector.settings.host_name,
-                                                                                  collector.clock), engine=ENGINE)
+    source = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(collector.settings.host_name,
+                                                                                  collector.clock), engine=engine)
     started = time.monotonic()
     result = replay(workload, None, interval,
                     lambda ts, body: source.ingest(body, ts, writers.write), keep_records=False)
     print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
           f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
+    return result.start_ts
 
 
 def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, interval: float) -> None:
@@ -99,15 +105,18 @@ def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, i
         print("stopping early")
 
 
-def _print_summary(store_url: str) -> None:
+def _print_summary(store_url: str, engine: str, since: float) -> None:
     store = Store.open(store_url)
+    params = {"since": micros(since), "engine": engine}
+    window = "engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')"
     try:
-        for engine in summary.engines(store):
-            print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
-            print(summary.render(summary.per_minute(store, engine)))
-        counts = store.query("SELECT kind, count() FROM events GROUP BY kind ORDER BY kind").result_rows
-        rows = store.query("SELECT count() FROM engine_samples").result_rows[0][0]
-        print(f"\n{rows} samples in engine_samples; events: " + ", ".join(f"{k} {n}" for k, n in counts))
+        print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
+        print(summary.render(summary.trim_idle(summary.per_minute(store, engine, since))))
+        counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
+                             parameters=params).result_rows
+        rows = store.query(f"SELECT count() FROM engine_samples WHERE {window}", parameters=params).result_rows[0][0]
+        print(f"\n{rows} samples of {engine} in engine_samples; its events: "
+              + ", ".join(f"{k} {n}" for k, n in counts))
     finally:
         store.close()
     print("\nlook further:\n"

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from stepline.rows import micros
+
 
 class Reads(Protocol):
     """Anything that answers a query with rows: a clickhouse-connect client or the Store."""
@@ -62,27 +64,28 @@ SELECT toStartOfMinute(ts) AS minute,
        sumIf(delta, metric = 'vllm:num_preemptions_total') AS preempted,
        dateDiff('millisecond', min(ts), max(ts)) / 1000.0 AS covered_s
 FROM engine_samples
-WHERE engine = {engine:String}
+WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
 GROUP BY minute ORDER BY minute
 """
 
 _BUCKETS = """
 SELECT toStartOfMinute(ts) AS minute, metric, toFloat64(labels['le']) AS le, sum(delta) AS n
 FROM engine_samples
-WHERE engine = {engine:String} AND kind = 'bucket'
+WHERE engine = {engine:String} AND kind = 'bucket' AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
   AND metric IN ('vllm:inter_token_latency_seconds_bucket', 'vllm:time_to_first_token_seconds_bucket')
 GROUP BY minute, metric, le
 """
 
 
-def per_minute(reader: Reads, engine: str) -> list[MinuteSummary]:
-    """Generation rate, latency tails and queue depth per minute for one engine."""
+def per_minute(reader: Reads, engine: str, since: float = 0.0) -> list[MinuteSummary]:
+    """Generation rate, latency tails and queue depth per minute for one engine, from `since` on."""
+    params = {"engine": engine, "since": micros(since)}
     buckets: dict[tuple[datetime, str], list[tuple[float, float]]] = defaultdict(list)
-    for minute, metric, le, n in reader.query(_BUCKETS, parameters={"engine": engine}).result_rows:
+    for minute, metric, le, n in reader.query(_BUCKETS, parameters=params).result_rows:
         buckets[(minute, metric)].append((le, n))
     out = []
     for minute, gen, prompt, finished, waiting, running, kv, preempted, covered_s in reader.query(
-        _PER_MINUTE, parameters={"engine": engine}
+        _PER_MINUTE, parameters=params
     ).result_rows:
         # A partly covered minute (the first and last) is rated over the time it covers.
         seconds = max(1.0, min(60.0, covered_s + 1.0))
@@ -95,9 +98,10 @@ def per_minute(reader: Reads, engine: str) -> list[MinuteSummary]:
     return out
 
 
-def engines(reader: Reads) -> list[str]:
-    """Engines that have samples on the timeline."""
-    return [row[0] for row in reader.query("SELECT DISTINCT engine FROM engine_samples ORDER BY engine").result_rows]
+def trim_idle(summary: Sequence[MinuteSummary]) -> list[MinuteSummary]:
+    """Without the idle minutes after the last one that saw any work."""
+    busy = [i for i, m in enumerate(summary) if m.generation_tokens_per_s or m.running_max or m.waiting_max]
+    return list(summary[: busy[-1] + 1]) if busy else []
 
 
 def render(summary: Sequence[MinuteSummary]) -> str:

@@ -100,6 +100,11 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
         assert "vllm_metrics:127.0.0.1:9  DOWN" in status.stdout, status.stdout
         refused = _stepline("query", "DROP TABLE engine_samples", "--store", url)
         assert refused.returncode == 1 and "read-only" in refused.stderr
+        second = _stepline("collect", "--store", url, "--metrics-port", "0", "--query-port", "0", timeout=60)
+        assert second.returncode == 2
+        assert second.stderr.startswith(f"stepline: the embedded store {demo_store} is in use by another process "
+                                        f"(collector pid {collector.pid}, query endpoint http://127.0.0.1:")
+        assert len(second.stderr.strip().splitlines()) == 1
     finally:
         collector.terminate()
         _, stderr = collector.communicate(timeout=60)

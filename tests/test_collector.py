@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from stepline.sim import server as sim_server
 from stepline.sim.workloads import make_workload
 from stepline.store import read_collector_info
 from stepline.storeurl import parse_store_url
+from stepline.testing import wait_until
 
 
 @pytest.fixture
@@ -23,15 +23,6 @@ def engine() -> Iterator[sim_server.SimServer]:
     server = sim_server.serve(make_workload("steady", duration_s=20), port=0, speed=5.0, repeat=True)
     yield server
     server.stop()
-
-
-def _wait(predicate: object, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
@@ -42,7 +33,7 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
     collector.start()
     try:
         assert collector.store is not None and collector.query_endpoint is not None
-        _wait(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
+        wait_until(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
         # The collector announces its endpoint next to the store; a client reads through it.
         info = read_collector_info(parse_store_url(store_url).path)
         assert info is not None and info.query_url == collector.query_endpoint.url

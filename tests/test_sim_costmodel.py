@@ -1,4 +1,4 @@
-"""Step-cost properties the simulator must reproduce (DESIGN.md's decode collapse)."""
+"""Step-cost properties the simulator must reproduce (the decode collapse seen in production)."""
 
 from __future__ import annotations
 

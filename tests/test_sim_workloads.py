@@ -1,4 +1,4 @@
-"""Workload statistics: deterministic, and shaped like DESIGN.md's traffic."""
+"""Workload statistics: deterministic, and shaped like the reported production traffic."""
 
 from __future__ import annotations
 

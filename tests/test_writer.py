@@ -9,7 +9,7 @@ import pytest
 from stepline.rows import Event
 from stepline.selfmetrics import SelfMetrics
 from stepline.store import Store
-from stepline.testing import MemorySink
+from stepline.testing import MemorySink, wait_until
 from stepline.writer import TableWriter, Writers
 
 
@@ -22,21 +22,12 @@ def _value(metrics: SelfMetrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def _wait(predicate: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 def test_flushes_when_a_batch_is_full_without_waiting_for_the_timer() -> None:
     sink, metrics = MemorySink(), SelfMetrics()
     writer = TableWriter("events", sink, metrics, max_rows=100, batch_rows=10, flush_interval_s=60)
     writer.start()
     assert writer.put([_event(i) for i in range(25)]) == 25
-    _wait(lambda: len(sink.rows("events")) == 20)
+    wait_until(lambda: len(sink.rows("events")) == 20)
     assert [len(b) for b in sink.batches["events"]] == [10, 10]
     writer.stop()
     assert len(sink.rows("events")) == 25  # the remainder is drained on stop
@@ -48,7 +39,7 @@ def test_flushes_on_the_timer_below_batch_size() -> None:
     writer = TableWriter("events", sink, SelfMetrics(), max_rows=100, batch_rows=50, flush_interval_s=0.05)
     writer.start()
     writer.put([_event(1)])
-    _wait(lambda: len(sink.rows("events")) == 1)
+    wait_until(lambda: len(sink.rows("events")) == 1)
     writer.stop()
 
 
@@ -61,9 +52,9 @@ def test_drops_are_counted_when_the_queue_is_full() -> None:
     assert writer.put([_event(i) for i in range(8, 16)]) == 2
     assert writer.depth() == 10
     assert _value(metrics, "stepline_writer_rows_dropped_total", table="events", reason="queue_full") == 6
-    _wait(lambda: _value(metrics, "stepline_writer_write_errors_total", table="events") >= 1)
+    wait_until(lambda: _value(metrics, "stepline_writer_write_errors_total", table="events") >= 1)
     sink.failing = False  # the store comes back: the retried batches land in order, nothing accepted is lost
-    _wait(lambda: len(sink.rows("events")) == 10, timeout_s=10)
+    wait_until(lambda: len(sink.rows("events")) == 10, timeout_s=10)
     assert [r.message for r in sink.rows("events")] == [f"m{i}" for i in range(10)]
     writer.stop()
     assert _value(metrics, "stepline_writer_queue_rows", table="events") == 0

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -26,3 +27,13 @@ class MemorySink:
     def rows(self, table: str) -> list[Any]:
         with self._lock:
             return [row for batch in self.batches.get(table, []) for row in batch]
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
+    """Poll `predicate` until it is truthy; fail the test with AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")

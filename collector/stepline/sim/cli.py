@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOAD_NAMES,
         default="steady",
-        help="traffic to simulate: steady chat, the DESIGN.md burst with monster prompts, or one "
+        help="traffic to simulate: steady chat, a reported production burst with monster prompts, or one "
         "isolated 512k-token request decoding alone (default: %(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")

@@ -1,4 +1,4 @@
-"""Deterministic request streams: steady chat, the DESIGN.md burst, one isolated long request."""
+"""Deterministic request streams: steady chat, a reported production burst, one isolated long request."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ BURST_TAIL = (0.6, 0.75)
 BURST_LEAD_IN_REQUESTS = 30
 BURST_PEAK_REQUESTS = 616
 BURST_TAIL_REQUESTS = 8
-# (fraction of the duration, prompt tokens): uncached monsters, the first the 359k of DESIGN.md.
+# (fraction of the duration, prompt tokens): uncached monsters, the first the 359k-token prompt of the reported incident.
 BURST_MONSTERS = ((0.22, 359_000), (0.32, 150_000), (0.42, 240_000), (0.5, 110_000))
 
 
@@ -97,7 +97,7 @@ def steady(seed: int = 0, duration_s: float = STEADY_DURATION_S, rate_per_s: flo
 
 
 def burst(seed: int = 0, duration_s: float = BURST_DURATION_S) -> Workload:
-    """DESIGN.md's incident: quiet cached chat, then ~620 mostly uncached requests plus monsters."""
+    """A reported production incident: quiet cached chat, then ~620 mostly uncached requests plus monsters."""
     rng = random.Random(f"burst-{seed}")
     scale = duration_s / BURST_DURATION_S
     arrivals: list[Arrival] = []

@@ -22,7 +22,7 @@ BURST_TAIL = (0.6, 0.75)
 BURST_LEAD_IN_REQUESTS = 30
 BURST_PEAK_REQUESTS = 616
 BURST_TAIL_REQUESTS = 8
-# (fraction of the duration, prompt tokens): uncached monsters, the first the 359k-token prompt of the reported incident.
+# (fraction of the duration, prompt tokens): uncached monsters, the first the reported 359k-token prompt.
 BURST_MONSTERS = ((0.22, 359_000), (0.32, 150_000), (0.42, 240_000), (0.5, 110_000))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,3 +54,11 @@ def chdb_client(chdb_dir: Path) -> Iterator[Client]:
     client = clickhouse_connect.get_client(dsn=f"chdb://{chdb_dir}")
     yield client
     client.close()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    """A short directory for Unix sockets: AF_UNIX paths stop at 108 bytes, pytest's tmp_path can be longer."""
+    path = tempfile.mkdtemp(prefix="stepline-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

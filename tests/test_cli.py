@@ -84,7 +84,7 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
     url = f"chdb://{demo_store}"
     collector = subprocess.Popen(
         [sys.executable, "-m", "stepline.cli", "collect", "--store", url, "--metrics-port", "0", "--query-port", "0",
-         "--engine", "http://127.0.0.1:9"],
+         "--engine", "http://127.0.0.1:9", "--otlp-port", "0", "--plugin-socket", str(demo_store.parent / "p.sock")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -100,7 +100,8 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
         assert "vllm_metrics:127.0.0.1:9  DOWN" in status.stdout, status.stdout
         refused = _stepline("query", "DROP TABLE engine_samples", "--store", url)
         assert refused.returncode == 1 and "read-only" in refused.stderr
-        second = _stepline("collect", "--store", url, "--metrics-port", "0", "--query-port", "0", timeout=60)
+        second = _stepline("collect", "--store", url, "--metrics-port", "0", "--query-port", "0", "--otlp-port", "0",
+                           "--plugin-socket", str(demo_store.parent / "p2.sock"), timeout=60)
         assert second.returncode == 2
         assert second.stderr.startswith(f"stepline: the embedded store {demo_store} is in use by another process "
                                         f"(collector pid {collector.pid}, query endpoint http://127.0.0.1:")

@@ -25,10 +25,11 @@ def engine() -> Iterator[sim_server.SimServer]:
     server.stop()
 
 
-def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str,
-                                                               engine: sim_server.SimServer) -> None:
+def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, engine: sim_server.SimServer,
+                                                               sock_dir: str) -> None:
     settings = Settings.from_env({}, store=store_url, engines=(f"sim={engine.url}", "dead=http://127.0.0.1:9"),
-                                 metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1)
+                                 metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1,
+                                 otlp_port=0, plugin_socket=f"{sock_dir}/p.sock")
     collector = Collector(settings)
     collector.start()
     try:

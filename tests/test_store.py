@@ -155,3 +155,10 @@ def test_the_store_directory_may_not_be_a_file(tmp_path: Path) -> None:
     target.write_text("x")
     with pytest.raises(StoreError, match="is a file, not a directory"):
         Store.open(f"chdb://{target}")
+
+
+def test_typed_rows_match_their_tables_column_for_column() -> None:
+    from stepline.rows import TABLE_OF
+
+    for row_type, table in TABLE_OF.items():
+        assert row_type._fields == schema.TABLE_BY_NAME[table].column_names, table

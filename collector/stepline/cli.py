@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--disable-source", action="append", default=None, metavar="NAME",
                          help="switch a source off (repeatable)")
     collect.add_argument("--host-name", help="name of this machine on the timeline (default: hostname)")
+    collect.add_argument("--plugin-socket", metavar="PATH",
+                         help="Unix datagram socket the vLLM stat-logger plugin sends to "
+                              "(default /tmp/stepline-plugin.sock; vLLM side: STEPLINE_PLUGIN_SOCKET)")
+    collect.add_argument("--otlp-port", type=int,
+                         help="port of the OTLP/HTTP trace receiver for vLLM's llm_request spans (default 4318)")
     collect.set_defaults(func=_collect)
 
     query = sub.add_parser("query", help="run read-only SQL against the timeline",
@@ -111,6 +116,7 @@ def _collect(args: argparse.Namespace) -> int:
     settings = Settings.from_env(
         store=args.store, retention_days=args.retention_days, listen=args.listen, metrics_port=args.metrics_port,
         query_port=args.query_port, scrape_interval_s=args.scrape_interval_s, host_name=args.host_name,
+        plugin_socket=args.plugin_socket, otlp_port=args.otlp_port,
         engines=tuple(args.engine) if args.engine else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
     )

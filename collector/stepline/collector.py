@@ -16,7 +16,7 @@ from stepline.rows import Event, micros
 from stepline.runner import Runner, Scheduled
 from stepline.selfmetrics import MetricsServer, SelfMetrics
 from stepline.settings import Settings
-from stepline.sources.base import SourceContext
+from stepline.sources.base import Source, SourceContext
 from stepline.store import CollectorInfo, Store, remove_collector_info, write_collector_info
 from stepline.writer import Writers
 
@@ -35,6 +35,7 @@ class Collector:
         self.runner: Runner | None = None
         self.metrics_server: MetricsServer | None = None
         self.query_endpoint: QueryEndpoint | None = None
+        self.sources: list[Source] = []
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -63,6 +64,7 @@ class Collector:
         except BaseException:
             self._close()
             raise
+        self.sources = [item.source for item in scheduled]
         self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name)
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
                    f"{store.url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),

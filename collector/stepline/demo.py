@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import tempfile
+import threading
 import time
+from typing import Any
 
 from stepline import summary
 from stepline.collector import Collector
 from stepline.rows import micros
 from stepline.settings import Settings
 from stepline.sim import server as sim_server
+from stepline.sim.config import EngineConfig
+from stepline.sim.records import StepRecord
 from stepline.sim.replay import replay
+from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import WORKLOAD_NAMES, Workload, make_workload
 from stepline.sources.base import SourceContext
+from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.vllm_metrics import VllmMetricsSource
 from stepline.store import Store
 from stepline.storeurl import default_store_url
@@ -43,40 +51,76 @@ def run(args: argparse.Namespace) -> int:
     # Each run is an engine of its own: a fast replay is stamped into the recent past, where an
     # earlier run may already lie, and the two must not blur into one engine's counters.
     engine = time.strftime("sim-%H%M%S")
-    if args.fast:
-        interval = args.scrape_interval or 5.0
-        workload = make_workload(args.workload, duration_s=args.duration)
-        settings = Settings.from_env(store=store_url, engines=(), metrics_port=0, query_port=0,
-                                     scrape_interval_s=interval)
-        collector = Collector(settings)
-        collector.start()
-        since = _replay(collector, workload, interval, engine)
-    else:
-        interval = args.scrape_interval or 1.0
-        workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
-        server = sim_server.serve(workload, host="127.0.0.1", port=0, repeat=False)
-        try:
-            settings = Settings.from_env(store=store_url, engines=(f"{engine}={server.url}",), metrics_port=0,
-                                         query_port=0, scrape_interval_s=interval)
-            collector = Collector(settings)
+    config = EngineConfig()
+    with tempfile.TemporaryDirectory(prefix="stepline-demo-") as sockets:
+        base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
+                "plugin_socket": os.path.join(sockets, "plugin.sock")}
+        if args.fast:
+            interval = args.scrape_interval or 5.0
+            workload = make_workload(args.workload, duration_s=args.duration)
+            collector = Collector(Settings.from_env(engines=(), scrape_interval_s=interval, **base))
             collector.start()
-            _watch(collector, server, workload.duration_s + workload.drain_s, interval)
-        finally:
-            server.stop()
-    collector.stop()
+            telemetry = _telemetry(collector, engine, config)
+            since = _replay(collector, workload, config, interval, engine, telemetry)
+        else:
+            interval = args.scrape_interval or 1.0
+            workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
+            forward = _Forward()
+            server = sim_server.serve(workload, config, host="127.0.0.1", port=0, repeat=False, on_step=forward)
+            try:
+                collector = Collector(Settings.from_env(engines=(f"{engine}={server.url}",),
+                                                        scrape_interval_s=interval, **base))
+                collector.start()
+                telemetry = _telemetry(collector, engine, config)
+                forward.attach(telemetry)
+                _watch(collector, server, workload.duration_s + workload.drain_s, interval)
+            finally:
+                server.stop()
+        telemetry.close()
+        collector.stop()
     _print_summary(collector.settings.store, engine, since)
     return 0
 
 
-def _replay(collector: Collector, workload: Workload, interval: float, engine: str) -> float:
+class _Forward:
+    """Holds the simulator's first steps until the collector's receivers exist, then forwards them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._early: list[StepRecord] = []
+        self._target: Telemetry | None = None
+
+    def __call__(self, step: StepRecord) -> None:
+        with self._lock:
+            if self._target is None:
+                self._early.append(step)
+                return
+            self._target.on_step(step)
+
+    def attach(self, target: Telemetry) -> None:
+        with self._lock:
+            self._target = target
+            for step in self._early:
+                target.on_step(step)
+            self._early.clear()
+
+
+def _telemetry(collector: Collector, engine: str, config: EngineConfig) -> Telemetry:
+    """The simulated engine's plugin and span exporter, pointed at this collector's receivers."""
+    otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+    return Telemetry(engine, config, plugin_socket=collector.settings.plugin_socket, otlp_endpoint=otlp.url)
+
+
+def _replay(collector: Collector, workload: Workload, config: EngineConfig, interval: float, engine: str,
+            telemetry: Telemetry) -> float:
     """Replay the workload into the collector's writers; returns when (in stamped time) it began."""
     assert collector.writers is not None
     writers = collector.writers
     source = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(collector.settings.host_name,
                                                                                   collector.clock), engine=engine)
     started = time.monotonic()
-    result = replay(workload, None, interval,
-                    lambda ts, body: source.ingest(body, ts, writers.write), keep_records=False)
+    result = replay(workload, config, interval, lambda ts, body: source.ingest(body, ts, writers.write),
+                    on_step=telemetry.on_step, keep_records=False)
     print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
           f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
     return result.start_ts

@@ -38,9 +38,66 @@ class Event(NamedTuple):
     attributes: dict[str, str]
 
 
-Row = EngineSample | Event
+class Step(NamedTuple):
+    """One engine iteration, as the stat-logger plugin saw it."""
 
-TABLE_OF: dict[type, str] = {
+    ts: int
+    host: str
+    engine: str
+    engine_index: int
+    model_name: str
+    step: int
+    elapsed_ms: float
+    num_ctx_requests: int
+    num_ctx_tokens: int
+    num_generation_requests: int
+    num_generation_tokens: int
+    running: int
+    waiting: int
+    skipped_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preempted: int
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    ttft_seconds: list[float]
+    itl_seconds: list[float]
+    is_dummy: bool
+
+
+class Request(NamedTuple):
+    """One finished request; ts is when it finished, arrival_ts when it reached the server."""
+
+    ts: int
+    host: str
+    engine: str
+    engine_index: int
+    model_name: str
+    request_id: str
+    source: str  # "plugin" or "otlp"
+    finish_reason: str
+    arrival_ts: int
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    inference_seconds: float
+    e2e_seconds: float
+    ttft_seconds: float
+    mean_tpot_seconds: float
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    max_tokens: int
+    preemptions: int
+
+
+Row = EngineSample | Event | Step | Request
+
+TABLE_OF: dict[type[Row], str] = {
     EngineSample: "engine_samples",
     Event: "events",
+    Step: "steps",
+    Request: "requests",
 }

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event, Row, micros
 from stepline.selfmetrics import SelfMetrics
-from stepline.sources.base import Source, SourceError
+from stepline.sources.base import Counting, Listener, Source, SourceError
 from stepline.writer import Writers
 
 log = logging.getLogger(__name__)
@@ -37,18 +37,35 @@ class Runner:
         self._threads: list[threading.Thread] = []
         self._error_log = RateLimitedLog(log, interval_s=30.0)
         self._last_error: dict[str, str] = {}
+        self._last_counts: dict[str, dict[str, int]] = {}
 
     def start(self) -> None:
+        """Bind every listening source first (a taken port fails start-up), then start polling."""
+        started: list[Listener] = []
+        try:
+            for item in self._scheduled:
+                if isinstance(item.source, Listener):
+                    item.source.start()
+                    started.append(item.source)
+        except BaseException:
+            for listener in started:
+                listener.stop()
+            raise
         for item in self._scheduled:
             thread = threading.Thread(target=self._loop, args=(item,), name=f"source-{item.source.name}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop polling; listeners stop receiving, and what they had received is polled one last time."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        for item in self._scheduled:
+            if isinstance(item.source, Listener):
+                item.source.stop()
+                self.poll_once(item.source)
 
     def poll_once(self, source: Source) -> bool:
         """Poll one source now; returns whether the poll succeeded."""
@@ -71,10 +88,19 @@ class Runner:
         self._metrics.source_seconds.labels(name).set(time.perf_counter() - started)
         self._metrics.source_up.labels(name).set(1 if ok else 0)
         self._metrics.source_rows.labels(name).inc(rows)
+        if isinstance(source, Counting):
+            self._publish_counts(name, source.stats())
         if ok and name in self._last_error:
             log.info("source %s recovered", name)
             del self._last_error[name]
         return ok
+
+    def _publish_counts(self, name: str, counts: Mapping[str, int]) -> None:
+        last = self._last_counts.setdefault(name, {})
+        for counter, value in counts.items():
+            if value > last.get(counter, 0):
+                self._metrics.source_counts.labels(name, counter).inc(value - last.get(counter, 0))
+            last[counter] = value
 
     def _failed(self, name: str, message: str, *, traceback: bool) -> None:
         self._metrics.source_errors.labels(name).inc()

@@ -45,12 +45,20 @@ class SelfMetrics:
         self.source_errors = Counter(
             "stepline_source_errors", "Polls of the source that failed.", ["source"], registry=r
         )
+        self.source_counts = Counter(
+            "stepline_source_counts", "What a source counted: datagrams, malformed input, data the engine side "
+            "dropped, spans rejected.", ["source", "counter"], registry=r,
+        )
         self.source_rows = Counter(
             "stepline_source_rows", "Rows the source produced.", ["source"], registry=r
         )
         self.engine_up = Gauge(
             "stepline_engine_up", "1 when the engine's /metrics answered with a valid exposition.", ["engine"],
             registry=r,
+        )
+        self.requests_deduplicated = Counter(
+            "stepline_requests_deduplicated", "Finished requests already written from another source, by the source "
+            "whose report was skipped.", ["source"], registry=r,
         )
         self.queries = Counter(
             "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],

@@ -31,6 +31,9 @@ class Settings:
     scrape_interval_s: float = 5.0
     scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
     disabled_sources: frozenset[str] = frozenset()
+    plugin_socket: str = "/tmp/stepline-plugin.sock"
+    otlp_port: int = 4318
+    otlp_token: str | None = field(default=None, repr=False)
     writer_max_rows: int = 200_000
     writer_batch_rows: int = 20_000
     flush_interval_s: float = 1.0
@@ -66,7 +69,7 @@ class Settings:
             raise SettingsError(str(exc)) from None
         if self.retention_days < 1:
             raise SettingsError(f"retention must be at least 1 day, got {self.retention_days}")
-        for name in ("metrics_port", "query_port"):
+        for name in ("metrics_port", "query_port", "otlp_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise SettingsError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
@@ -123,4 +126,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("scrape_interval_s", "STEPLINE_SCRAPE_INTERVAL", float),
     ("scrape_timeout_s", "STEPLINE_SCRAPE_TIMEOUT", float),
     ("disabled_sources", "STEPLINE_DISABLED_SOURCES", _names),
+    ("plugin_socket", "STEPLINE_PLUGIN_SOCKET", str),
+    ("otlp_port", "STEPLINE_OTLP_PORT", int),
+    ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
 )

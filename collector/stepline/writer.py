@@ -10,8 +10,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from stepline import schema
+from stepline.dedup import RecentRequests
 from stepline.ratelimit import RateLimitedLog
-from stepline.rows import TABLE_OF, Row
+from stepline.rows import TABLE_OF, Request, Row
 from stepline.selfmetrics import SelfMetrics
 
 log = logging.getLogger(__name__)
@@ -149,12 +150,15 @@ class TableWriter:
 
 
 class Writers:
-    """One TableWriter per table; routes typed rows to theirs."""
+    """One TableWriter per table; routes typed rows to theirs, writing each request once."""
 
-    def __init__(self, sink: Sink, metrics: SelfMetrics, **writer_options: Any) -> None:
+    def __init__(self, sink: Sink, metrics: SelfMetrics, *, recent: RecentRequests | None = None,
+                 **writer_options: Any) -> None:
         self._writers = {
             table.name: TableWriter(table.name, sink, metrics, **writer_options) for table in schema.TABLES
         }
+        self._recent = recent or RecentRequests()
+        self._duplicates = metrics.requests_deduplicated
 
     def start(self) -> None:
         for writer in self._writers.values():
@@ -164,6 +168,9 @@ class Writers:
         """Queue typed rows for their tables; returns how many were accepted."""
         by_table: dict[str, list[Row]] = {}
         for row in rows:
+            if isinstance(row, Request) and not self._recent.first_time(row.engine, row.request_id):
+                self._duplicates.labels(row.source).inc()
+                continue
             by_table.setdefault(TABLE_OF[type(row)], []).append(row)
         return sum(self._writers[table].put(batch) for table, batch in by_table.items())
 

@@ -10,6 +10,7 @@ from types import FrameType
 
 from stepline.sim.config import DEFAULT_MODEL, EngineConfig
 from stepline.sim.server import serve
+from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import WORKLOAD_NAMES, make_workload
 
 _DEFAULTS = EngineConfig()
@@ -66,6 +67,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the workload's own: steady 300, burst 600, isolated 60)",
     )
     parser.add_argument(
+        "--plugin-socket",
+        metavar="PATH",
+        help="also send every step through stepline's vLLM stat-logger plugin to this sidecar socket "
+        "(e.g. /tmp/stepline-plugin.sock; default: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="also export an llm_request span per finished request over OTLP/HTTP to this base URL "
+        "(e.g. http://127.0.0.1:4318; default: off)",
+    )
+    parser.add_argument(
+        "--engine-name",
+        default="vllm",
+        help="engine name the plugin and the spans report (default: %(default)s)",
+    )
+    parser.add_argument(
         "--once",
         action="store_true",
         help="play the workload once and then idle (default: repeat it for as long as the server runs)",
@@ -83,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             num_gpu_blocks=args.num_gpu_blocks,
         )
-        server = serve(workload, config, host=args.host, port=args.port, speed=args.speed, repeat=not args.once)
+        telemetry = Telemetry(args.engine_name, config, plugin_socket=args.plugin_socket,
+                              otlp_endpoint=args.otlp_endpoint)
+        server = serve(workload, config, host=args.host, port=args.port, speed=args.speed, repeat=not args.once,
+                       on_step=telemetry.on_step)
     except ValueError as error:
         print(f"stepline sim: {error}", file=sys.stderr)
         return 2
@@ -105,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         stop.wait()
     finally:
         server.stop()
+        telemetry.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from stepline.clock import Clock, SystemClock
 from stepline.sim.config import EngineConfig
-from stepline.sim.engine import Simulation
+from stepline.sim.engine import Simulation, StepCallback
 from stepline.sim.metrics import CONTENT_TYPE
 from stepline.sim.workloads import Workload
 
@@ -127,10 +127,11 @@ def serve(
     repeat: bool = True,
     clock: Clock | None = None,
     tick_s: float = 0.05,
+    on_step: StepCallback | None = None,
 ) -> SimServer:
     """Start serving a simulated engine; port 0 picks a free one. Call `.stop()` when done."""
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     clock = clock or SystemClock()
-    simulation = Simulation(workload, config, clock, repeat=repeat)
+    simulation = Simulation(workload, config, clock, repeat=repeat, on_step=on_step)
     return SimServer(simulation, host, port, speed, clock, tick_s)

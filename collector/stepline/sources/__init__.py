@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from stepline.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
+from stepline.sources.otlp import OtlpReceiver
+from stepline.sources.plugin_receiver import PluginReceiver
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,14 @@ def _vllm_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
     return list(vllm_metrics.build(ctx, settings.engines, settings.scrape_timeout))
 
 
+def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
+    return [PluginReceiver(ctx, settings.plugin_socket)]
+
+
+def _otlp(settings: Settings, ctx: SourceContext) -> list[Source]:
+    return [OtlpReceiver(ctx, settings.listen, settings.otlp_port, token=settings.otlp_token)]
+
+
 REGISTRY: tuple[SourceSpec, ...] = (
     SourceSpec(
         "vllm_metrics",
@@ -32,6 +42,20 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: s.scrape_interval_s,
         _vllm_metrics,
+    ),
+    SourceSpec(
+        "plugin",
+        "receive every engine step and finished request from the vLLM stat-logger plugin (Unix datagram socket)",
+        True,
+        lambda s: 0.001,  # each poll reads for a 0.2 s window itself: this is only the gap between reads
+        _plugin,
+    ),
+    SourceSpec(
+        "otlp",
+        "receive vLLM's llm_request spans over OTLP/HTTP into requests",
+        True,
+        lambda s: 0.5,
+        _otlp,
     ),
 )
 

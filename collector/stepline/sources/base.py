@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from stepline.clock import Clock
 from stepline.rows import Row
@@ -32,3 +32,22 @@ class SourceContext:
 
     host: str
     clock: Clock
+
+
+@runtime_checkable
+class Listener(Protocol):
+    """A source that receives pushed data (datagrams, OTLP) and so owns a socket between start and stop."""
+
+    def start(self) -> None:
+        """Bind and begin receiving; raise OSError with a clear message when the address is taken."""
+
+    def stop(self) -> None:
+        """Stop receiving; data already received stays available to the next poll."""
+
+
+@runtime_checkable
+class Counting(Protocol):
+    """A source that keeps counts of its own (datagrams, rejects, drops) for the collector to export."""
+
+    def stats(self) -> Mapping[str, int]:
+        """Cumulative counts by name."""

@@ -1,0 +1,40 @@
+"""What of vLLM's configuration the timeline needs, read defensively (fields move between versions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (section of VllmConfig, attribute, name on the timeline)
+FIELDS = (
+    ("model_config", "model", "model"),
+    ("model_config", "max_model_len", "max_model_len"),
+    ("scheduler_config", "max_num_batched_tokens", "max_num_batched_tokens"),
+    ("scheduler_config", "max_num_seqs", "max_num_seqs"),
+    ("scheduler_config", "enable_chunked_prefill", "enable_chunked_prefill"),
+    ("scheduler_config", "long_prefill_token_threshold", "long_prefill_token_threshold"),
+    ("scheduler_config", "prefill_schedule_interval", "prefill_schedule_interval"),
+    ("scheduler_config", "policy", "scheduling_policy"),
+    ("cache_config", "block_size", "block_size"),
+    ("cache_config", "num_gpu_blocks", "num_gpu_blocks"),
+    ("cache_config", "enable_prefix_caching", "enable_prefix_caching"),
+    ("cache_config", "gpu_memory_utilization", "gpu_memory_utilization"),
+    ("parallel_config", "tensor_parallel_size", "tensor_parallel_size"),
+    ("parallel_config", "data_parallel_size", "data_parallel_size"),
+    ("speculative_config", "method", "speculative_method"),
+    ("speculative_config", "num_speculative_tokens", "num_speculative_tokens"),
+)
+
+
+def describe_config(vllm_config: Any, engine_index: int = 0) -> dict[str, Any]:
+    """The settings that decide scheduling, as plain values; a missing section or field is left out."""
+    described: dict[str, Any] = {"engine_index": engine_index}
+    for section_name, attribute, name in FIELDS:
+        section = getattr(vllm_config, section_name, None)
+        if section is None:
+            continue
+        value = getattr(section, attribute, None)
+        if value is None:
+            continue
+        described[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    described["speculative_decoding"] = getattr(vllm_config, "speculative_config", None) is not None
+    return described

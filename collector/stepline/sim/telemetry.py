@@ -1,0 +1,144 @@
+"""What a simulated engine sends besides /metrics: plugin datagrams and OTLP `llm_request` spans.
+
+The plugin is the real one (PluginCore, fed vLLM-shaped stand-ins per step); the spans go through
+the real opentelemetry-sdk and its OTLP/HTTP exporter, with the attributes vLLM sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from stepline.plugin import standins
+from stepline.plugin.core import PluginCore
+from stepline.sim.config import EngineConfig
+from stepline.sim.records import FinishedRequest, StepRecord
+
+_REASONS = {"stop": standins.FinishReason.STOP, "length": standins.FinishReason.LENGTH,
+            "abort": standins.FinishReason.ABORT}
+
+
+def scheduler_stats(step: StepRecord) -> standins.SchedulerStats:
+    """The SchedulerStats (with iteration details) vLLM would hand its stat loggers for this step."""
+    return standins.SchedulerStats(
+        num_running_reqs=step.num_running_reqs,
+        num_waiting_reqs=step.num_waiting_reqs,
+        kv_cache_usage=step.kv_cache_usage,
+        iteration_details=standins.SchedulerIterationDetails(
+            iteration_index=step.iteration_index,
+            num_ctx_requests=step.num_ctx_requests,
+            num_ctx_tokens=step.num_ctx_tokens,
+            num_generation_requests=step.num_generation_requests,
+            num_generation_tokens=step.num_generation_tokens,
+            elapsed_ms=step.elapsed_ms,
+        ),
+        prefix_cache_stats=standins.PrefixCacheStats(
+            requests=step.prefix_cache_requests, queries=step.prefix_cache_queries, hits=step.prefix_cache_hits
+        ),
+    )
+
+
+def iteration_stats(step: StepRecord) -> standins.IterationStats:
+    """The IterationStats vLLM would hand its stat loggers for this step."""
+    return standins.IterationStats(
+        iteration_timestamp=step.ts,
+        num_generation_tokens=step.num_output_tokens,
+        num_preempted_reqs=step.num_preempted_reqs,
+        finished_requests=[_finished(r) for r in step.finished_requests],
+        time_to_first_tokens_iter=list(step.time_to_first_tokens_iter),
+        inter_token_latencies_iter=list(step.inter_token_latencies_iter),
+    )
+
+
+def _finished(r: FinishedRequest) -> standins.FinishedRequestStats:
+    return standins.FinishedRequestStats(
+        finish_reason=_REASONS[r.finish_reason],
+        request_id=r.request_id,
+        e2e_latency=r.e2e_latency,
+        num_prompt_tokens=r.num_prompt_tokens,
+        num_generation_tokens=r.num_generation_tokens,
+        max_tokens_param=r.max_tokens_param,
+        queued_time=r.queued_time,
+        prefill_time=r.prefill_time,
+        inference_time=r.inference_time,
+        decode_time=r.decode_time,
+        mean_time_per_output_token=r.mean_time_per_output_token,
+        num_cached_tokens=r.num_cached_tokens,
+        num_preemptions=r.num_preemptions,
+    )
+
+
+def engine_config(config: EngineConfig) -> dict[str, Any]:
+    """The configuration the plugin reports at engine start-up."""
+    return {
+        "model": config.model,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": config.long_prefill_token_threshold,
+        "block_size": config.block_size,
+        "num_gpu_blocks": config.num_gpu_blocks,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "speculative_decoding": False,
+        "engine_index": int(config.engine),
+    }
+
+
+class Telemetry:
+    """Sends each simulated step through the plugin and each finished request as an OTLP span."""
+
+    def __init__(self, engine: str, config: EngineConfig, *, plugin_socket: str | None = None,
+                 otlp_endpoint: str | None = None) -> None:
+        self.plugin = PluginCore(engine, plugin_socket) if plugin_socket else None
+        self._engine_index = int(config.engine)
+        self._provider: TracerProvider | None = None
+        if otlp_endpoint:
+            self._provider = TracerProvider(resource=Resource.create({"service.name": engine}))
+            self._provider.add_span_processor(BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=f"{otlp_endpoint.rstrip('/')}/v1/traces"), max_queue_size=65_536,
+            ))
+        self._tracer = self._provider.get_tracer("stepline.sim") if self._provider else None
+        self._model = config.model
+        if self.plugin is not None:
+            self.plugin.engine_initialized(engine_config(config))
+
+    def on_step(self, step: StepRecord) -> None:
+        """Report one finished step, as vLLM's output processor would."""
+        if self.plugin is not None:
+            self.plugin.record(scheduler_stats(step), iteration_stats(step), self._engine_index)
+        if self._tracer is not None:
+            for request in step.finished_requests:
+                self._span(request)
+
+    def _span(self, r: FinishedRequest) -> None:
+        assert self._tracer is not None
+        span = self._tracer.start_span(
+            "llm_request", kind=SpanKind.SERVER, start_time=round(r.arrival_ts * 1e9),
+            attributes={
+                "gen_ai.request.id": r.request_id,
+                "gen_ai.response.model": self._model,
+                "gen_ai.usage.prompt_tokens": r.num_prompt_tokens,
+                "gen_ai.usage.completion_tokens": r.num_generation_tokens,
+                "gen_ai.request.max_tokens": r.max_tokens_param,
+                "gen_ai.latency.time_in_queue": r.queued_time,
+                "gen_ai.latency.time_to_first_token": r.time_to_first_token,
+                "gen_ai.latency.e2e": r.e2e_latency,
+                "gen_ai.latency.time_in_model_prefill": r.prefill_time,
+                "gen_ai.latency.time_in_model_decode": r.decode_time,
+                "gen_ai.latency.time_in_model_inference": r.inference_time,
+            },
+        )
+        span.end(end_time=round(r.finished_ts * 1e9))
+
+    def close(self) -> None:
+        """Send everything still buffered."""
+        if self.plugin is not None:
+            self.plugin.close()
+        if self._provider is not None:
+            self._provider.force_flush()
+            self._provider.shutdown()

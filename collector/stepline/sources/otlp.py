@@ -1,0 +1,333 @@
+"""Source: an OTLP/HTTP trace receiver; vLLM's `llm_request` spans become `requests` rows.
+
+OTLP/gRPC is not served (grpcio is a heavy dependency): run vLLM with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from google.protobuf import json_format  # type: ignore[import-untyped]
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+from stepline.ratelimit import RateLimitedLog
+from stepline.rows import Request
+from stepline.sources.base import Emit, SourceContext
+from stepline.sources.otlp_decode import (
+    ENCODINGS,
+    JSON,
+    PROTOBUF,
+    BodyTooLarge,
+    Decoded,
+    OtlpDecodeError,
+    decode,
+    inflate,
+)
+
+logger = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"
+STATS_KEYS = ("spans_accepted", "spans_ignored", "spans_rejected", "requests_accepted", "requests_bad",
+              "requests_too_large", "requests_unauthorized", "requests_busy", "requests_unsupported")
+_DRAIN_CAP_BYTES = 1 << 20
+# google.rpc.Code for each status we answer; OTLP/HTTP error bodies are a google.rpc.Status.
+_RPC_CODE = {400: 3, 401: 16, 404: 12, 405: 12, 411: 3, 413: 8, 415: 3, 503: 14}
+_COUNTER = {400: "requests_bad", 401: "requests_unauthorized", 404: "requests_unsupported",
+            405: "requests_unsupported", 411: "requests_unsupported", 413: "requests_too_large",
+            415: "requests_unsupported", 503: "requests_busy"}
+
+
+def rpc_status(code: int, message: str) -> bytes:
+    """A serialized google.rpc.Status {code, message}.
+
+    Encoded by hand: google.rpc ships in googleapis-common-protos, which opentelemetry-proto does not depend on,
+    and the message is two scalar fields.
+    """
+    text = message.encode("utf-8")
+    return b"\x08" + _varint(code) + b"\x12" + _varint(len(text)) + text
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+@dataclass
+class _Reply:
+    status: int
+    body: bytes
+    content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+    read_body: bool = True  # False: the body was left unread, so the connection must close
+
+
+class OtlpReceiver:
+    """Receives OTLP/HTTP trace exports on a background thread; poll() hands the rows over."""
+
+    def __init__(
+        self,
+        ctx: SourceContext,
+        host: str = "127.0.0.1",
+        port: int = 4318,
+        *,
+        max_body_bytes: int = 8 << 20,
+        max_pending_rows: int = 100_000,
+        token: str | None = None,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"otlp receiver: port {port} is outside 0-65535")
+        for what, value in (("max_body_bytes", max_body_bytes), ("max_pending_rows", max_pending_rows)):
+            if value < 1:
+                raise ValueError(f"otlp receiver: {what} must be at least 1, got {value}")
+        if token is not None and not token:
+            raise ValueError("otlp receiver: token must not be empty (use None for no authentication)")
+        self._ctx = ctx
+        self.host = host
+        self._port = port
+        self.max_body_bytes = max_body_bytes
+        self.max_pending_rows = max_pending_rows
+        self._token = token.encode() if token is not None else None
+        self._pending: list[Request] = []
+        self._counts = dict.fromkeys(STATS_KEYS, 0)
+        self._lock = threading.Lock()
+        self._log = RateLimitedLog(logger)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return "otlp"
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (useful with port 0), else the configured one."""
+        return self._server.server_address[1] if self._server is not None else self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve on a background thread."""
+        if self._server is not None:
+            raise RuntimeError("otlp receiver already started")
+        try:
+            server = _Server((self.host, self._port), _Handler)
+        except OSError as exc:
+            raise OSError(exc.errno, f"otlp receiver cannot listen on {self.host}:{self._port}: {exc.strerror}"
+                          ) from exc
+        server.receiver = self
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="stepline-otlp", daemon=True)
+        self._thread.start()
+        logger.info("otlp receiver listening on %s%s (token %s)", self.url, TRACES_PATH,
+                    "on" if self._token else "off")
+
+    def stop(self) -> None:
+        """Stop serving and release the port; rows received stay for the next poll."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def poll(self, emit: Emit) -> None:
+        """Emit the rows received since the last poll."""
+        with self._lock:
+            rows, self._pending = self._pending, []
+        if rows:
+            emit(rows)
+
+    def stats(self) -> dict[str, int]:
+        """Spans accepted, ignored (not llm_request) and rejected; requests by outcome."""
+        with self._lock:
+            return dict(self._counts)
+
+    def refuse_early(self, method: str, target: str, headers: Message) -> _Reply | None:
+        """The reply to a request that fails before its body is read (path, method, auth, framing, size), or None."""
+        path = urlsplit(target).path
+        media_type = _media_type(headers)
+        if path != TRACES_PATH:
+            return self._refuse(404, f"no handler for {path[:100]!r}: OTLP traces go to POST {TRACES_PATH}",
+                                media_type, read=False)
+        if method != "POST":
+            return self._refuse(405, f"{method} is not allowed: use POST", media_type, read=False,
+                                headers={"Allow": "POST"})
+        if self._token is not None and not self._authorized(headers.get("Authorization", "")):
+            return self._refuse(401, "a valid 'Authorization: Bearer <token>' header is required", media_type,
+                                read=False, headers={"WWW-Authenticate": 'Bearer realm="stepline"'})
+        if headers.get("Transfer-Encoding"):
+            return self._refuse(411, "chunked bodies are not accepted: send Content-Length", media_type,
+                                read=False)
+        length = headers.get("Content-Length")
+        if length is None:
+            return self._refuse(411, "Content-Length is required", media_type, read=False)
+        if not length.strip().isdigit():
+            return self._refuse(400, f"Content-Length {length[:40]!r} is not a byte count", media_type, read=False)
+        if int(length) > self.max_body_bytes:
+            return self._refuse(413, f"body of {int(length)} bytes is over the {self.max_body_bytes}-byte limit",
+                                media_type, read=False)
+        if media_type not in (PROTOBUF, JSON):
+            shown = headers.get("Content-Type", "")[:60] or "no Content-Type"
+            return self._refuse(415, f"{shown!r} is not supported: send {PROTOBUF} or {JSON}", PROTOBUF, read=False)
+        encoding = headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ENCODINGS:
+            return self._refuse(415, f"Content-Encoding {encoding[:40]!r} is not supported: use gzip, deflate or "
+                                     "none", media_type, read=False)
+        return None
+
+    def answer(self, headers: Message, body: bytes) -> _Reply:
+        """The reply to an export whose body (at most max_body_bytes) was read; never raises."""
+        media_type = _media_type(headers)
+        with self._lock:
+            full = len(self._pending) >= self.max_pending_rows
+        if full:
+            return self._busy(media_type)
+        try:
+            payload = inflate(body, headers.get("Content-Encoding", ""), self.max_body_bytes)
+            decoded = decode(payload, media_type, self._ctx.host)
+        except BodyTooLarge as exc:
+            return self._refuse(413, str(exc), media_type)
+        except OtlpDecodeError as exc:
+            return self._refuse(400, str(exc), media_type)
+        except Exception as exc:  # a bug here must not kill the handler thread silently
+            logger.exception("otlp receiver: internal error decoding an export")
+            return _Reply(500, rpc_status(13, f"internal error: {type(exc).__name__}"), PROTOBUF)
+        if not self._admit(decoded):
+            return self._busy(media_type)
+        if decoded.rejected:
+            self._log.warning("rejected_spans", "otlp receiver: %s", decoded.error_message)
+        response = ExportTraceServiceResponse()
+        if decoded.rejected:
+            response.partial_success.rejected_spans = decoded.rejected
+            response.partial_success.error_message = decoded.error_message
+        return _Reply(200, _encode(response, media_type), media_type)
+
+    def _admit(self, decoded: Decoded) -> bool:
+        # All or nothing, so a retried batch is not half duplicated; an empty buffer takes any batch, so a batch
+        # larger than the buffer is not refused for ever.
+        with self._lock:
+            pending = len(self._pending)
+            if decoded.rows and pending and pending + len(decoded.rows) > self.max_pending_rows:
+                return False
+            self._pending.extend(decoded.rows)
+            self._counts["spans_accepted"] += len(decoded.rows)
+            self._counts["spans_ignored"] += decoded.ignored
+            self._counts["spans_rejected"] += decoded.rejected
+            self._counts["requests_accepted"] += 1
+        return True
+
+    def _busy(self, media_type: str) -> _Reply:
+        message = f"{self.max_pending_rows} rows are waiting for the collector: retry later"
+        return self._refuse(503, message, media_type)
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, supplied = header.strip().partition(" ")
+        assert self._token is not None
+        # compare_digest on bytes: constant time for the token's length, whatever the header holds.
+        return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), self._token)
+
+    def _refuse(self, status: int, message: str, media_type: str, *, read: bool = True,
+                headers: dict[str, str] | None = None) -> _Reply:
+        with self._lock:
+            self._counts[_COUNTER[status]] += 1
+        # One line per kind of problem; the Authorization header is never part of the message.
+        self._log.warning(f"refused:{status}", "otlp receiver: refused an export (HTTP %d): %s", status, message)
+        code = _RPC_CODE[status]
+        if media_type == JSON:
+            body = json.dumps({"code": code, "message": message}, separators=(",", ":")).encode()
+        else:
+            body = rpc_status(code, message)
+        return _Reply(status, body, JSON if media_type == JSON else PROTOBUF, headers or {}, read)
+
+
+def _encode(response: ExportTraceServiceResponse, media_type: str) -> bytes:
+    if media_type == JSON:
+        return str(json_format.MessageToJson(response, indent=None)).encode()
+    return bytes(response.SerializeToString())
+
+
+def _media_type(headers: Message) -> str:
+    return headers.get("Content-Type", "").split(";")[0].strip().lower()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    receiver: OtlpReceiver
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the exporters pool connections
+    server_version = "stepline-otlp"
+    timeout = 30.0  # a stalled or idle client gives its thread back
+    server: _Server
+
+    def do_POST(self) -> None:
+        self._serve()
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_POST
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silenced: the receiver logs refusals itself, rate limited."""
+
+    def _serve(self) -> None:
+        receiver = self.server.receiver
+        reply = receiver.refuse_early(self.command, self.path, self.headers)
+        if reply is None:
+            length = int(self.headers.get("Content-Length", "0"))
+            try:
+                body = self.rfile.read(length)
+            except OSError:
+                body = b""
+            if len(body) < length:  # the client went away or stalled past the timeout: nobody to answer
+                self.close_connection = True
+                return
+            reply = receiver.answer(self.headers, body)
+        self._send(reply)
+
+    def _send(self, reply: _Reply) -> None:
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", reply.content_type)
+            for key, value in reply.headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(reply.body)))
+            if not reply.read_body:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(reply.body)
+            self.wfile.flush()
+            if not reply.read_body:
+                self._linger()
+        except OSError:
+            self.close_connection = True
+
+    def _linger(self) -> None:
+        # Closing with the client's body still arriving resets the connection, and the client may lose the reply
+        # before reading it: half-close, then read (and drop) a little of what is still coming.
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(1.0)
+            left = _DRAIN_CAP_BYTES
+            while left > 0 and (chunk := self.connection.recv(min(left, 1 << 16))):
+                left -= len(chunk)
+        except OSError:
+            pass

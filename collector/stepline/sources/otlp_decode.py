@@ -1,0 +1,255 @@
+"""OTLP/HTTP trace payloads to `Request` rows: inflate with a cap, parse, map vLLM's `llm_request` spans."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format  # type: ignore[import-untyped]
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from stepline.rows import Request
+
+SPAN_NAME = "llm_request"
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
+DEFAULT_ENGINE = "vllm"
+MAX_PROBLEMS = 3  # reasons kept per payload for the partial_success message
+_MAX_NANOS = (1 << 63) - 1  # int64 nanoseconds (year 2262): what every OTLP SDK means; DateTime64(6) holds it
+_MAX_COUNT = (1 << 32) - 1  # token columns are UInt32
+_CHUNK = 64 << 10
+
+_LATENCIES = (
+    ("queue_seconds", "gen_ai.latency.time_in_queue"),
+    ("prefill_seconds", "gen_ai.latency.time_in_model_prefill"),
+    ("decode_seconds", "gen_ai.latency.time_in_model_decode"),
+    ("inference_seconds", "gen_ai.latency.time_in_model_inference"),
+    ("e2e_seconds", "gen_ai.latency.e2e"),
+    ("ttft_seconds", "gen_ai.latency.time_to_first_token"),
+)
+
+
+class OtlpDecodeError(ValueError):
+    """The payload is not an OTLP trace export (corrupt compression, protobuf or JSON); the client should not retry."""
+
+
+class BodyTooLarge(ValueError):
+    """The payload inflates past the size limit."""
+
+
+class SpanRejected(ValueError):
+    """One `llm_request` span cannot become a row; the message names why."""
+
+
+@dataclass
+class Decoded:
+    """What one export request held."""
+
+    rows: list[Request] = field(default_factory=list)
+    ignored: int = 0
+    rejected: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def reject(self, problem: str) -> None:
+        self.rejected += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(problem)
+
+    @property
+    def error_message(self) -> str:
+        """One line for partial_success: how many were rejected and the first reasons."""
+        if not self.rejected:
+            return ""
+        more = "; ..." if self.rejected > len(self.problems) else ""
+        return f"{self.rejected} {SPAN_NAME} span(s) rejected: {'; '.join(self.problems)}{more}"
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a Content-Encoding without ever holding more than `limit` + one chunk of output (no gzip bombs)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        if len(body) > limit:
+            raise BodyTooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
+        return body
+    if encoding in ("gzip", "x-gzip"):
+        wbits, what = 16 + zlib.MAX_WBITS, "gzip"
+    elif encoding == "deflate":
+        # HTTP "deflate" is zlib-wrapped (what the OTel exporters send), but some clients send raw deflate.
+        zlib_header = len(body) >= 2 and body[0] & 0x0F == 8 and (body[0] << 8 | body[1]) % 31 == 0
+        wbits, what = (zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS), "deflate"
+    else:
+        raise OtlpDecodeError(f"unsupported Content-Encoding {encoding!r}")
+    out = bytearray()
+    rest = body
+    try:
+        while True:  # one pass per gzip member: concatenated members are valid gzip
+            inflater = zlib.decompressobj(wbits)
+            data = rest
+            while data and not inflater.eof:
+                out += inflater.decompress(data, limit + 1 - len(out))
+                if len(out) > limit:
+                    raise BodyTooLarge(f"{what} body inflates past the {limit}-byte limit")
+                data = inflater.unconsumed_tail
+            if not inflater.eof:
+                raise OtlpDecodeError(f"{what} body is truncated")
+            rest = inflater.unused_data
+            if not rest or what != "gzip":
+                break
+    except zlib.error as exc:
+        raise OtlpDecodeError(f"corrupt {what} body ({exc})") from None
+    if rest:
+        raise OtlpDecodeError(f"{len(rest)} bytes of garbage after the {what} stream")
+    return bytes(out)
+
+
+def parse(body: bytes, media_type: str) -> ExportTraceServiceRequest:
+    """An ExportTraceServiceRequest from protobuf or OTLP/JSON bytes."""
+    message = ExportTraceServiceRequest()
+    try:
+        if media_type == JSON:
+            # OTLP/JSON writes trace and span ids in hex, not base64: both decode here and the ids are unused.
+            json_format.Parse(body.decode("utf-8"), message, ignore_unknown_fields=True)
+        else:
+            message.ParseFromString(body)
+    except Exception as exc:  # untrusted bytes: any parser failure means a bad payload
+        what = "OTLP/JSON" if media_type == JSON else "protobuf"
+        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise OtlpDecodeError(f"not a valid {what} ExportTraceServiceRequest ({detail})") from None
+    return message
+
+
+def decode(body: bytes, media_type: str, host: str) -> Decoded:
+    """Rows for the `llm_request` spans of one (inflated) export request; raises OtlpDecodeError only."""
+    return to_rows(parse(body, media_type), host)
+
+
+def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
+    """Rows for the `llm_request` spans of a parsed export request; other spans are counted as ignored."""
+    out = Decoded()
+    for resource_spans in message.resource_spans:
+        engine = engine_name(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                if span.name != SPAN_NAME:
+                    out.ignored += 1
+                    continue
+                attrs = {kv.key: kv.value for kv in span.attributes}
+                try:
+                    out.rows.append(_request(attrs, span.start_time_unix_nano, span.end_time_unix_nano, engine, host))
+                except SpanRejected as exc:
+                    out.reject(str(exc))
+    return out
+
+
+def engine_name(resource: Iterable[KeyValue]) -> str:
+    """`stepline.engine` if set, else a service.name the operator chose, else "vllm"."""
+    attrs = {kv.key: kv.value for kv in resource}
+    explicit = _text(attrs.get("stepline.engine"))
+    if explicit:
+        return explicit
+    service = _text(attrs.get("service.name"))
+    # The SDK names an unnamed service "unknown_service[:process]": that names no engine.
+    return service if service and not service.startswith("unknown_service") else DEFAULT_ENGINE
+
+
+def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str, host: str) -> Request:
+    request_id = _text(attrs.get("gen_ai.request.id"))
+    if not request_id:
+        raise SpanRejected("a span without gen_ai.request.id")
+    where = f"span {request_id[:64]!r}"
+    if not 0 < start_ns <= end_ns <= _MAX_NANOS:
+        raise SpanRejected(f"{where}: start/end time {start_ns}/{end_ns} ns is not a valid interval")
+    latencies = {column: _latency(attrs, key, where) for column, key in _LATENCIES}
+    prompt_tokens = _count(attrs, "gen_ai.usage.prompt_tokens", where)
+    generation_tokens = _count(attrs, "gen_ai.usage.completion_tokens", where)
+    decode_s = latencies["decode_seconds"]
+    return Request(
+        ts=_micros(end_ns),
+        host=host,
+        engine=engine,
+        engine_index=0,
+        model_name=_text(attrs.get("gen_ai.response.model")) or _text(attrs.get("gen_ai.request.model")),
+        request_id=request_id,
+        source="otlp",
+        finish_reason=_first_text(attrs.get("gen_ai.response.finish_reasons")),
+        arrival_ts=_micros(start_ns),
+        mean_tpot_seconds=decode_s / (generation_tokens - 1) if generation_tokens > 1 else math.nan,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=0,  # spans do not carry it; the stat-logger plugin's rows do
+        generation_tokens=generation_tokens,
+        max_tokens=_count(attrs, "gen_ai.request.max_tokens", where),
+        preemptions=0,
+        **latencies,
+    )
+
+
+def _micros(nanos: int) -> int:
+    return (nanos + 500) // 1000  # to the nearest microsecond, like rows.micros()
+
+
+def _text(value: AnyValue | None) -> str:
+    if value is None:
+        return ""
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":
+        return str(value.int_value)
+    return ""
+
+
+def _first_text(value: AnyValue | None) -> str:
+    if value is not None and value.WhichOneof("value") == "array_value":
+        return next((_text(v) for v in value.array_value.values if _text(v)), "")
+    return _text(value)
+
+
+def _number(attrs: dict[str, AnyValue], key: str, where: str) -> float | int | None:
+    """The attribute as a number (ints stay exact); None when absent; SpanRejected when it is not a number."""
+    value = attrs.get(key)
+    kind = value.WhichOneof("value") if value is not None else None
+    if value is None or kind is None:
+        return None
+    if kind == "int_value":
+        return value.int_value
+    if kind == "double_value":
+        return value.double_value
+    if kind == "string_value":
+        text = value.string_value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        raise SpanRejected(f"{where}: {key} is {text[:32]!r}, not a number")
+    raise SpanRejected(f"{where}: {key} is a {kind.removesuffix('_value')}, not a number")
+
+
+def _latency(attrs: dict[str, AnyValue], key: str, where: str) -> float:
+    number = _number(attrs, key, where)
+    if number is None:
+        return math.nan
+    seconds = float(number)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise SpanRejected(f"{where}: {key} is {seconds}, not a finite non-negative number of seconds")
+    return seconds
+
+
+def _count(attrs: dict[str, AnyValue], key: str, where: str) -> int:
+    number = _number(attrs, key, where)
+    if number is None:
+        return 0
+    if isinstance(number, float):
+        if not (math.isfinite(number) and number.is_integer()):
+            raise SpanRejected(f"{where}: {key} is {number}, not a whole number")
+        number = int(number)
+    if not 0 <= number <= _MAX_COUNT:
+        raise SpanRejected(f"{where}: {key} is {number}, outside 0-{_MAX_COUNT}")
+    return number

@@ -323,6 +323,12 @@ def test_framing_errors(receiver: OtlpReceiver) -> None:
     assert post(receiver, b"0\r\n\r\n", {"Transfer-Encoding": "chunked"}).status == 411
     assert post(receiver, b"", {"Content-Length": "-1"}).status == 400
     assert post(receiver, b"", {"Content-Length": "ten"}).status == 400
+    assert post(receiver, b"", {"Content-Length": "\u00b2"}).status == 400  # a digit to str.isdigit(), not to int()
+    assert post(receiver, b"", {"Content-Length": "9" * 5000}).status == 413
+    assert post(receiver, b"", {"Content-Length": "0", "content-length": "5"}).status == 400
+    assert post(receiver, b"", {"Content-Length": "00"}).status == 200
+    stats = receiver.stats()
+    assert (stats["requests_unsupported"], stats["requests_bad"], stats["requests_too_large"]) == (2, 4, 1)
 
 
 def test_unsupported_media_type_and_encoding_are_415(receiver: OtlpReceiver) -> None:
@@ -444,6 +450,22 @@ def test_stop_releases_the_port_and_keeps_received_rows(make_receiver: Any) -> N
     again.start()
     again.stop()
     receiver.stop()  # idempotent
+
+
+def test_ipv6_listen_address() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), "::1", 0)
+    try:
+        receiver.start()
+    except OSError:
+        pytest.skip("::1 is not configured here")
+    try:
+        assert receiver.url == f"http://[::1]:{receiver.port}"
+        export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)])
+        assert drain(receiver) == [EXPECTED]
+    finally:
+        receiver.stop()
 
 
 def test_taken_port_is_a_clear_oserror(receiver: OtlpReceiver) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
@@ -83,6 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="table (default), csv, tsv, json (one object per line), or any ClickHouse format name")
     query.set_defaults(func=_query)
 
+    requests_p = sub.add_parser(
+        "requests", help="the slowest finished requests, with the steps that slowed them",
+        description="Join each of the slowest requests with the engine steps around it: time it queued while "
+                    "prefill ran, tokens it decoded beside a long prefill chunk, and its step-time tail.")
+    requests_p.add_argument("--slowest", type=int, default=20, metavar="N", help="how many requests (default 20)")
+    requests_p.add_argument("--by", choices=("e2e", "ttft", "tpot", "queue"), default="e2e",
+                            help="what 'slowest' means: end-to-end, time to first token, time per output "
+                                 "token, or queue time (default e2e)")
+    requests_p.add_argument("--since", default="1h", metavar="DURATION",
+                            help="how far back, e.g. 30m, 2h, 1d (default 1h)")
+    requests_p.add_argument("--engine", default="", help="only this engine (default: all)")
+    requests_p.add_argument("--long-prefill", type=int, default=2048, metavar="TOKENS",
+                            help="a step carrying at least this many prefill tokens counts as a long prefill "
+                                 "(default 2048)")
+    requests_p.add_argument("--store", help=STORE_HELP)
+    requests_p.set_defaults(func=_requests)
+
     status = sub.add_parser("status", help="sources up, rows per table, age of the newest row",
                             description="A one-screen health summary of the timeline and its collector.")
     status.add_argument("--store", help=STORE_HELP)
@@ -150,6 +168,38 @@ def _query(args: argparse.Namespace) -> int:
         return 1
     finally:
         reader.close()
+
+
+def _requests(args: argparse.Namespace) -> int:
+    from stepline import perrequest
+    from stepline.reader import open_reader
+
+    since = time.time() - parse_duration(args.since)
+    reader = open_reader(args.store or default_store_url())
+    try:
+        found = perrequest.slowest(reader.client, since=since, limit=args.slowest, by=args.by, engine=args.engine,
+                                   long_prefill_tokens=args.long_prefill)
+    finally:
+        reader.close()
+    if not found:
+        print(f"no finished requests in the last {args.since}"
+              + (f" on engine {args.engine}" if args.engine else "") + " (the plugin or OTLP fills `requests`)")
+        return 0
+    print(perrequest.render(found))
+    return 0
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '2h', '1d' (or plain seconds) in seconds; SettingsError naming the text otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        seconds = float(value) * units[unit]
+    except ValueError:
+        raise SettingsError(f"duration {text!r} is not like 90s, 30m, 2h or 1d") from None
+    if not seconds > 0:
+        raise SettingsError(f"duration {text!r} must be positive")
+    return seconds
 
 
 def _status(args: argparse.Namespace) -> int:

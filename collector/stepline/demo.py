@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from stepline import summary
+from stepline import perrequest, summary
 from stepline.collector import Collector
 from stepline.rows import micros
 from stepline.settings import Settings
@@ -156,15 +156,23 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
     try:
         print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
         print(summary.render(summary.trim_idle(summary.per_minute(store, engine, since))))
+        print("\nper request, by prompt size (from the plugin's finished requests):")
+        print(perrequest.by_prompt_band(store, engine, since))
+        print()
+        print(perrequest.around_largest_prefill(store, engine, since))
         counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
                              parameters=params).result_rows
-        rows = store.query(f"SELECT count() FROM engine_samples WHERE {window}", parameters=params).result_rows[0][0]
-        print(f"\n{rows} samples of {engine} in engine_samples; its events: "
-              + ", ".join(f"{k} {n}" for k, n in counts))
+        tables = {table: store.query(f"SELECT count() FROM {table} WHERE {window}", parameters=params
+                                     ).result_rows[0][0] for table in ("engine_samples", "steps", "requests")}
+        print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
+              + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
     finally:
         store.close()
     print("\nlook further:\n"
           "  stepline status\n"
+          "  stepline requests --slowest 10\n"
           "  stepline query \"SELECT ts, value FROM engine_samples WHERE metric = 'vllm:num_requests_waiting' "
           "ORDER BY ts DESC LIMIT 10\"\n"
-          "  stepline query \"SELECT ts, kind, message FROM events ORDER BY ts\"")
+          "  stepline query \"SELECT ts, kind, message FROM events ORDER BY ts\"\n"
+          "  stepline query \"SELECT ts, elapsed_ms, num_ctx_tokens, num_generation_requests FROM steps "
+          "ORDER BY elapsed_ms DESC LIMIT 10\"")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import logging
 import socket
 import threading
@@ -39,6 +40,7 @@ TRACES_PATH = "/v1/traces"
 STATS_KEYS = ("spans_accepted", "spans_ignored", "spans_rejected", "requests_accepted", "requests_bad",
               "requests_too_large", "requests_unauthorized", "requests_busy", "requests_unsupported")
 _DRAIN_CAP_BYTES = 1 << 20
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes "²", which int() refuses
 # google.rpc.Code for each status we answer; OTLP/HTTP error bodies are a google.rpc.Status.
 _RPC_CODE = {400: 3, 401: 16, 404: 12, 405: 12, 411: 3, 413: 8, 415: 3, 503: 14}
 _COUNTER = {400: "requests_bad", 401: "requests_unauthorized", 404: "requests_unsupported",
@@ -126,7 +128,8 @@ class OtlpReceiver:
         if self._server is not None:
             raise RuntimeError("otlp receiver already started")
         try:
-            server = _Server((self.host, self._port), _Handler)
+            server_class = _Server6 if ":" in self.host else _Server  # the settings allow an IPv6 listen address
+            server = server_class((self.host, self._port), _Handler)
         except OSError as exc:
             raise OSError(exc.errno, f"otlp receiver cannot listen on {self.host}:{self._port}: {exc.strerror}"
                           ) from exc
@@ -169,19 +172,21 @@ class OtlpReceiver:
         if method != "POST":
             return self._refuse(405, f"{method} is not allowed: use POST", media_type, read=False,
                                 headers={"Allow": "POST"})
-        if self._token is not None and not self._authorized(headers.get("Authorization", "")):
+        if self._token is not None and not _authorized(headers.get("Authorization", ""), self._token):
             return self._refuse(401, "a valid 'Authorization: Bearer <token>' header is required", media_type,
                                 read=False, headers={"WWW-Authenticate": 'Bearer realm="stepline"'})
         if headers.get("Transfer-Encoding"):
             return self._refuse(411, "chunked bodies are not accepted: send Content-Length", media_type,
                                 read=False)
-        length = headers.get("Content-Length")
-        if length is None:
+        lengths = {value.strip() for value in headers.get_all("Content-Length", [])}
+        if not lengths:
             return self._refuse(411, "Content-Length is required", media_type, read=False)
-        if not length.strip().isdigit():
-            return self._refuse(400, f"Content-Length {length[:40]!r} is not a byte count", media_type, read=False)
-        if int(length) > self.max_body_bytes:
-            return self._refuse(413, f"body of {int(length)} bytes is over the {self.max_body_bytes}-byte limit",
+        length = lengths.pop()
+        if lengths or not _DIGITS.fullmatch(length):
+            shown = ", ".join(sorted({length, *lengths}))[:60]
+            return self._refuse(400, f"Content-Length {shown!r} is not one byte count", media_type, read=False)
+        if len(length.lstrip("0")) > 18 or int(length) > self.max_body_bytes:
+            return self._refuse(413, f"body of {length[:40]} bytes is over the {self.max_body_bytes}-byte limit",
                                 media_type, read=False)
         if media_type not in (PROTOBUF, JSON):
             shown = headers.get("Content-Type", "")[:60] or "no Content-Type"
@@ -237,12 +242,6 @@ class OtlpReceiver:
         message = f"{self.max_pending_rows} rows are waiting for the collector: retry later"
         return self._refuse(503, message, media_type)
 
-    def _authorized(self, header: str) -> bool:
-        scheme, _, supplied = header.strip().partition(" ")
-        assert self._token is not None
-        # compare_digest on bytes: constant time for the token's length, whatever the header holds.
-        return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), self._token)
-
     def _refuse(self, status: int, message: str, media_type: str, *, read: bool = True,
                 headers: dict[str, str] | None = None) -> _Reply:
         with self._lock:
@@ -263,6 +262,12 @@ def _encode(response: ExportTraceServiceResponse, media_type: str) -> bytes:
     return bytes(response.SerializeToString())
 
 
+def _authorized(header: str, token: bytes) -> bool:
+    scheme, _, supplied = header.strip().partition(" ")
+    # compare_digest on bytes: constant time for the token's length, whatever the header holds.
+    return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), token)
+
+
 def _media_type(headers: Message) -> str:
     return headers.get("Content-Type", "").split(";")[0].strip().lower()
 
@@ -270,6 +275,10 @@ def _media_type(headers: Message) -> str:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     receiver: OtlpReceiver
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):

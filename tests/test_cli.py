@@ -114,3 +114,21 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
     after = _stepline("query", "SELECT count() FROM events WHERE kind = 'collector_stopped'", "--store", url,
                       "--format", "TabSeparated")
     assert after.stdout.strip() == "2"
+
+
+def test_demo_fills_steps_and_requests(demo_store: Path) -> None:
+    url = f"chdb://{demo_store}"
+    # The slowest step carries a prefill chunk; its decode-only neighbours are far faster.
+    result = _stepline("query", "SELECT num_ctx_tokens, elapsed_ms, (SELECT quantileExact(0.5)(elapsed_ms) FROM steps "
+                       "WHERE num_ctx_tokens = 0) AS decode_p50 FROM steps ORDER BY elapsed_ms DESC LIMIT 1",
+                       "--store", url, "--format", "TabSeparated")
+    assert result.returncode == 0, result.stderr
+    ctx_tokens, slowest_ms, decode_p50_ms = (float(x) for x in result.stdout.split())
+    assert ctx_tokens > 0 and slowest_ms > 10 * decode_p50_ms
+    counts = _stepline("query", "SELECT source, count() FROM requests GROUP BY source", "--store", url,
+                       "--format", "TabSeparated")
+    by_source = dict(line.split("\t") for line in counts.stdout.strip().splitlines())
+    assert int(by_source["plugin"]) > 50 and "otlp" not in by_source  # OTLP reported the same requests: deduped
+    slowest = _stepline("requests", "--slowest", "5", "--store", url)
+    assert slowest.returncode == 0, slowest.stderr
+    assert len([line for line in slowest.stdout.splitlines() if "burst-" in line]) == 5

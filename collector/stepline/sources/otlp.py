@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 import logging
+import re
 import socket
 import threading
 from dataclasses import dataclass, field

@@ -26,6 +26,7 @@ from clickhouse_connect.driver.exceptions import Error as DriverError
 from stepline import chhttp
 from stepline.chhttp import SqlRefused
 from stepline.selfmetrics import SelfMetrics
+from stepline.serving import ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class QueryEndpoint:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._serving: ServerThread | None = None
 
     @property
     def port(self) -> int:
@@ -198,20 +199,14 @@ class QueryEndpoint:
             raise RuntimeError("query endpoint already started")
         self._server = _Server((self.host, self._port), _Handler)
         self._server.endpoint = self
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.2,), name="stepline-query",
-                                        daemon=True)
-        self._thread.start()
+        self._serving = ServerThread(self._server, "stepline-query")
         logger.info("query endpoint listening on %s (password %s)", self.url, "on" if self._password else "off")
 
     def stop(self) -> None:
         """Stop serving, then close the read-only sessions and the client."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        serving, self._serving, self._server = self._serving, None, None
+        if serving is not None:
+            serving.stop()
         self._sessions.close()
         self._client.close()
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from stepline.serving import ServerThread
 
 WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -73,18 +74,20 @@ class MetricsServer:
         self._server = make_server(
             host, port, make_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
         )
-        self._thread = threading.Thread(target=self._server.serve_forever, name="self-metrics", daemon=True)
+        self._serving: ServerThread | None = None
 
     @property
     def port(self) -> int:
         return int(self._server.server_port)
 
     def start(self) -> None:
-        self._thread.start()
+        self._serving = ServerThread(self._server, "self-metrics")
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._serving is not None:
+            self._serving.stop()
+        else:
+            self._server.server_close()
 
 
 class _QuietHandler(WSGIRequestHandler):

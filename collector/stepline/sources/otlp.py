@@ -22,6 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Request
+from stepline.serving import ServerThread
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.otlp_decode import (
     ENCODINGS,
@@ -107,7 +108,7 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._log = RateLimitedLog(logger)
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._serving: ServerThread | None = None
 
     @property
     def name(self) -> str:
@@ -135,20 +136,15 @@ class OtlpReceiver:
                           ) from exc
         server.receiver = self
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="stepline-otlp", daemon=True)
-        self._thread.start()
+        self._serving = ServerThread(server, "stepline-otlp")
         logger.info("otlp receiver listening on %s%s (token %s)", self.url, TRACES_PATH,
                     "on" if self._token else "off")
 
     def stop(self) -> None:
         """Stop serving and release the port; rows received stay for the next poll."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        serving, self._serving, self._server = self._serving, None, None
+        if serving is not None:
+            serving.stop()
 
     def poll(self, emit: Emit) -> None:
         """Emit the rows received since the last poll."""

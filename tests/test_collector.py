@@ -66,3 +66,39 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, en
         assert "collector_stopped" in seen
     finally:
         reader.close()
+
+
+def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, sock_dir: str) -> None:
+    from stepline.sim.config import EngineConfig
+    from stepline.sim.replay import replay
+    from stepline.sim.telemetry import Telemetry
+    from stepline.sources.otlp import OtlpReceiver
+
+    settings = Settings.from_env({}, store=store_url, engines=(), metrics_port=0, query_port=0, otlp_port=0,
+                                 plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1)
+    collector = Collector(settings)
+    collector.start()
+    try:
+        otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+        telemetry = Telemetry("sim-a", EngineConfig(), plugin_socket=settings.plugin_socket, otlp_endpoint=otlp.url)
+        result = replay(make_workload("steady", duration_s=20), None, 5.0, lambda ts, body: None,
+                        on_step=telemetry.on_step, keep_records=False)
+        telemetry.close()
+        assert result.drained
+    finally:
+        collector.stop()
+    assert collector.store is not None
+    store = open_reader(store_url)
+    try:
+        steps, requests = store.client.query(
+            "SELECT (SELECT count() FROM steps WHERE engine = 'sim-a'), "
+            "(SELECT count() FROM requests WHERE engine = 'sim-a')").result_rows[0]
+    finally:
+        store.close()
+    value = collector.metrics.registry.get_sample_value
+    assert steps == value("stepline_source_counts_total", {"source": "plugin", "counter": "steps"}) > 100
+    assert requests == value("stepline_source_counts_total", {"source": "plugin", "counter": "requests"}) > 10
+    # Every request came twice (plugin, then its span): one row each, the spans counted as duplicates.
+    assert value("stepline_source_counts_total", {"source": "otlp", "counter": "spans_accepted"}) == requests
+    assert value("stepline_requests_deduplicated_total", {"source": "otlp"}) == requests
+    assert value("stepline_source_counts_total", {"source": "plugin", "counter": "malformed"}) is None

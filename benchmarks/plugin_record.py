@@ -338,35 +338,76 @@ def time_calls(record: RecordFn, steps: Sequence[Step], calls: int, tick: Callab
     return samples
 
 
-def measure(case: str, record: RecordFn, steps: Sequence[Step], calls: int, rounds: int,
-            tick: Callable[[], None]) -> Figures:
-    time_calls(record, steps, max(2_000, calls // 10), tick)  # warm-up: caches, buffers, steady state
-    results: list[tuple[float, float, float]] = []
-    for _ in range(rounds):
+@dataclass
+class Case:
+    """Something to time per call: a record() and the clock tick that goes with each call."""
+
+    name: str
+    record: RecordFn
+    tick: Callable[[], None] = lambda: None
+    core: PluginCore | None = None
+    rounds: list[tuple[float, float, float]] = field(default_factory=list)  # (median, p99, max) us
+
+    def warm_up(self, steps: Sequence[Step], calls: int) -> float:
+        """Run untimed-for-the-report calls (caches, buffers, the stalled queue's steady state); their median."""
+        samples = sorted(time_calls(self.record, steps, calls, self.tick))
+        return percentile(samples, 0.5)
+
+    def round(self, steps: Sequence[Step], calls: int) -> None:
         gc.collect()
-        samples = sorted(time_calls(record, steps, calls, tick))
-        results.append((percentile(samples, 0.5), percentile(samples, 0.99), samples[-1] / 1000.0))
-    by_median = sorted(results)
-    median_us, p99_us, max_us = by_median[len(by_median) // 2]
-    return Figures(case, median_us, p99_us, max_us, [r[0] for r in results])
+        samples = sorted(time_calls(self.record, steps, calls, self.tick))
+        self.rounds.append((percentile(samples, 0.5), percentile(samples, 0.99), samples[-1] / 1000.0))
+
+    def figures(self) -> Figures:
+        """The median round (by its median)."""
+        median_us, p99_us, max_us = sorted(self.rounds)[len(self.rounds) // 2]
+        figures = Figures(self.name, median_us, p99_us, max_us, [r[0] for r in self.rounds])
+        if self.core is not None:
+            figures.sent = self.core.records_sent
+            figures.dropped = dict(self.core.dropped)
+        return figures
+
+
+def measure(case: Case, steps: Sequence[Step], calls: int, rounds: int) -> Figures:
+    """Warm up, then time `rounds` rounds of `calls` calls."""
+    case.warm_up(steps, max(2_000, calls // 10))
+    for _ in range(rounds):
+        case.round(steps, calls)
+    return case.figures()
 
 
 def _noop(_scheduler_stats: Any, _iteration_stats: Any, _engine_idx: int) -> None:
     return None
 
 
+def fixed_work(target_us: float, steps: Sequence[Step]) -> RecordFn:
+    """A call doing the same pure-Python work every time, about `target_us` long: the machine's own tail."""
+
+    def spin(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    def calls(n: int) -> RecordFn:
+        def call(_scheduler_stats: Any, _iteration_stats: Any, _engine_idx: int) -> None:
+            spin(n)
+
+        return call
+
+    probe = 2_000
+    median_us = measure(Case("probe", calls(probe)), steps, 2_000, 1).median_us
+    return calls(max(1, round(probe * target_us / max(median_us, 0.001))))
+
+
 def _no_tick() -> None:
     return None
 
 
-def plugin_case(case: str, socket_path: str, steps: Sequence[Step], calls: int, rounds: int,
-                step_s: float) -> tuple[Figures, PluginCore]:
+def plugin_case(name: str, socket_path: str, step_s: float) -> Case:
     clock = AheadClock(step_s)
     core = PluginCore("bench", socket_path, monotonic=clock.monotonic)
-    figures = measure(case, core.record, steps, calls, rounds, clock.tick)
-    figures.sent = core.records_sent
-    figures.dropped = dict(core.dropped)
-    return figures, core
+    return Case(name, core.record, clock.tick, core)
 
 
 # -- main ----------------------------------------------------------------------------------------------------
@@ -404,51 +445,61 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f"+{step_s * 1000:g} ms per call (a flush every {max(1, round(0.05 / step_s))} calls)" if step_s
              else "real (back-to-back calls: rare flushes)"))
 
-    overhead = measure("timer", _noop, steps, calls, 1, _no_tick)
-    baseline = measure("vLLM prometheus (baseline)", VllmPrometheusBaseline().record, steps, calls, rounds,
-                       _no_tick)
-    figures: list[Figures] = []
+    overhead = measure(Case("timer", _noop), steps, calls, 1)
     tmp = tempfile.mkdtemp(prefix="stepline-bench-")
+    ctx = mp.get_context("spawn")
+    up_path = os.path.join(tmp, "up.sock")
+    ready, stop = ctx.Event(), ctx.Event()
+    results: Queue[tuple[int, dict[str, int]]] = ctx.Queue()
+    sidecar = ctx.Process(target=run_sidecar, args=(up_path, sidecar_cpu, ready, stop, results), daemon=True)
+    stalled_receiver = PluginReceiver(SourceContext("bench", SystemClock()), os.path.join(tmp, "stalled.sock"))
     try:
-        # (a) sidecar up: a reading, decoding receiver in another process.
-        ctx = mp.get_context("spawn")
-        up_path = os.path.join(tmp, "up.sock")
-        ready, stop = ctx.Event(), ctx.Event()
-        results: Queue[tuple[int, dict[str, int]]] = ctx.Queue()
-        sidecar = ctx.Process(target=run_sidecar, args=(up_path, sidecar_cpu, ready, stop, results), daemon=True)
+        # (a) sidecar up: a receiver in another process reads and decodes everything.
         sidecar.start()
         if not ready.wait(30):
             raise SystemExit("the sidecar process did not start")
-        up, core = plugin_case("stepline, sidecar up", up_path, steps, calls, rounds, step_s)
-        core.close(drain_timeout_s=5.0)
+        # (c) sidecar stalled: bound, never read (a SIGSTOPped sidecar).
+        stalled_receiver.start()
+        baseline_case = Case("vLLM prometheus (baseline)", VllmPrometheusBaseline().record)
+        up_case = plugin_case("stepline, sidecar up", up_path, step_s)
+        plugin_cases = [
+            up_case,
+            plugin_case("stepline, sidecar down", os.path.join(tmp, "absent.sock"), step_s),  # (b) nothing there
+            plugin_case("stepline, sidecar stalled", stalled_receiver.socket_path, step_s),
+        ]
+        warm_up_calls = max(2_000, calls // 10)
+        up_warm_median = 0.0
+        for case in (baseline_case, *plugin_cases):
+            median = case.warm_up(steps, warm_up_calls)
+            up_warm_median = median if case is up_case else up_warm_median
+        # Same-median fixed work shows how much of a p99 is the machine (steal, interrupts, frequency), not the code.
+        noise_case = Case("fixed work, same median", fixed_work(up_warm_median, steps))
+        noise_case.warm_up(steps, warm_up_calls)
+        # Rounds interleave the cases, so that a noisy spell of the machine does not land on one case only.
+        for _ in range(rounds):
+            for case in (baseline_case, *plugin_cases, noise_case):
+                case.round(steps, calls)
+        baseline, noise = baseline_case.figures(), noise_case.figures()
+        figures = [case.figures() for case in plugin_cases]
+        for case in plugin_cases[1:]:
+            assert case.core is not None
+            case.core.close(drain_timeout_s=0.0)
+        assert up_case.core is not None
+        up_case.core.close(drain_timeout_s=5.0)
         stop.set()
         rows, stats = results.get(timeout=30)
         sidecar.join(10)
-        up.note = (f"sidecar decoded {stats['steps']} steps + {stats['requests']} requests ({rows} rows) of "
-                   f"{core.records_sent} sent; lost datagrams {stats['lost_datagrams']}")
-        figures.append(up)
-
-        # (b) sidecar down: nothing at the path.
-        down, core = plugin_case("stepline, sidecar down", os.path.join(tmp, "absent.sock"), steps, calls, rounds,
-                                 step_s)
-        core.close(drain_timeout_s=0.0)
-        figures.append(down)
-
-        # (c) sidecar stalled: bound, never read.
-        stalled_receiver = PluginReceiver(SourceContext("bench", SystemClock()), os.path.join(tmp, "stalled.sock"))
-        stalled_receiver.start()
-        stalled, core = plugin_case("stepline, sidecar stalled", stalled_receiver.socket_path, steps, calls, rounds,
-                                    step_s)
-        core.close(drain_timeout_s=0.0)
-        stalled_receiver.stop()
-        figures.append(stalled)
+        figures[0].note = (f"sidecar decoded {stats['steps']} steps + {stats['requests']} requests ({rows} rows) "
+                           f"of {up_case.core.records_sent} sent; lost datagrams {stats['lost_datagrams']}")
     finally:
+        stop.set()
+        stalled_receiver.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
     print()
     print(f"{'case':<28} {'median us':>10} {'p99 us':>8} {'max us':>9} {'median/base':>12}  "
           f"{'sent':>8}  dropped  (round medians us)")
-    for f in (baseline, *figures):
+    for f in (baseline, *figures, noise):
         ratio = f.median_us / baseline.median_us
         sent = "" if f.sent is None else str(f.sent)
         dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(f.dropped.items())) or ("-" if f.sent is not None
@@ -461,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for f in figures:
         if f.note:
             print(f"{f.case}: {f.note}")
+    print(f"machine noise: fixed pure-Python work with a {noise.median_us:.1f} us median has p99 {noise.p99_us:.1f} us "
+          f"({noise.p99_us / noise.median_us:.2f}x) on this machine; stepline's p99/median is "
+          + ", ".join(f"{f.p99_us / f.median_us:.2f}x" for f in figures) + " (up, down, stalled)")
 
     print()
     missed = 0

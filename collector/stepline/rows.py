@@ -93,11 +93,70 @@ class Request(NamedTuple):
     preemptions: int
 
 
-Row = EngineSample | Event | Step | Request
+class GpuSample(NamedTuple):
+    """One NVML sample of one GPU; NaN where the GPU does not support a reading."""
+
+    ts: int
+    host: str
+    engine: str
+    gpu_index: int
+    gpu_uuid: str
+    gpu_name: str
+    sm_clock_mhz: float
+    mem_clock_mhz: float
+    power_w: float
+    energy_mj: int
+    temp_gpu_c: float
+    temp_mem_c: float
+    util_gpu_pct: float
+    util_mem_copy_pct: float
+    mem_used_bytes: int
+    mem_total_bytes: int
+    pcie_tx_bytes_per_s: float
+    pcie_rx_bytes_per_s: float
+    pcie_replay_total: int
+    nvlink_tx_bytes_per_s: float
+    nvlink_rx_bytes_per_s: float
+    clock_event_reasons: int
+    clock_event_flags: list[str]
+    dram_bw_util_pct: float
+    tensor_active_pct: float
+    sm_occupancy_pct: float
+    processes: dict[int, int]
+
+
+class HostSample(NamedTuple):
+    """One psutil sample: of the host (scope "host", pid 0) or of one engine process (scope "process")."""
+
+    ts: int
+    host: str
+    engine: str
+    scope: str
+    pid: int
+    cpu_pct: float
+    cpu_per_core_pct: list[float]
+    load1: float
+    mem_used_bytes: int
+    mem_available_bytes: int
+    mem_total_bytes: int
+    swap_used_bytes: int
+    rss_bytes: int
+    threads: int
+    open_files: int
+    net_rx_bytes: dict[str, int]
+    net_tx_bytes: dict[str, int]
+    net_errors: dict[str, int]
+    disk_read_bytes: int
+    disk_write_bytes: int
+
+
+Row = EngineSample | Event | Step | Request | GpuSample | HostSample
 
 TABLE_OF: dict[type[Row], str] = {
     EngineSample: "engine_samples",
     Event: "events",
     Step: "steps",
     Request: "requests",
+    GpuSample: "gpu_samples",
+    HostSample: "host_samples",
 }

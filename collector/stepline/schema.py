@@ -126,12 +126,15 @@ TABLES: tuple[Table, ...] = (
             ("nvlink_tx_bytes_per_s", GAUGE),
             ("nvlink_rx_bytes_per_s", GAUGE),
             ("clock_event_reasons", "UInt64"),
+            ("clock_event_flags", "Array(LowCardinality(String))"),
             ("dram_bw_util_pct", SMALL_GAUGE),
             ("tensor_active_pct", SMALL_GAUGE),
             ("sm_occupancy_pct", SMALL_GAUGE),
+            ("processes", "Map(UInt32, UInt64)"),
         ),
         ("host", "gpu_index", "ts"),
-        "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported.",
+        "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported; "
+        "processes maps PID to GPU memory used.",
     ),
     Table(
         "host_samples",
@@ -144,6 +147,7 @@ TABLES: tuple[Table, ...] = (
             ("load1", SMALL_GAUGE),
             ("mem_used_bytes", COUNTER),
             ("mem_available_bytes", COUNTER),
+            ("mem_total_bytes", COUNTER),
             ("swap_used_bytes", COUNTER),
             ("rss_bytes", COUNTER),
             ("threads", COUNT),
@@ -155,7 +159,8 @@ TABLES: tuple[Table, ...] = (
             ("disk_write_bytes", COUNTER),
         ),
         ("host", "scope", "engine", "ts"),
-        "psutil samples: one host row, and one process row per engine process found.",
+        "psutil samples: one host row, and one process row per engine process found; net and disk are "
+        "cumulative counters.",
     ),
     Table(
         "events",

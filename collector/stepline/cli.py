@@ -101,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     requests_p.add_argument("--store", help=STORE_HELP)
     requests_p.set_defaults(func=_requests)
 
+    timeline_p = sub.add_parser(
+        "timeline", help="engine steps beside GPU counters, around a moment",
+        description="Each engine step beside the sample of each of its GPUs taken at or just before it "
+                    "(the `timeline` view), from --window seconds before to --window seconds after --around.")
+    timeline_p.add_argument("--around", required=True, metavar="TIME",
+                            help="ISO 8601 (UTC unless it says otherwise), epoch seconds, or HH:MM:SS today (UTC)")
+    timeline_p.add_argument("--window", type=float, default=30.0, metavar="SECONDS",
+                            help="seconds on each side (default 30)")
+    timeline_p.add_argument("--bucket", type=float, default=1.0, metavar="SECONDS",
+                            help="aggregate per this many seconds; 0 prints every step (default 1)")
+    timeline_p.add_argument("--engine", default="", help="only this engine (default: all)")
+    timeline_p.add_argument("--store", help=STORE_HELP)
+    timeline_p.set_defaults(func=_timeline)
+
     status = sub.add_parser("status", help="sources up, rows per table, age of the newest row",
                             description="A one-screen health summary of the timeline and its collector.")
     status.add_argument("--store", help=STORE_HELP)
@@ -186,6 +200,20 @@ def _requests(args: argparse.Namespace) -> int:
               + (f" on engine {args.engine}" if args.engine else "") + " (the plugin or OTLP fills `requests`)")
         return 0
     print(perrequest.render(found))
+    return 0
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from stepline import timeline
+    from stepline.reader import open_reader
+
+    moment = timeline.parse_moment(args.around)
+    reader = open_reader(args.store or default_store_url())
+    try:
+        print(timeline.around(reader.client, reader.database, moment, window_s=args.window, engine=args.engine,
+                              bucket_s=args.bucket))
+    finally:
+        reader.close()
     return 0
 
 

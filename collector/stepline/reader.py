@@ -28,6 +28,7 @@ class TimelineReader:
     via: str
     collector: CollectorInfo | None
     store: Store | None = None
+    database: str = "stepline"
 
     def close(self) -> None:
         if self.store is not None:
@@ -41,7 +42,7 @@ def open_reader(store_url: str) -> TimelineReader:
     url = parse_store_url(store_url)
     if not url.embedded:
         store = Store.open(url)
-        return TimelineReader(store.client, f"ClickHouse at {url.redacted()}", None, store)
+        return TimelineReader(store.client, f"ClickHouse at {url.redacted()}", None, store, url.database)
     if not os.path.isdir(url.path):
         raise StoreError(f"no store at {url.path}: run `stepline collect` or `stepline demo` first")
     if embedded_store_locked(url.path):
@@ -51,12 +52,12 @@ def open_reader(store_url: str) -> TimelineReader:
                 f"the embedded store {url.path} is in use by a process that announced no query endpoint", None
             )
         return TimelineReader(_endpoint_client(holder, url), f"collector pid {holder.pid} at {holder.query_url}",
-                              holder)
+                              holder, None, url.database)
     store = Store.open(url)
     if not _has_timeline(store):
         store.close()
         raise StoreError(f"{url.path} holds no stepline timeline: run `stepline collect` or `stepline demo` first")
-    return TimelineReader(store.client, f"embedded store {url.path}", None, store)
+    return TimelineReader(store.client, f"embedded store {url.path}", None, store, url.database)
 
 
 def _has_timeline(store: Store) -> bool:

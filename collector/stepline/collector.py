@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from stepline import sources as source_registry
@@ -26,9 +27,12 @@ log = logging.getLogger(__name__)
 class Collector:
     """Everything the sidecar runs, started and stopped in the right order."""
 
-    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+    def __init__(self, settings: Settings, *, clock: Clock | None = None,
+                 extra: Callable[[SourceContext], list[Scheduled]] | None = None) -> None:
+        """`extra` adds sources the registry does not make (the demo's simulated GPUs)."""
         self.settings = settings
         self.clock = clock or SystemClock()
+        self._extra = extra
         self.metrics = SelfMetrics()
         self.store: Store | None = None
         self.writers: Writers | None = None
@@ -44,6 +48,8 @@ class Collector:
         ctx = SourceContext(host=s.host_name, clock=self.clock)
         specs = source_registry.enabled(s)
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
+        if self._extra is not None:
+            scheduled += self._extra(ctx)
         store = Store.open(s.store)
         self.store = store
         try:

@@ -42,11 +42,6 @@ def finish_reason_name(reason: Any) -> str:
     return name.lower() if isinstance(name, str) else str(reason).lower()
 
 
-def _finite(value: Any) -> float:
-    number = float(value if value is not None else math.nan)
-    return number if math.isfinite(number) else math.nan
-
-
 class PluginCore:
     """Turns each `record()` call into compact records and ships them in batches to the sidecar."""
 
@@ -57,7 +52,7 @@ class PluginCore:
         *,
         max_buffer_bytes: int = 8 << 20,
         flush_interval_s: float = 0.05,
-        reconnect_interval_s: float = 1.0,
+        reconnect_interval_s: float = 5.0,
         log_interval_s: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -83,6 +78,7 @@ class PluginCore:
         self._next_connect = 0.0
         self._last_flush = monotonic()
         self._iteration: dict[int, int] = {}
+        self._reason_codes: dict[Any, int] = {}
         # Counters: cumulative, exposed for tests and the benchmark; drops also logged once per interval.
         self.records_sent = 0
         self.datagrams_sent = 0
@@ -102,10 +98,10 @@ class PluginCore:
         try:
             ts = getattr(iteration_stats, "iteration_timestamp", None) or self._wall()
             if scheduler_stats is not None:
-                self._add(wire.encode_step(self._step(ts, scheduler_stats, iteration_stats, engine_idx)))
+                self._add(self._step(ts, scheduler_stats, iteration_stats, engine_idx))
             if iteration_stats is not None:
                 for finished in iteration_stats.finished_requests:
-                    self._add(wire.encode_request(self._request(ts, finished, engine_idx)))
+                    self._add(self._request(ts, finished, engine_idx))
             if self._monotonic() - self._last_flush >= self._flush_interval_s:
                 self.flush()
         except Exception:  # vLLM's serving path must never see our failure; it is counted and logged
@@ -150,61 +146,53 @@ class PluginCore:
             self._sock = None
 
     # -- reading vLLM's stats --------------------------------------------------------------------------
+    # The hot path: attributes go straight into one struct.pack; wire.pack_record cleans odd values only
+    # when that pack fails, so well-formed stats cost no per-field Python work.
 
-    def _step(self, ts: float, s: Any, it: Any, engine_idx: int) -> wire.StepRecord:
-        details = getattr(s, "iteration_details", None)
-        prefix = getattr(s, "prefix_cache_stats", None)
+    def _step(self, ts: float, s: Any, it: Any, engine_idx: int) -> bytes:
+        details = s.iteration_details
+        prefix = s.prefix_cache_stats
         spec = getattr(s, "spec_decoding_stats", None)
         if details is not None:
-            iteration = int(details.iteration_index)
+            iteration = details.iteration_index
             self._iteration[engine_idx] = iteration
+            flags = (wire.STEP_DUMMY if details.is_dummy else 0) | wire.STEP_HAS_DETAILS
+            work = (details.elapsed_ms, details.num_ctx_requests, details.num_ctx_tokens,
+                    details.num_generation_requests, details.num_generation_tokens)
         else:
             iteration = self._iteration.get(engine_idx, -1) + 1
             self._iteration[engine_idx] = iteration
-        return wire.StepRecord(
-            ts=float(ts),
-            iteration=max(0, iteration),
-            engine_index=int(engine_idx),
-            elapsed_ms=_finite(details.elapsed_ms) if details is not None else math.nan,
-            num_ctx_requests=details.num_ctx_requests if details is not None else 0,
-            num_ctx_tokens=details.num_ctx_tokens if details is not None else 0,
-            num_generation_requests=details.num_generation_requests if details is not None else 0,
-            num_generation_tokens=(details.num_generation_tokens if details is not None
-                                   else getattr(it, "num_generation_tokens", 0)),
-            running=s.num_running_reqs,
-            waiting=s.num_waiting_reqs,
-            skipped_waiting=getattr(s, "num_skipped_waiting_reqs", 0),
-            kv_cache_usage=_finite(s.kv_cache_usage),
-            # Preempted requests re-query the cache; counted as vLLM's own counters count them (apart).
-            prefix_cache_queries=prefix.queries if prefix is not None else 0,
-            prefix_cache_hits=prefix.hits if prefix is not None else 0,
-            preempted=getattr(it, "num_preempted_reqs", 0) if it is not None else 0,
-            spec_num_drafts=spec.num_drafts if spec is not None else 0,
-            spec_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
-            spec_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
-            is_dummy=bool(details.is_dummy) if details is not None else False,
-            ttft_seconds=tuple(it.time_to_first_tokens_iter) if it is not None else (),
-            itl_seconds=tuple(it.inter_token_latencies_iter) if it is not None else (),
-        )
+            flags = 0
+            work = (math.nan, 0, 0, 0, getattr(it, "num_generation_tokens", 0))
+        if it is not None:
+            n_ttft, n_itl, samples = wire.pack_samples(it.time_to_first_tokens_iter, it.inter_token_latencies_iter)
+            preempted = it.num_preempted_reqs
+        else:
+            n_ttft, n_itl, samples, preempted = 0, 0, b"", 0
+        return wire.pack_record(wire.STEP_RECORD, wire.STEP, (
+            ts, iteration, engine_idx, *work, s.num_running_reqs, s.num_waiting_reqs,
+            getattr(s, "num_skipped_waiting_reqs", 0), s.kv_cache_usage,
+            # Preempted requests re-query the cache; vLLM's own counters keep them apart, and so do we.
+            prefix.queries if prefix is not None else 0, prefix.hits if prefix is not None else 0, preempted,
+            spec.num_drafts if spec is not None else 0, spec.num_draft_tokens if spec is not None else 0,
+            spec.num_accepted_tokens if spec is not None else 0, flags, n_ttft, n_itl,
+        ), samples)
 
-    def _request(self, ts: float, f: Any, engine_idx: int) -> wire.RequestRecord:
-        return wire.RequestRecord(
-            ts=float(ts),
-            engine_index=int(engine_idx),
-            request_id=str(f.request_id or ""),
-            finish_reason=finish_reason_name(f.finish_reason),
-            e2e_seconds=_finite(f.e2e_latency),
-            queued_seconds=_finite(f.queued_time),
-            prefill_seconds=_finite(f.prefill_time),
-            inference_seconds=_finite(f.inference_time),
-            decode_seconds=_finite(f.decode_time),
-            mean_tpot_seconds=_finite(f.mean_time_per_output_token),
-            prompt_tokens=f.num_prompt_tokens,
-            generation_tokens=f.num_generation_tokens,
-            max_tokens=f.max_tokens_param or 0,
-            cached_tokens=getattr(f, "num_cached_tokens", 0),
-            preemptions=getattr(f, "num_preemptions", 0),
-        )
+    def _request(self, ts: float, f: Any, engine_idx: int) -> bytes:
+        request_id = f.request_id
+        encoded = (request_id if isinstance(request_id, str) else str(request_id or "")).encode(
+            "utf-8", errors="replace")[: wire.MAX_REQUEST_ID]
+        reason = f.finish_reason
+        code = self._reason_codes.get(reason)
+        if code is None:
+            code = wire.FINISH_CODE.get(finish_reason_name(reason), 0)
+            if len(self._reason_codes) < 64:  # vLLM has a handful of reasons; never grow without bound
+                self._reason_codes[reason] = code
+        return wire.pack_record(wire.REQUEST_RECORD, wire.REQUEST, (
+            ts, engine_idx, f.e2e_latency, f.queued_time, f.prefill_time, f.inference_time, f.decode_time,
+            f.mean_time_per_output_token, f.num_prompt_tokens, f.num_generation_tokens, f.max_tokens_param or 0,
+            getattr(f, "num_cached_tokens", 0), getattr(f, "num_preemptions", 0), code, len(encoded),
+        ), encoded)
 
     # -- batching and sending --------------------------------------------------------------------------
 

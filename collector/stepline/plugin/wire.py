@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,37 +124,62 @@ def encode_header(engine: bytes, pid: int, instance: int, sequence: int, dropped
     return HEADER.pack(MAGIC, VERSION, 0, len(engine), pid, instance, sequence, dropped) + engine
 
 
-def _u32(value: Any) -> int:
-    """Counts as u32: negative or missing becomes 0, beyond range saturates (never raises on odd input)."""
-    number = int(value or 0)
-    return 0 if number < 0 else min(number, U32)
+_LIMITS = {"B": 0xFF, "H": 0xFFFF, "I": U32, "Q": (1 << 64) - 1}
+
+
+def _clean(code: str, value: Any) -> Any:
+    """One value made packable: floats become NaN when they are not numbers, integers saturate."""
+    if code in "df":
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            return math.nan
+    try:
+        number = int(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return 0 if number < 0 else min(number, _LIMITS[code])
+
+
+def pack_record(kind: int, layout: struct.Struct, values: tuple[Any, ...], tail: bytes = b"") -> bytes:
+    """A record of fixed fields plus a tail. Well-formed values pack in one call (the hot path); anything
+    odd (None, a negative count, a string) is cleaned field by field and packed again."""
+    try:
+        payload = layout.pack(*values) + tail
+    except (struct.error, TypeError, ValueError, OverflowError):
+        payload = layout.pack(*(_clean(code, v) for code, v in zip(layout.format[1:], values, strict=True))) + tail
+    return RECORD.pack(kind, len(payload)) + payload
+
+
+def pack_samples(ttft: Any, itl: Any) -> tuple[int, int, bytes]:
+    """TTFT and ITL samples as float32, capped in count; odd values become NaN."""
+    ttft, itl = list(ttft or ())[:4096], list(itl or ())[:8192]
+    try:
+        data = array("f", ttft).tobytes() + array("f", itl).tobytes()
+    except (TypeError, OverflowError):
+        data = array("f", [_clean("f", v) for v in (*ttft, *itl)]).tobytes()
+    return len(ttft), len(itl), data
 
 
 def encode_step(step: StepRecord) -> bytes:
-    ttft = step.ttft_seconds[:4096]
-    itl = step.itl_seconds[:8192]
+    n_ttft, n_itl, samples = pack_samples(step.ttft_seconds, step.itl_seconds)
     flags = (STEP_DUMMY if step.is_dummy else 0) | (0 if math.isnan(step.elapsed_ms) else STEP_HAS_DETAILS)
-    payload = STEP.pack(
-        step.ts, step.iteration, step.engine_index & 0xFFFF, step.elapsed_ms,
-        _u32(step.num_ctx_requests), _u32(step.num_ctx_tokens), _u32(step.num_generation_requests),
-        _u32(step.num_generation_tokens), _u32(step.running), _u32(step.waiting), _u32(step.skipped_waiting),
-        step.kv_cache_usage, _u32(step.prefix_cache_queries), _u32(step.prefix_cache_hits), _u32(step.preempted),
-        _u32(step.spec_num_drafts), _u32(step.spec_num_draft_tokens), _u32(step.spec_num_accepted_tokens),
-        flags, len(ttft), len(itl),
-    ) + struct.pack(f"<{len(ttft)}f{len(itl)}f", *ttft, *itl)
-    return RECORD.pack(STEP_RECORD, len(payload)) + payload
+    return pack_record(STEP_RECORD, STEP, (
+        step.ts, step.iteration, step.engine_index, step.elapsed_ms, step.num_ctx_requests, step.num_ctx_tokens,
+        step.num_generation_requests, step.num_generation_tokens, step.running, step.waiting, step.skipped_waiting,
+        step.kv_cache_usage, step.prefix_cache_queries, step.prefix_cache_hits, step.preempted,
+        step.spec_num_drafts, step.spec_num_draft_tokens, step.spec_num_accepted_tokens, flags, n_ttft, n_itl,
+    ), samples)
 
 
 def encode_request(request: RequestRecord) -> bytes:
     request_id = request.request_id.encode("utf-8", errors="replace")[:MAX_REQUEST_ID]
-    payload = REQUEST.pack(
-        request.ts, request.engine_index & 0xFFFF, request.e2e_seconds, request.queued_seconds,
-        request.prefill_seconds, request.inference_seconds, request.decode_seconds, request.mean_tpot_seconds,
-        _u32(request.prompt_tokens), _u32(request.generation_tokens), _u32(request.max_tokens),
-        _u32(request.cached_tokens), _u32(request.preemptions), FINISH_CODE.get(request.finish_reason, 0),
-        len(request_id),
-    ) + request_id
-    return RECORD.pack(REQUEST_RECORD, len(payload)) + payload
+    return pack_record(REQUEST_RECORD, REQUEST, (
+        request.ts, request.engine_index, request.e2e_seconds, request.queued_seconds, request.prefill_seconds,
+        request.inference_seconds, request.decode_seconds, request.mean_tpot_seconds, request.prompt_tokens,
+        request.generation_tokens, request.max_tokens, request.cached_tokens, request.preemptions,
+        FINISH_CODE.get(request.finish_reason, 0), len(request_id),
+    ), request_id)
 
 
 def encode_config(config: dict[str, Any]) -> bytes:

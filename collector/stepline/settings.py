@@ -31,6 +31,8 @@ class Settings:
     scrape_interval_s: float = 5.0
     scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
     disabled_sources: frozenset[str] = frozenset()
+    host_interval_s: float = 1.0
+    gpu_interval_s: float = 0.1
     plugin_socket: str = "/tmp/stepline-plugin.sock"
     otlp_port: int = 4318
     otlp_token: str | None = field(default=None, repr=False)
@@ -78,7 +80,7 @@ class Settings:
         except ValueError:
             if self.listen != "localhost":
                 raise SettingsError(f"listen address {self.listen!r} is not an IP address") from None
-        for name in ("scrape_interval_s", "scrape_timeout_s", "flush_interval_s"):
+        for name in ("scrape_interval_s", "scrape_timeout_s", "flush_interval_s", "host_interval_s", "gpu_interval_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SettingsError(f"{name} must be positive, got {value}")
@@ -127,6 +129,8 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("scrape_timeout_s", "STEPLINE_SCRAPE_TIMEOUT", float),
     ("disabled_sources", "STEPLINE_DISABLED_SOURCES", _names),
     ("plugin_socket", "STEPLINE_PLUGIN_SOCKET", str),
+    ("host_interval_s", "STEPLINE_HOST_INTERVAL", float),
+    ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
     ("otlp_port", "STEPLINE_OTLP_PORT", int),
     ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
 )

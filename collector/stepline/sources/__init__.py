@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stepline.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
+from stepline.sources.host import HostSource, targets_from_engines
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.plugin_receiver import PluginReceiver
 
@@ -31,6 +32,10 @@ def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
     return [PluginReceiver(ctx, settings.plugin_socket)]
 
 
+def _host(settings: Settings, ctx: SourceContext) -> list[Source]:
+    return [HostSource(ctx, engines=targets_from_engines(settings.engines))]
+
+
 def _otlp(settings: Settings, ctx: SourceContext) -> list[Source]:
     return [OtlpReceiver(ctx, settings.listen, settings.otlp_port, token=settings.otlp_token)]
 
@@ -49,6 +54,13 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: 0.001,  # each poll reads for a 0.2 s window itself: this is only the gap between reads
         _plugin,
+    ),
+    SourceSpec(
+        "host",
+        "sample the host (CPU, memory, network, disk) and each local engine's process with psutil",
+        True,
+        lambda s: s.host_interval_s,
+        _host,
     ),
     SourceSpec(
         "otlp",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from stepline.clock import Clock
@@ -26,12 +27,35 @@ class Source(Protocol):
         """Emit this poll's rows; raise SourceError when the poll failed (rows emitted before stay)."""
 
 
+class EngineProcesses:
+    """Which process runs which engine, as the host source finds them; the GPU source reads it to tie a
+    GPU to the engine whose process uses it."""
+
+    def __init__(self) -> None:
+        self._by_pid: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def found(self, engine: str, pid: int) -> None:
+        with self._lock:
+            self._by_pid[pid] = engine
+
+    def lost(self, pid: int) -> None:
+        with self._lock:
+            self._by_pid.pop(pid, None)
+
+    def engine_of(self, pid: int) -> str:
+        """The engine `pid` runs, or "" when it is not an engine process stepline knows."""
+        with self._lock:
+            return self._by_pid.get(pid, "")
+
+
 @dataclass(frozen=True)
 class SourceContext:
     """Everything a source may need from the collector."""
 
     host: str
     clock: Clock
+    engine_processes: EngineProcesses = field(default_factory=EngineProcesses)
 
 
 @runtime_checkable

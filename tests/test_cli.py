@@ -132,3 +132,20 @@ def test_demo_fills_steps_and_requests(demo_store: Path) -> None:
     slowest = _stepline("requests", "--slowest", "5", "--store", url)
     assert slowest.returncode == 0, slowest.stderr
     assert len([line for line in slowest.stdout.splitlines() if "burst-" in line]) == 5
+
+
+def test_demo_fills_gpu_and_host_samples_and_the_timeline_joins_them(demo_store: Path) -> None:
+    url = f"chdb://{demo_store}"
+    result = _stepline("query", "SELECT (SELECT count() FROM gpu_samples), (SELECT count() FROM host_samples), "
+                       "(SELECT count() FROM timeline WHERE isFinite(sm_clock_mhz) AND power_w > 0), "
+                       "(SELECT countIf(has(clock_event_flags, 'sw_power_cap')) FROM timeline "
+                       "WHERE prefill_tokens > 0)",
+                       "--store", url, "--format", "TabSeparated")
+    assert result.returncode == 0, result.stderr
+    gpu_rows, host_rows, joined, capped = (int(x) for x in result.stdout.split())
+    assert gpu_rows > 1000 and host_rows >= 1 and joined > 500 and capped > 0
+    moment = _stepline("query", "SELECT toUnixTimestamp(argMax(ts, elapsed_ms)) FROM steps", "--store", url,
+                       "--format", "TabSeparated").stdout.strip()
+    around = _stepline("timeline", "--around", moment, "--window", "10", "--store", url)
+    assert around.returncode == 0, around.stderr
+    assert "sw_power_cap" in around.stdout and around.stdout.startswith("time (UTC)")

@@ -163,3 +163,14 @@ def test_typed_rows_match_their_tables_column_for_column() -> None:
 
     for row_type, table in TABLE_OF.items():
         assert row_type._fields == schema.TABLE_BY_NAME[table].column_names, table
+
+
+def test_columns_added_since_a_store_was_created_are_added_in_place(store: Store) -> None:
+    store.client.command(f"ALTER TABLE `{store.database}`.`gpu_samples` DROP COLUMN clock_event_flags")
+    store.client.command(f"ALTER TABLE `{store.database}`.`host_samples` DROP COLUMN mem_total_bytes")
+    store.ensure_schema(30)
+    columns = [r[0] for r in store.query(
+        "SELECT name FROM system.columns WHERE database = {db:String} AND table = 'gpu_samples' ORDER BY position",
+        parameters={"db": store.database}).result_rows]
+    assert columns == list(schema.TABLE_BY_NAME["gpu_samples"].column_names)
+    assert store.query("SELECT count() FROM timeline").result_rows == [(0,)]

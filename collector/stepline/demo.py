@@ -8,14 +8,19 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from stepline import perrequest, summary
+from stepline import perrequest, summary, timeline
+from stepline.clock import ManualClock
 from stepline.collector import Collector
 from stepline.rows import micros
+from stepline.runner import Scheduled
 from stepline.settings import Settings
 from stepline.sim import server as sim_server
 from stepline.sim.config import EngineConfig
+from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource
 from stepline.sim.records import StepRecord
 from stepline.sim.replay import replay
 from stepline.sim.telemetry import Telemetry
@@ -42,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the workload's nominal length with --fast)")
     parser.add_argument("--scrape-interval", type=float, metavar="SECONDS",
                         help="scrape interval (default 1 s in real time, 5 s with --fast)")
+    parser.add_argument("--gpu-scenario", choices=SCENARIOS, default="power-cap",
+                        help="what the simulated GPUs do: follow the load (normal), also hit a power cap during "
+                             "prefill so clocks drop (power-cap, the default), or also report an XID error (xid)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,27 +60,30 @@ def run(args: argparse.Namespace) -> int:
     # earlier run may already lie, and the two must not blur into one engine's counters.
     engine = time.strftime("sim-%H%M%S")
     config = EngineConfig()
+    gpus = SimulatedGpus(GpuModel(scenario=args.gpu_scenario), engine_pid=os.getpid())
     with tempfile.TemporaryDirectory(prefix="stepline-demo-") as sockets:
+        # The real GPU source would find no NVML here: the demo's GPUs are simulated, sampled by the same code.
         base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
-                "plugin_socket": os.path.join(sockets, "plugin.sock")}
+                                "plugin_socket": os.path.join(sockets, "plugin.sock"),
+                                "disabled_sources": frozenset({"gpu"})}
         if args.fast:
             interval = args.scrape_interval or 5.0
             workload = make_workload(args.workload, duration_s=args.duration)
             collector = Collector(Settings.from_env(engines=(), scrape_interval_s=interval, **base))
             collector.start()
             telemetry = _telemetry(collector, engine, config)
-            since = _replay(collector, workload, config, interval, engine, telemetry)
+            since = _replay(collector, workload, config, interval, engine, telemetry, gpus)
         else:
             interval = args.scrape_interval or 1.0
             workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
-            forward = _Forward()
+            forward = _Forward(gpus.model.on_step)
             server = sim_server.serve(workload, config, host="127.0.0.1", port=0, repeat=False, on_step=forward)
             try:
-                collector = Collector(Settings.from_env(engines=(f"{engine}={server.url}",),
-                                                        scrape_interval_s=interval, **base))
+                settings = Settings.from_env(engines=(f"{engine}={server.url}",), scrape_interval_s=interval, **base)
+                collector = Collector(settings, extra=lambda ctx: _gpu_sources(gpus, ctx, engine, settings))
                 collector.start()
                 telemetry = _telemetry(collector, engine, config)
-                forward.attach(telemetry)
+                forward.attach(telemetry.on_step)
                 _watch(collector, server, workload.duration_s + workload.drain_s, interval)
             finally:
                 server.stop()
@@ -82,26 +93,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Forward:
-    """Holds the simulator's first steps until the collector's receivers exist, then forwards them."""
+def _gpu_sources(gpus: SimulatedGpus, ctx: SourceContext, engine: str, settings: Settings) -> list[Scheduled]:
+    # The simulator runs inside this process: its GPUs' process is ours, and it serves `engine`.
+    ctx.engine_processes.found(engine, os.getpid())
+    return [Scheduled(SimulatedGpuSource(gpus, ctx), settings.gpu_interval_s)]
 
-    def __init__(self) -> None:
+
+class _Forward:
+    """Feeds each simulated step to the GPU model at once, and to the plugin and spans once they exist."""
+
+    def __init__(self, first: Callable[[StepRecord], None]) -> None:
         self._lock = threading.Lock()
+        self._first = first
         self._early: list[StepRecord] = []
-        self._target: Telemetry | None = None
+        self._then: Callable[[StepRecord], None] | None = None
 
     def __call__(self, step: StepRecord) -> None:
+        self._first(step)
         with self._lock:
-            if self._target is None:
+            if self._then is None:
                 self._early.append(step)
                 return
-            self._target.on_step(step)
+            self._then(step)
 
-    def attach(self, target: Telemetry) -> None:
+    def attach(self, then: Callable[[StepRecord], None]) -> None:
         with self._lock:
-            self._target = target
+            self._then = then
             for step in self._early:
-                target.on_step(step)
+                then(step)
             self._early.clear()
 
 
@@ -112,18 +131,51 @@ def _telemetry(collector: Collector, engine: str, config: EngineConfig) -> Telem
 
 
 def _replay(collector: Collector, workload: Workload, config: EngineConfig, interval: float, engine: str,
-            telemetry: Telemetry) -> float:
-    """Replay the workload into the collector's writers; returns when (in stamped time) it began."""
+            telemetry: Telemetry, gpus: SimulatedGpus) -> float:
+    """Replay the workload into the collector on a virtual clock; returns when (in stamped time) it began."""
     assert collector.writers is not None
     writers = collector.writers
-    source = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(collector.settings.host_name,
-                                                                                  collector.clock), engine=engine)
+    host = collector.settings.host_name
+    scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
+                                engine=engine)
+    sampler = _VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine,
+                                 collector.settings.gpu_interval_s, writers.write)
+
+    def on_step(step: StepRecord) -> None:
+        sampler.until(step.ts - step.elapsed_ms / 1000)  # the GPUs before this step began
+        gpus.model.on_step(step)
+        sampler.until(step.ts)
+        telemetry.on_step(step)
+
     started = time.monotonic()
-    result = replay(workload, config, interval, lambda ts, body: source.ingest(body, ts, writers.write),
-                    on_step=telemetry.on_step, keep_records=False)
+    result = replay(workload, config, interval, lambda ts, body: scraper.ingest(body, ts, writers.write),
+                    on_step=on_step, keep_records=False)
+    sampler.until(result.end_ts)
     print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
           f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
     return result.start_ts
+
+
+class _VirtualGpuSampler:
+    """Polls the GPU source every interval of simulated time, as the runner would in real time."""
+
+    def __init__(self, gpus: SimulatedGpus, ctx: SourceContext, engine: str, interval_s: float,
+                 emit: Callable[[Any], object]) -> None:
+        assert isinstance(ctx.clock, ManualClock)
+        self._clock = ctx.clock
+        self._source = SimulatedGpuSource(gpus, ctx)
+        self._interval_s = interval_s
+        self._emit = emit
+        self._next: float | None = None
+        ctx.engine_processes.found(engine, os.getpid())
+
+    def until(self, ts: float) -> None:
+        if self._next is None:
+            self._next = ts
+        while self._next <= ts:
+            self._clock.set(self._next)
+            self._source.poll(self._emit)
+            self._next += self._interval_s
 
 
 def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, interval: float) -> None:
@@ -160,10 +212,19 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
         print(perrequest.by_prompt_band(store, engine, since))
         print()
         print(perrequest.around_largest_prefill(store, engine, since))
+        moment = perrequest.largest_prefill_start(store, engine, since)
+        if moment is not None:
+            print(f"\nthe GPUs meanwhile (stepline timeline --around {moment:%H:%M:%S} --window 30 --bucket 5):")
+            print(timeline.around(store, store.database, moment + timedelta(seconds=20), window_s=30,
+                                  engine=engine, bucket_s=5))
         counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
                              parameters=params).result_rows
         tables = {table: store.query(f"SELECT count() FROM {table} WHERE {window}", parameters=params
-                                     ).result_rows[0][0] for table in ("engine_samples", "steps", "requests")}
+                                     ).result_rows[0][0]
+                  for table in ("engine_samples", "steps", "requests", "gpu_samples")}
+        # The host is sampled in real time, also while a fast replay runs: its rows are the collector's own.
+        tables["host_samples"] = store.query("SELECT count() FROM host_samples WHERE ts >= fromUnixTimestamp64Micro("
+                                             "{since:Int64}, 'UTC')", parameters=params).result_rows[0][0]
         print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
               + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from stepline.summary import Reads
@@ -185,3 +185,16 @@ def around_largest_prefill(reader: Reads, engine: str, since: float) -> str:
 
 def _rate(value: Any) -> str:
     return "-" if value is None or value != value else f"{value:.1f}"
+
+
+def largest_prefill_start(reader: Reads, engine: str, since: float) -> datetime | None:
+    """When the largest prompt since `since` began its prefill (UTC), if there is one."""
+    rows = reader.query(
+        "SELECT arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) FROM requests "
+        "WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') "
+        "AND isFinite(queue_seconds) ORDER BY prompt_tokens DESC LIMIT 1",
+        parameters={"engine": engine, "since": round(since * 1e6)}).result_rows
+    if not rows:
+        return None
+    start: datetime = rows[0][0]
+    return start if start.tzinfo else start.replace(tzinfo=UTC)

@@ -248,7 +248,8 @@ def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[
             f"AS `{database}`.`{local}`\n"
             f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local}`, cityHash64(host, engine))"
         )
-    statements.append(f"CREATE VIEW IF NOT EXISTS `{database}`.`timeline`{on_cluster} AS{timeline_sql(database)}")
+    # OR REPLACE: the view holds no data, and a store created by an older stepline gets today's definition.
+    statements.append(f"CREATE OR REPLACE VIEW `{database}`.`timeline`{on_cluster} AS{timeline_sql(database)}")
     version_engine = (
         f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/schema_version', '{{replica}}')"
         if cluster

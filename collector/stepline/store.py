@@ -167,7 +167,12 @@ class Store:
                     f"the store at {self.url.redacted()} holds schema version {found}, newer than this "
                     f"stepline's {schema.SCHEMA_VERSION}: upgrade stepline"
                 )
+            views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
             for statement in statements[1:-1]:
+                if statement not in views:
+                    self.client.command(statement)
+            self._add_missing_columns()
+            for statement in views:  # over the tables as they now are
                 self.client.command(statement)
             self._apply_retention(retention_days)
             if found < schema.SCHEMA_VERSION:
@@ -183,6 +188,23 @@ class Store:
         """The newest schema version recorded in the store (0 for a new store)."""
         rows = self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`").result_rows
         return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table since the store was created are added in place (additive changes only)."""
+        rows = self.client.query("SELECT table, name FROM system.columns WHERE database = {db:String}",
+                                 parameters={"db": self.database}).result_rows
+        present: dict[str, set[str]] = {}
+        for table, name in rows:
+            present.setdefault(table, set()).add(name)
+        for table in schema.TABLES:
+            previous = None
+            for name, type_ in table.columns:
+                if name not in present.get(table.name, {name}):
+                    after = f" AFTER `{previous}`" if previous else " FIRST"
+                    log.info("adding column %s.%s", table.name, name)
+                    self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
+                                        f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
+                previous = name
 
     def _apply_retention(self, retention_days: int) -> None:
         rows = self.client.query(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stepline.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
+from stepline.sources.gpu import GpuSource
 from stepline.sources.host import HostSource, targets_from_engines
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.plugin_receiver import PluginReceiver
@@ -32,6 +33,10 @@ def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
     return [PluginReceiver(ctx, settings.plugin_socket)]
 
 
+def _gpu(settings: Settings, ctx: SourceContext) -> list[Source]:
+    return [GpuSource(ctx)]
+
+
 def _host(settings: Settings, ctx: SourceContext) -> list[Source]:
     return [HostSource(ctx, engines=targets_from_engines(settings.engines))]
 
@@ -54,6 +59,14 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: 0.001,  # each poll reads for a 0.2 s window itself: this is only the gap between reads
         _plugin,
+    ),
+    SourceSpec(
+        "gpu",
+        "sample every GPU's clocks, power, memory bandwidth, PCIe/NVLink and throttle reasons through NVML "
+        "(no GPU or no NVML: up=0, the rest runs on)",
+        True,
+        lambda s: s.gpu_interval_s,
+        _gpu,
     ),
     SourceSpec(
         "host",

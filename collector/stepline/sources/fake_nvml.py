@@ -1,0 +1,238 @@
+"""A fake NVML with several GPUs, shipped next to the real one for tests and for the simulator."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from stepline.sources.nvml import (
+    FI_DEV_MEMORY_TEMP,
+    FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+    FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+    GPM_ANY_TENSOR_UTIL,
+    GPM_DRAM_BW_UTIL,
+    GPM_PCIE_RX_PER_SEC,
+    GPM_PCIE_TX_PER_SEC,
+    GPM_SM_OCCUPANCY,
+    ClockKind,
+    Direction,
+    Handle,
+    NvmlError,
+    NvmlGone,
+    NvmlMissing,
+    NvmlUnsupported,
+    TempKind,
+    XidEvent,
+)
+
+
+@dataclass
+class FakeGpuState:
+    """One fake GPU's current readings, in NVML's units; mutate freely between polls.
+
+    `unsupported` holds the calls that raise NvmlUnsupported: a method name ("energy_mj") or a method and its
+    kind ("temperature_c:memory", "pcie_throughput_kbs:tx"), or one field ("field:<id>"); "gpm_metric:<id>" makes
+    one GPM metric NaN.
+    """
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    uuid: str = ""
+    sm_clock_mhz: int = 1980
+    mem_clock_mhz: int = 2619
+    power_mw: int = 120_000
+    energy_mj: int = 0
+    temp_gpu_c: int = 40
+    temp_mem_c: int = 45
+    util_gpu_pct: int = 0
+    util_mem_pct: int = 0
+    mem_used_bytes: int = 0
+    mem_total_bytes: int = 80 << 30
+    pcie_tx_kbs: int = 0
+    pcie_rx_kbs: int = 0
+    pcie_replay: int = 0
+    nvlink_tx_kib: int = 0  # cumulative, like the driver's counters
+    nvlink_rx_kib: int = 0
+    clock_event_reasons: int = 0
+    gpm: bool = True
+    dram_bw_util_pct: float = 0.0
+    tensor_active_pct: float = 0.0
+    sm_occupancy_pct: float = 0.0
+    processes: dict[int, int] = field(default_factory=dict)
+    unsupported: set[str] = field(default_factory=set)
+    failing: set[str] = field(default_factory=set)  # same keys as unsupported; these raise a plain NvmlError
+    removed: bool = False
+
+    def advance(self, seconds: float) -> None:
+        """Move the energy counter on by the current power over `seconds`."""
+        self.energy_mj += round(self.power_mw * seconds)
+
+
+@dataclass(frozen=True)
+class FakeGpmSample:
+    """A GPM sample: the device's GPM metrics as they were when it was taken."""
+
+    index: int
+    seq: int
+    metrics: dict[int, float]
+
+
+class FakeNvml:
+    """Implements `Nvml` over FakeGpuState; handles are device indexes; `calls[(method, index)]` counts calls.
+
+    Calls with a kind count under "method:kind" ("clock_mhz:sm"); calls of no device count under index -1.
+    """
+
+    def __init__(self, devices: int | Sequence[FakeGpuState] = 2, *, missing: bool = False) -> None:
+        self.devices = [FakeGpuState() for _ in range(devices)] if isinstance(devices, int) else list(devices)
+        for i, state in enumerate(self.devices):
+            state.uuid = state.uuid or f"GPU-00000000-0000-4000-8000-{i:012d}"
+        self.missing = missing
+        self.initialised = False
+        self.calls: Counter[tuple[str, int]] = Counter()
+        self._xids: deque[XidEvent] = deque()
+        self._registered: set[int] = set()
+        self._gpm_seq = 0
+
+    def state(self, index: int) -> FakeGpuState:
+        """The mutable state of one device."""
+        return self.devices[index]
+
+    def remove(self, index: int) -> None:
+        """The device falls off the bus: every later call on it raises NvmlGone."""
+        self.devices[index].removed = True
+
+    def inject_xid(self, index: int, code: int) -> None:
+        """Queue an XID critical error, delivered by wait_xid if the device registered for events."""
+        self._xids.append(XidEvent(index, self.devices[index].uuid, code))
+
+    def _global(self, method: str) -> None:
+        self.calls[(method, -1)] += 1
+        if not self.initialised:
+            raise NvmlMissing("Uninitialized", 1)
+
+    def _dev(self, method: str, h: Handle, kind: str | None = None) -> FakeGpuState:
+        if not isinstance(h, int):
+            raise TypeError(f"not a FakeNvml handle: {h!r}")
+        key = method if kind is None else f"{method}:{kind}"
+        self.calls[(key, h)] += 1
+        if not self.initialised:
+            raise NvmlMissing("Uninitialized", 1)
+        state = self.devices[h]
+        if state.removed:
+            raise NvmlGone("GPU is lost", 15)
+        if method in state.unsupported or key in state.unsupported:
+            raise NvmlUnsupported("Not Supported", 3)
+        if method in state.failing or key in state.failing:
+            raise NvmlError("Unknown Error", 999)
+        return state
+
+    def init(self) -> None:
+        self.calls[("init", -1)] += 1
+        if self.missing:
+            raise NvmlMissing("NVML Shared Library Not Found", 12)
+        self.initialised = True
+
+    def shutdown(self) -> None:
+        self._global("shutdown")
+        self.initialised = False
+        self._registered.clear()
+
+    def device_count(self) -> int:
+        self._global("device_count")
+        return len(self.devices)
+
+    def handle(self, index: int) -> Handle:
+        if not 0 <= index < len(self.devices):
+            raise NvmlError("Invalid Argument", 2)
+        self._dev("handle", index)
+        return index
+
+    def uuid(self, h: Handle) -> str:
+        return self._dev("uuid", h).uuid
+
+    def name(self, h: Handle) -> str:
+        return self._dev("name", h).name
+
+    def clock_mhz(self, h: Handle, kind: ClockKind) -> int:
+        state = self._dev("clock_mhz", h, kind)
+        return state.sm_clock_mhz if kind == "sm" else state.mem_clock_mhz
+
+    def power_mw(self, h: Handle) -> int:
+        return self._dev("power_mw", h).power_mw
+
+    def energy_mj(self, h: Handle) -> int:
+        return self._dev("energy_mj", h).energy_mj
+
+    def temperature_c(self, h: Handle, kind: TempKind) -> float:
+        state = self._dev("temperature_c", h, kind)
+        return state.temp_gpu_c if kind == "gpu" else state.temp_mem_c
+
+    def utilization(self, h: Handle) -> tuple[int, int]:
+        state = self._dev("utilization", h)
+        return state.util_gpu_pct, state.util_mem_pct
+
+    def memory(self, h: Handle) -> tuple[int, int]:
+        state = self._dev("memory", h)
+        return state.mem_used_bytes, state.mem_total_bytes
+
+    def pcie_throughput_kbs(self, h: Handle, direction: Direction) -> int:
+        state = self._dev("pcie_throughput_kbs", h, direction)
+        return state.pcie_tx_kbs if direction == "tx" else state.pcie_rx_kbs
+
+    def pcie_replay_counter(self, h: Handle) -> int:
+        return self._dev("pcie_replay_counter", h).pcie_replay
+
+    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[float]:
+        state = self._dev("field_values", h)
+        known = {FI_DEV_NVLINK_THROUGHPUT_DATA_TX: state.nvlink_tx_kib,
+                 FI_DEV_NVLINK_THROUGHPUT_DATA_RX: state.nvlink_rx_kib, FI_DEV_MEMORY_TEMP: state.temp_mem_c}
+        out: list[float] = []
+        for field_id, _scope in fields:
+            if field_id not in known or f"field:{field_id}" in state.unsupported:
+                raise NvmlUnsupported(f"field {field_id}: Not Supported", 3)
+            out.append(known[field_id])
+        return out
+
+    def clock_event_reasons(self, h: Handle) -> int:
+        return self._dev("clock_event_reasons", h).clock_event_reasons
+
+    def gpm_supported(self, h: Handle) -> bool:
+        return self._dev("gpm_supported", h).gpm
+
+    def gpm_sample(self, h: Handle) -> object:
+        state = self._dev("gpm_sample", h)
+        if not state.gpm:
+            raise NvmlUnsupported("Not Supported", 3)
+        self._gpm_seq += 1
+        metrics = {GPM_DRAM_BW_UTIL: state.dram_bw_util_pct, GPM_ANY_TENSOR_UTIL: state.tensor_active_pct,
+                   GPM_SM_OCCUPANCY: state.sm_occupancy_pct, GPM_PCIE_TX_PER_SEC: state.pcie_tx_kbs / 1024,
+                   GPM_PCIE_RX_PER_SEC: state.pcie_rx_kbs / 1024}
+        for metric in list(metrics):
+            if f"gpm_metric:{metric}" in state.unsupported:
+                metrics[metric] = math.nan
+        assert isinstance(h, int)
+        return FakeGpmSample(h, self._gpm_seq, metrics)
+
+    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[float]:
+        if not (isinstance(a, FakeGpmSample) and isinstance(b, FakeGpmSample)) or a.index != b.index:
+            raise NvmlError("Invalid Argument: GPM samples of different devices", 2)
+        self._dev("gpm_metrics", b.index)
+        return [b.metrics.get(metric, math.nan) for metric in metric_ids]
+
+    def processes(self, h: Handle) -> dict[int, int]:
+        return dict(self._dev("processes", h).processes)
+
+    def register_xid_events(self, h: Handle) -> None:
+        self._dev("register_xid_events", h)
+        assert isinstance(h, int)
+        self._registered.add(h)
+
+    def wait_xid(self, timeout_ms: int) -> XidEvent | None:
+        self._global("wait_xid")
+        while self._xids:
+            event = self._xids.popleft()
+            if event.gpu_index in self._registered:
+                return event
+        return None

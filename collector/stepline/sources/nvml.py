@@ -1,0 +1,324 @@
+"""Source: NVML, one `gpu_samples` row per GPU per poll, XID errors and lost GPUs into `events`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast
+
+log = logging.getLogger(__name__)
+
+# NVML ABI numbers (nvml.h); tests check them against pynvml so no import of pynvml is needed here.
+FI_DEV_MEMORY_TEMP = 82
+FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138  # cumulative KiB since driver load
+FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+SCOPE_ALL_LINKS = 0xFFFFFFFF  # nvml.h: scopeId UINT_MAX = the sum over all links, done by the driver
+GPM_SM_OCCUPANCY = 3
+GPM_ANY_TENSOR_UTIL = 5
+GPM_DRAM_BW_UTIL = 10
+GPM_PCIE_TX_PER_SEC = 20  # MiB/s
+GPM_PCIE_RX_PER_SEC = 21
+GPM_METRICS = (GPM_DRAM_BW_UTIL, GPM_ANY_TENSOR_UTIL, GPM_SM_OCCUPANCY, GPM_PCIE_TX_PER_SEC, GPM_PCIE_RX_PER_SEC)
+NVLINK_FIELDS = ((FI_DEV_NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS),
+                 (FI_DEV_NVLINK_THROUGHPUT_DATA_RX, SCOPE_ALL_LINKS))
+# nvmlClocksEventReason* bits; the last two exist only as nvmlClocksThrottleReason*.
+CLOCK_EVENT_FLAGS = (
+    (0x001, "gpu_idle"), (0x002, "applications_clocks_setting"), (0x004, "sw_power_cap"), (0x008, "hw_slowdown"),
+    (0x010, "sync_boost"), (0x020, "sw_thermal_slowdown"), (0x040, "hw_thermal_slowdown"),
+    (0x080, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"), (0x200, "board_limit"),
+    (0x400, "reliability"),
+)
+XID_MEANINGS = {
+    13: "graphics engine exception (usually the application)",
+    31: "GPU memory page fault (usually an illegal address in the application)",
+    43: "GPU stopped processing (a channel was reset)",
+    45: "preemptive cleanup after an earlier error",
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint/warning",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping recorded",
+    64: "ECC page retirement or row remapping failed",
+    68: "video decoder (NVDEC) exception",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error (the affected process must restart)",
+    95: "uncontained ECC error (the GPU must be reset)",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+INIT_RETRY_S = 60.0
+MAX_XID_PER_POLL = 64
+
+ClockKind = Literal["sm", "mem"]
+TempKind = Literal["gpu", "memory"]
+Direction = Literal["tx", "rx"]
+Handle = object  # opaque: whatever the Nvml implementation hands out for one device
+T = TypeVar("T")
+
+
+class NvmlError(RuntimeError):
+    """An NVML call failed; `code` is NVML's return code when there is one."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NvmlUnsupported(NvmlError):
+    """This GPU (or driver, or our permissions) does not offer this reading: ask no more."""
+
+
+class NvmlGone(NvmlError):
+    """The GPU is lost or was removed."""
+
+
+class NvmlMissing(NvmlError):
+    """No usable NVML: library absent, driver not loaded, or not initialised."""
+
+
+class XidEvent(NamedTuple):
+    """One XID critical error reported by a GPU."""
+
+    gpu_index: int
+    gpu_uuid: str
+    xid: int
+
+
+class Nvml(Protocol):
+    """The NVML calls stepline makes, in stepline's units; every failure raises an NvmlError subclass."""
+
+    def init(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def device_count(self) -> int: ...
+    def handle(self, index: int) -> Handle: ...
+    def uuid(self, h: Handle) -> str: ...
+    def name(self, h: Handle) -> str: ...
+    def clock_mhz(self, h: Handle, kind: ClockKind) -> int: ...
+    def power_mw(self, h: Handle) -> int: ...
+    def energy_mj(self, h: Handle) -> int: ...
+    def temperature_c(self, h: Handle, kind: TempKind) -> float: ...
+    def utilization(self, h: Handle) -> tuple[int, int]:
+        """(gpu %, memory-controller %)."""
+    def memory(self, h: Handle) -> tuple[int, int]:
+        """(used, total) bytes."""
+    def pcie_throughput_kbs(self, h: Handle, direction: Direction) -> int:
+        """KB/s over a 20 ms window that the call itself waits for."""
+    def pcie_replay_counter(self, h: Handle) -> int: ...
+    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[float]:
+        """Values of (field id, scope id) pairs; raises the error of the first field that failed."""
+    def clock_event_reasons(self, h: Handle) -> int: ...
+    def gpm_supported(self, h: Handle) -> bool: ...
+    def gpm_sample(self, h: Handle) -> object:
+        """A GPM sample, valid until the second next gpm_sample of the same device."""
+    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[float]:
+        """Metrics between two samples, NaN for a metric that failed."""
+    def processes(self, h: Handle) -> dict[int, int]:
+        """Compute processes: pid -> used GPU memory bytes."""
+    def register_xid_events(self, h: Handle) -> None: ...
+    def wait_xid(self, timeout_ms: int) -> XidEvent | None: ...
+
+
+_UNSUPPORTED = frozenset({3, 4, 13})  # NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND
+_GONE = frozenset({15, 28})  # GPU_IS_LOST, GPU_NOT_FOUND
+_MISSING = frozenset({1, 9, 12, 18})  # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH
+_FUNCTION_NOT_FOUND = 13
+_TIMEOUT = 10
+
+
+def nvml_error(code: int, message: str) -> NvmlError:
+    """The stepline error for an NVML return code."""
+    kind = (NvmlUnsupported if code in _UNSUPPORTED else NvmlGone if code in _GONE
+            else NvmlMissing if code in _MISSING else NvmlError)
+    return kind(message, code)
+
+
+def clock_event_flags(reasons: int) -> list[str]:
+    """Names of the bits set in a clocks-event-reasons mask."""
+    return [name for bit, name in CLOCK_EVENT_FLAGS if reasons & bit]
+
+
+def xid_message(index: int, uuid: str, xid: int) -> str:
+    """One line an operator can act on."""
+    meaning = XID_MEANINGS.get(xid, "see NVIDIA's XID catalogue")
+    return f"GPU {index} ({uuid or 'uuid unknown'}) reported XID {xid}: {meaning}"
+
+
+class RealNvml:
+    """Nvml over pynvml (nvidia-ml-py); libnvidia-ml is loaded by init(), never at import."""
+
+    def __init__(self, lib: Any = None) -> None:
+        self._given = lib  # the pynvml module (imported by init() when None), or a stand-in for tests
+        self._nv: Any = None
+        self._error: type[BaseException] = _NeverRaised
+        self._events: Any = None
+        self._gpm: dict[int | None, list[Any]] = {}  # device address -> [sample, sample, next slot]
+        self._metrics_get: Any = None
+        self._fallbacks: dict[str, tuple[str, ...]] = {  # newest call first, for older drivers
+            "reasons": ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+            "processes": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+            "temperature": ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
+        }
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except self._error as exc:
+            code = int(getattr(exc, "value", -1))
+            raise nvml_error(code, str(exc)) from None
+
+    def _lib(self) -> Any:
+        if self._nv is None:
+            raise NvmlMissing("NVML is not initialised", 1)
+        return self._nv
+
+    def _newest(self, key: str, *args: Any) -> Any:
+        names = self._fallbacks[key]
+        try:
+            return self._call(getattr(self._lib(), names[0]), *args)
+        except NvmlUnsupported as exc:
+            if exc.code != _FUNCTION_NOT_FOUND or len(names) == 1:
+                raise
+            self._fallbacks[key] = names[1:]  # this driver predates the newer call: use the older from now on
+            return self._call(getattr(self._lib(), names[1]), *args)
+
+    def init(self) -> None:
+        nv = self._given
+        if nv is None:
+            import pynvml  # type: ignore[import-untyped]
+
+            nv = pynvml
+        self._error = nv.NVMLError
+        self._call(nv.nvmlInit)
+        self._nv = nv
+
+    def shutdown(self) -> None:
+        nv = self._lib()
+        for ring in self._gpm.values():
+            for sample in ring[:2]:
+                self._call(nv.nvmlGpmSampleFree, sample)
+        self._gpm.clear()
+        if self._events is not None:
+            self._call(nv.nvmlEventSetFree, self._events)
+            self._events = None
+        self._nv = None
+        self._call(nv.nvmlShutdown)
+
+    def device_count(self) -> int:
+        return int(self._call(self._lib().nvmlDeviceGetCount))
+
+    def handle(self, index: int) -> Handle:
+        return cast(Handle, self._call(self._lib().nvmlDeviceGetHandleByIndex, index))
+
+    def uuid(self, h: Handle) -> str:
+        return str(self._call(self._lib().nvmlDeviceGetUUID, h))
+
+    def name(self, h: Handle) -> str:
+        return str(self._call(self._lib().nvmlDeviceGetName, h))
+
+    def clock_mhz(self, h: Handle, kind: ClockKind) -> int:
+        nv = self._lib()
+        return int(self._call(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM if kind == "sm" else nv.NVML_CLOCK_MEM))
+
+    def power_mw(self, h: Handle) -> int:
+        return int(self._call(self._lib().nvmlDeviceGetPowerUsage, h))
+
+    def energy_mj(self, h: Handle) -> int:
+        return int(self._call(self._lib().nvmlDeviceGetTotalEnergyConsumption, h))
+
+    def temperature_c(self, h: Handle, kind: TempKind) -> float:
+        if kind == "memory":
+            return self.field_values(h, ((FI_DEV_MEMORY_TEMP, 0),))[0]
+        return float(self._newest("temperature", h, self._lib().NVML_TEMPERATURE_GPU))
+
+    def utilization(self, h: Handle) -> tuple[int, int]:
+        rates = self._call(self._lib().nvmlDeviceGetUtilizationRates, h)
+        return int(rates.gpu), int(rates.memory)
+
+    def memory(self, h: Handle) -> tuple[int, int]:
+        info = self._call(self._lib().nvmlDeviceGetMemoryInfo, h)
+        return int(info.used), int(info.total)
+
+    def pcie_throughput_kbs(self, h: Handle, direction: Direction) -> int:
+        nv = self._lib()
+        counter = nv.NVML_PCIE_UTIL_TX_BYTES if direction == "tx" else nv.NVML_PCIE_UTIL_RX_BYTES
+        return int(self._call(nv.nvmlDeviceGetPcieThroughput, h, counter))
+
+    def pcie_replay_counter(self, h: Handle) -> int:
+        return int(self._call(self._lib().nvmlDeviceGetPcieReplayCounter, h))
+
+    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[float]:
+        values = self._call(self._lib().nvmlDeviceGetFieldValues, h, list(fields))
+        out: list[float] = []
+        for v in values:
+            if v.nvmlReturn != 0:
+                raise nvml_error(int(v.nvmlReturn), f"field {v.fieldId}: {self._error(int(v.nvmlReturn))}")
+            out.append(getattr(v.value, _VALUE_MEMBER.get(int(v.valueType), "ullVal")))
+        return out
+
+    def clock_event_reasons(self, h: Handle) -> int:
+        return int(self._newest("reasons", h))
+
+    def gpm_supported(self, h: Handle) -> bool:
+        return bool(self._call(self._lib().nvmlGpmQueryDeviceSupport, h).isSupportedDevice)
+
+    def gpm_sample(self, h: Handle) -> object:
+        import ctypes
+
+        nv = self._lib()
+        key = ctypes.cast(cast(Any, h), ctypes.c_void_p).value
+        ring = self._gpm.get(key)
+        if ring is None:
+            ring = self._gpm[key] = [self._call(nv.nvmlGpmSampleAlloc), self._call(nv.nvmlGpmSampleAlloc), 0]
+        slot = ring[2]
+        ring[2] = 1 - slot  # two buffers per device: the previous sample stays valid for gpm_metrics
+        return cast(object, self._call(nv.nvmlGpmSampleGet, h, ring[slot]))
+
+    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[float]:
+        nv = self._lib()
+        mg = self._metrics_get
+        if mg is None:
+            mg = self._metrics_get = nv.c_nvmlGpmMetricsGet_t()
+        mg.version = nv.NVML_GPM_METRICS_GET_VERSION
+        mg.numMetrics = len(metric_ids)
+        mg.sample1, mg.sample2 = a, b
+        for i, metric in enumerate(metric_ids):
+            mg.metrics[i].metricId = metric
+        self._call(nv.nvmlGpmMetricsGet, mg)
+        return [float(m.value) if m.nvmlReturn == 0 else math.nan for m in mg.metrics[:len(metric_ids)]]
+
+    def processes(self, h: Handle) -> dict[int, int]:
+        return {int(p.pid): int(p.usedGpuMemory or 0) for p in self._newest("processes", h)}
+
+    def register_xid_events(self, h: Handle) -> None:
+        nv = self._lib()
+        if self._events is None:
+            self._events = self._call(nv.nvmlEventSetCreate)
+        self._call(nv.nvmlDeviceRegisterEvents, h, nv.nvmlEventTypeXidCriticalError, self._events)
+
+    def wait_xid(self, timeout_ms: int) -> XidEvent | None:
+        nv = self._lib()
+        if self._events is None:
+            return None
+        try:
+            data = self._call(nv.nvmlEventSetWait_v2, self._events, timeout_ms)
+        except NvmlError as exc:
+            if exc.code == _TIMEOUT:
+                return None
+            raise
+        index, uuid = -1, ""
+        try:  # a GPU that fell off the bus may not say who it is: still report its XID
+            index = int(self._call(nv.nvmlDeviceGetIndex, data.device))
+            uuid = str(self._call(nv.nvmlDeviceGetUUID, data.device))
+        except NvmlError:
+            pass
+        return XidEvent(index, uuid, int(data.eventData))
+
+
+class _NeverRaised(Exception):
+    """Stands for pynvml.NVMLError until pynvml is imported."""
+
+
+# nvmlValueType_t -> the member of nvmlValue_t that holds it
+_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}

@@ -317,3 +317,42 @@ def test_found_engine_processes_are_shared_with_the_gpu_source() -> None:
     ps.exit(4242)
     source.poll(lambda rows: None)
     assert ctx.engine_processes.engine_of(4242) == ""
+
+
+def test_a_child_of_an_engine_process_belongs_to_that_engine() -> None:
+    from stepline.sources.fake_psutil import FakePsutil
+
+    ps = FakePsutil()
+    ps.add_process(100, ["vllm", "serve"])
+    ps.parents.update({4243: 100, 100: 1})  # the engine core (on the GPU) is a child of the API server
+    ctx = SourceContext("h", ManualClock(time.time()))
+    HostSource(ctx, engines=[EngineTarget("prod-a", pid=100)], ps=ps).poll(lambda rows: None)
+    assert ctx.engine_processes.engine_of(4243) == "prod-a"
+    assert ctx.engine_processes.engine_of(999) == ""
+
+
+def test_real_ancestors_reach_this_process() -> None:
+    import subprocess
+    import sys
+
+    from stepline.sources.host import RealPsutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert os.getpid() in RealPsutil().ancestors(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_collector_builds_targets_from_engines_and_given_processes() -> None:
+    from stepline.settings import Settings
+    from stepline.sources import REGISTRY
+
+    settings = Settings.from_env({}, engines=("http://127.0.0.1:8000", "b=http://127.0.0.1:9000"),
+                                 engine_processes=("b=cmdline:vllm serve --port 9000", "c=4242"))
+    (spec,) = [s for s in REGISTRY if s.name == "host"]
+    (source,) = spec.build(settings, SourceContext("h", ManualClock(time.time())))
+    assert isinstance(source, HostSource)
+    assert source.targets == [EngineTarget("b", cmdline="vllm serve --port 9000"), EngineTarget("c", pid=4242),
+                              EngineTarget("127.0.0.1:8000", port=8000)]

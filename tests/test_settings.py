@@ -39,6 +39,7 @@ def test_password_from_a_file_is_never_shown(tmp_path: Path) -> None:
         ({}, {"engines": ("localhost:8000",)}, "engine 'localhost:8000' must be http(s)://"),
         ({}, {"scrape_interval_s": 1.0, "scrape_timeout_s": 3.0}, "exceeds the scrape interval"),
         ({"STEPLINE_QUERY_PASSWORD_FILE": "/nonexistent/pw"}, {}, "No such file"),
+        ({}, {"engine_processes": ("prod=vllm",)}, "must be NAME=PID or NAME=cmdline:TEXT"),
     ],
 )
 def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object], fragment: str) -> None:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--plugin-socket", metavar="PATH",
                          help="Unix datagram socket the vLLM stat-logger plugin sends to "
                               "(default /tmp/stepline-plugin.sock; vLLM side: STEPLINE_PLUGIN_SOCKET)")
+    collect.add_argument("--engine-process", action="append", default=None, metavar="NAME=PID|NAME=cmdline:TEXT",
+                         help="how to find an engine's process for host samples when its --engine port does not "
+                              "tell (repeatable); GPUs used by it or its children are tied to NAME")
     collect.add_argument("--otlp-port", type=int,
                          help="port of the OTLP/HTTP trace receiver for vLLM's llm_request spans (default 4318)")
     collect.set_defaults(func=_collect)
@@ -149,6 +152,7 @@ def _collect(args: argparse.Namespace) -> int:
         store=args.store, retention_days=args.retention_days, listen=args.listen, metrics_port=args.metrics_port,
         query_port=args.query_port, scrape_interval_s=args.scrape_interval_s, host_name=args.host_name,
         plugin_socket=args.plugin_socket, otlp_port=args.otlp_port,
+        engine_processes=tuple(args.engine_process) if args.engine_process else None,
         engines=tuple(args.engine) if args.engine else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
     )

@@ -31,6 +31,7 @@ class Settings:
     scrape_interval_s: float = 5.0
     scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
     disabled_sources: frozenset[str] = frozenset()
+    engine_processes: tuple[str, ...] = ()  # NAME=PID or NAME=cmdline:TEXT, beside what --engine ports find
     host_interval_s: float = 1.0
     gpu_interval_s: float = 0.1
     plugin_socket: str = "/tmp/stepline-plugin.sock"
@@ -97,6 +98,10 @@ class Settings:
             url = spec.partition("=")[2] if "=" in spec and "://" not in spec.partition("=")[0] else spec
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"engine {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
+        for spec in self.engine_processes:
+            name, sep, how = spec.partition("=")
+            if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
+                raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
         return self
 
     @property
@@ -130,6 +135,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("disabled_sources", "STEPLINE_DISABLED_SOURCES", _names),
     ("plugin_socket", "STEPLINE_PLUGIN_SOCKET", str),
     ("host_interval_s", "STEPLINE_HOST_INTERVAL", float),
+    ("engine_processes", "STEPLINE_ENGINE_PROCESSES", _csv),
     ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
     ("otlp_port", "STEPLINE_OTLP_PORT", int),
     ("otlp_token", "STEPLINE_OTLP_TOKEN", str),

@@ -9,7 +9,7 @@ from stepline.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.gpu import GpuSource
-from stepline.sources.host import HostSource, targets_from_engines
+from stepline.sources.host import EngineTarget, HostSource, targets_from_engines
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.plugin_receiver import PluginReceiver
 
@@ -38,7 +38,14 @@ def _gpu(settings: Settings, ctx: SourceContext) -> list[Source]:
 
 
 def _host(settings: Settings, ctx: SourceContext) -> list[Source]:
-    return [HostSource(ctx, engines=targets_from_engines(settings.engines))]
+    given = []
+    for spec in settings.engine_processes:
+        name, _, how = spec.partition("=")
+        given.append(EngineTarget(name, cmdline=how.removeprefix("cmdline:")) if how.startswith("cmdline:")
+                     else EngineTarget(name, pid=int(how)))
+    named = {target.name for target in given}
+    by_port = [t for t in targets_from_engines(settings.engines) if t.name not in named]
+    return [HostSource(ctx, engines=given + by_port)]
 
 
 def _otlp(settings: Settings, ctx: SourceContext) -> list[Source]:

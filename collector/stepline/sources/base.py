@@ -34,6 +34,8 @@ class EngineProcesses:
     def __init__(self) -> None:
         self._by_pid: dict[int, str] = {}
         self._lock = threading.Lock()
+        # Set by the host source: a GPU's process may be a child of the engine process it found.
+        self.ancestors: Callable[[int], list[int]] = lambda pid: []
 
     def found(self, engine: str, pid: int) -> None:
         with self._lock:
@@ -44,9 +46,16 @@ class EngineProcesses:
             self._by_pid.pop(pid, None)
 
     def engine_of(self, pid: int) -> str:
-        """The engine `pid` runs, or "" when it is not an engine process stepline knows."""
+        """The engine `pid` (or one of its parents) runs, or "" when stepline knows of none."""
         with self._lock:
-            return self._by_pid.get(pid, "")
+            known = self._by_pid.get(pid)
+            if known is not None or not self._by_pid:
+                return known or ""
+        for parent in self.ancestors(pid):
+            with self._lock:
+                if parent in self._by_pid:
+                    return self._by_pid[parent]
+        return ""
 
 
 @dataclass(frozen=True)

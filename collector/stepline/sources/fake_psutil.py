@@ -73,6 +73,7 @@ class FakePsutil:
         self.nics: dict[str, NicCounters] = {}
         self.disk: DiskCounters | None = None
         self.processes: dict[int, FakeProcess] = {}
+        self.parents: dict[int, int] = {}  # pid -> parent pid, for ancestors()
         self.connections: list[Connection] = []
         self.connections_denied = False
         self.calls: Counter[str] = Counter()
@@ -136,3 +137,10 @@ class FakePsutil:
     def process_iter(self) -> Iterator[PsutilProcess]:
         self.calls["process_iter"] += 1
         yield from list(self.processes.values())
+
+    def ancestors(self, pid: int) -> list[int]:
+        chain, current = [], self.parents.get(pid)
+        while current is not None and current not in chain:
+            chain.append(current)
+            current = self.parents.get(current)
+        return chain

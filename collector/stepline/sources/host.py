@@ -115,6 +115,9 @@ class Psutil(Protocol):
 
     def process_iter(self) -> Iterator[PsutilProcess]: ...
 
+    def ancestors(self, pid: int) -> list[int]:
+        """The pids of a process's parent, grandparent, ...; empty when it is gone or unreadable."""
+
 
 class _RealProcess:
     """A psutil.Process whose errors are mapped to ProcessGone and AccessDenied."""
@@ -201,6 +204,12 @@ class RealPsutil:
         for process in self._psutil.process_iter():
             yield _RealProcess(self._psutil, process)
 
+    def ancestors(self, pid: int) -> list[int]:
+        try:
+            return [p.pid for p in self._psutil.Process(pid).parents()]
+        except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+            return []
+
 
 @dataclass(frozen=True)
 class EngineTarget:
@@ -281,6 +290,8 @@ class HostSource:
         self._ctx = ctx
         self._ps: Psutil = ps if ps is not None else RealPsutil()
         self._tracked = [_Tracked(target) for target in engines]
+        # vLLM's engine core runs in a child of the API server: a GPU's process maps to its engine through parents.
+        ctx.engine_processes.ancestors = self._ps.ancestors
         self._rediscover_s = rediscover_s
         self._cpu_primed = False
         self._counts = {"samples": 0, "processes_found": 0, "processes_lost": 0, "access_denied": 0}
@@ -288,6 +299,10 @@ class HostSource:
     @property
     def name(self) -> str:
         return "host"
+
+    @property
+    def targets(self) -> list[EngineTarget]:
+        return [tracked.target for tracked in self._tracked]
 
     def stats(self) -> Mapping[str, int]:
         return dict(self._counts)

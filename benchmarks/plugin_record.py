@@ -32,12 +32,10 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import random
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -45,17 +43,12 @@ from multiprocessing.synchronize import Event as MpEvent
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from realistic import CTX_TOKENS, RUNNING, Step, build_steps
 
 from stepline.clock import SystemClock
 from stepline.plugin.core import PluginCore
 from stepline.plugin.standins import (
-    FinishedRequestStats,
     FinishReason,
-    IterationStats,
-    PrefixCacheStats,
-    PromptTokenStats,
-    SchedulerIterationDetails,
-    SchedulerStats,
 )
 from stepline.rows import Row
 from stepline.sim.metrics import (
@@ -71,76 +64,15 @@ from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-RUNNING = 32
-CTX_TOKENS = 8192
 FINISHED_PER_STEP = 8
 DISTINCT_STEPS = 300
 MEDIAN_RATIO_TARGET = 0.5
 P99_TARGET_US = 50.0
 
-Step = tuple[SchedulerStats, IterationStats]
 RecordFn = Callable[[Any, Any, int], None]
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
-
-
-def build_steps(count: int, seed: int = 1) -> list[Step]:
-    """Distinct, realistic steps, built once so that the timed calls only record them."""
-    rng = random.Random(seed)
-    base_ts = 1_790_000_000.0
-    steps: list[Step] = []
-    for i in range(count):
-        hits = rng.choice((0, 2048, 4096, 6144))
-        sched = SchedulerStats(
-            num_running_reqs=RUNNING,
-            num_waiting_reqs=rng.randint(0, 12),
-            num_skipped_waiting_reqs=rng.randint(0, 1),
-            step_counter=i,
-            kv_cache_usage=rng.uniform(0.3, 0.95),
-            iteration_details=SchedulerIterationDetails(
-                iteration_index=i, num_ctx_requests=1, num_ctx_tokens=CTX_TOKENS,
-                num_generation_requests=RUNNING - 1, num_generation_tokens=RUNNING - 1,
-                elapsed_ms=rng.uniform(25.0, 60.0),
-            ),
-            prefix_cache_stats=PrefixCacheStats(requests=1, queries=CTX_TOKENS, hits=hits),
-        )
-        finished = [_finished(rng) for _ in range(FINISHED_PER_STEP)]
-        it = IterationStats(
-            iteration_timestamp=base_ts + i * 0.03,
-            num_generation_tokens=RUNNING,  # 31 decodes and the prefill's first token
-            prompt_token_stats=PromptTokenStats(computed=CTX_TOKENS - hits, local_cache_hit=hits,
-                                                cached_tokens=hits, total=CTX_TOKENS),
-            finished_requests=finished,
-            max_num_generation_tokens_iter=[f.num_generation_tokens for f in finished],
-            n_params_iter=[1] * len(finished),
-            time_to_first_tokens_iter=[rng.uniform(0.05, 0.8)],
-            inter_token_latencies_iter=[rng.uniform(0.008, 0.06) for _ in range(RUNNING - 1)],
-        )
-        steps.append((sched, it))
-    return steps
-
-
-def _finished(rng: random.Random) -> FinishedRequestStats:
-    prompt = rng.randint(200, 12_000)
-    generated = rng.randint(16, 2048)
-    queued = rng.uniform(0.0, 2.0)
-    prefill = rng.uniform(0.05, 1.5)
-    decode = generated * rng.uniform(0.01, 0.04)
-    return FinishedRequestStats(
-        finish_reason=FinishReason.STOP if rng.random() < 0.8 else FinishReason.LENGTH,
-        request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128), version=4)}-0",
-        e2e_latency=queued + prefill + decode,
-        num_prompt_tokens=prompt,
-        num_generation_tokens=generated,
-        max_tokens_param=rng.choice((None, 2048, 4096)),
-        queued_time=queued,
-        prefill_time=prefill,
-        inference_time=prefill + decode,
-        decode_time=decode,
-        mean_time_per_output_token=decode / max(1, generated - 1),
-        num_cached_tokens=rng.choice((0, 1024, 2048)),
-    )
 
 
 # -- the baseline: vLLM's PrometheusStatLogger.record ----------------------------------------------------
@@ -436,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"python {platform.python_version()} ({sys.implementation.name}); cpu_count={os.cpu_count()}, "
           f"usable={len(cpus) or '?'}; timed process on cpu {main_cpu}, sidecar on cpu {sidecar_cpu}")
     started = time.perf_counter()
-    steps = build_steps(DISTINCT_STEPS)
+    steps = build_steps(DISTINCT_STEPS, lambda _i: FINISHED_PER_STEP)
     gc.collect()
     gc.freeze()  # as vLLM does after start-up: long-lived objects stay out of the collector's way
     print(f"step: {RUNNING} running (1 prefill of {CTX_TOKENS} tokens, {RUNNING - 1} decodes), "

@@ -20,80 +20,29 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
-import random
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
 
+from realistic import RUNNING, build_steps
+
 from stepline.clock import SystemClock
 from stepline.plugin.core import PluginCore
-from stepline.plugin.standins import (
-    FinishedRequestStats,
-    FinishReason,
-    IterationStats,
-    PrefixCacheStats,
-    PromptTokenStats,
-    SchedulerIterationDetails,
-    SchedulerStats,
-)
 from stepline.rows import Row
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 
-RUNNING = 32
-CTX_TOKENS = 8192
 FINISHED_CYCLE = (0, 1, 2, 3, 4, 5, 6)  # finished requests per step, in turn: 3 on average
 DISTINCT_STEPS = 7 * 40
 TARGET_RATE = 2_000.0
 RATE_TOLERANCE = 0.99  # the paced sender may fall short of its schedule by this much and still count as the rate
 WINDOW_S = 0.05
 
-Step = tuple[SchedulerStats, IterationStats]
-
-
-def build_steps(count: int, seed: int = 2) -> list[Step]:
-    """Distinct steps: 32 running (one 8192-token prefill, 31 decodes), 31 ITL + 1 TTFT, 0-6 finished."""
-    rng = random.Random(seed)
-    steps: list[Step] = []
-    for i in range(count):
-        hits = rng.choice((0, 2048, 4096))
-        finished = [_finished(rng) for _ in range(FINISHED_CYCLE[i % len(FINISHED_CYCLE)])]
-        sched = SchedulerStats(
-            num_running_reqs=RUNNING, num_waiting_reqs=rng.randint(0, 12), step_counter=i,
-            kv_cache_usage=rng.uniform(0.3, 0.95),
-            iteration_details=SchedulerIterationDetails(i, 1, CTX_TOKENS, RUNNING - 1, RUNNING - 1,
-                                                        rng.uniform(25.0, 60.0)),
-            prefix_cache_stats=PrefixCacheStats(requests=1, queries=CTX_TOKENS, hits=hits),
-        )
-        it = IterationStats(
-            iteration_timestamp=1_790_000_000.0 + i * 0.03, num_generation_tokens=RUNNING,
-            prompt_token_stats=PromptTokenStats(computed=CTX_TOKENS - hits, local_cache_hit=hits,
-                                                cached_tokens=hits, total=CTX_TOKENS),
-            finished_requests=finished,
-            time_to_first_tokens_iter=[rng.uniform(0.05, 0.8)],
-            inter_token_latencies_iter=[rng.uniform(0.008, 0.06) for _ in range(RUNNING - 1)],
-        )
-        steps.append((sched, it))
-    return steps
-
-
-def _finished(rng: random.Random) -> FinishedRequestStats:
-    generated = rng.randint(16, 2048)
-    queued, prefill, decode = rng.uniform(0.0, 2.0), rng.uniform(0.05, 1.5), generated * rng.uniform(0.01, 0.04)
-    return FinishedRequestStats(
-        finish_reason=FinishReason.STOP if rng.random() < 0.8 else FinishReason.LENGTH,
-        request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128), version=4)}-0",
-        e2e_latency=queued + prefill + decode, num_prompt_tokens=rng.randint(200, 12_000),
-        num_generation_tokens=generated, max_tokens_param=4096, queued_time=queued, prefill_time=prefill,
-        inference_time=prefill + decode, decode_time=decode, mean_time_per_output_token=decode / max(1, generated - 1),
-        num_cached_tokens=rng.choice((0, 1024)),
-    )
 
 
 def _kernel_limits() -> str:
@@ -117,7 +66,7 @@ def run_sender(socket_path: str, rate: float, seconds: float, cpu: int | None,
                results: Queue[dict[str, Any]]) -> None:
     """Drive a PluginCore for `seconds`: back to back (rate 0) or on a fixed schedule of `rate` steps/s."""
     _pin(cpu)
-    steps = build_steps(DISTINCT_STEPS)
+    steps = build_steps(DISTINCT_STEPS, lambda i: FINISHED_CYCLE[i % len(FINISHED_CYCLE)], seed=2)
     core = PluginCore("bench", socket_path)
     period = 1.0 / rate if rate > 0 else 0.0
     n = requests = 0

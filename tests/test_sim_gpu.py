@@ -57,3 +57,10 @@ def test_the_real_gpu_source_samples_the_simulated_gpus() -> None:
     assert any(s.nvlink_tx_bytes_per_s > 1e9 for s in samples)
     xids = [r for r in rows if isinstance(r, Event) and r.kind == "gpu_xid"]
     assert len(xids) == 1 and xids[0].attributes["xid"] == "94"
+
+
+def test_a_long_step_keeps_the_gpus_busy_until_the_next_one_ends() -> None:
+    model = GpuModel(scenario="normal")
+    model.on_step(_step(T0, 8192, 0, 1900))  # a 1.9 s chunk step; the next one is running meanwhile
+    assert model.reading(T0 + 1.8).reasons != GPU_IDLE
+    assert model.reading(T0 + 4.0).reasons == GPU_IDLE

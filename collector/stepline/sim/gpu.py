@@ -92,12 +92,13 @@ class GpuModel:
                 temp_gpu_c=round(self._temp, 1),
                 reasons=reasons,
             )
-            self._busy_until = step.ts + 0.5
+            # A step is known only once it ends; the next one is most likely running meanwhile, and is as long.
+            self._busy_until = step.ts + max(0.5, 2 * seconds)
             if self._first_ts is None:
                 self._first_ts = step.ts - seconds
 
     def reading(self, now: float) -> GpuReading:
-        """What the GPUs read at wall time `now`: the last step's figures, or idle half a second after it."""
+        """What the GPUs read at wall time `now`: the last step's figures, or idle once no step follows it."""
         with self._lock:
             return self._reading if now <= self._busy_until else IDLE
 

@@ -162,7 +162,7 @@ def _collect(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise SettingsError(f"cannot listen on {settings.listen}: {exc.strerror}") from None
     if not settings.engines:
-        log.warning("no --engine given: only the collector's own events will be recorded")
+        log.warning("no --engine given: no /metrics is scraped; the plugin, OTLP, GPU and host sources still run")
     collector.run_until_signalled()
     return 0
 

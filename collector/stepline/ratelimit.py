@@ -17,6 +17,11 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def mark(self, key: str) -> None:
+        """Count `key` as logged now (by someone else): the next warning for it waits out the interval."""
+        with self._lock:
+            self._last[key] = time.monotonic()
+
     def warning(self, key: str, message: str, *args: object) -> bool:
         """Log unless `key` was logged within the interval; returns whether it logged."""
         now = time.monotonic()

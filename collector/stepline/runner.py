@@ -114,6 +114,7 @@ class Runner:
                                            message[:500], {})])
         elif first:
             log.warning("source %s: %s", name, message)
+            self._error_log.mark(name)
         else:
             self._error_log.warning(name, "source %s still failing: %s", name, message)
 

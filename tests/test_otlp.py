@@ -432,7 +432,7 @@ def test_tolerant_number_kinds() -> None:
 
 
 @pytest.mark.parametrize(("start", "end"), [(0, FINISH_NS), (FINISH_NS, ARRIVAL_NS), (ARRIVAL_NS, 0),
-                                            (ARRIVAL_NS, 1 << 63)])
+                                            (ARRIVAL_NS, 1 << 63), (1, FINISH_NS), (946_684_799 * 10**9, FINISH_NS)])
 def test_invalid_span_times_are_rejected(start: int, end: int) -> None:
     decoded = to_rows(request_of(span(start=start, end=end, gen_ai__request__id={"string_value": "x"})), HOST)
     assert (decoded.rows, decoded.rejected) == ([], 1)

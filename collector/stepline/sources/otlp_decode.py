@@ -20,6 +20,7 @@ ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
 DEFAULT_ENGINE = "vllm"
 MAX_PROBLEMS = 3  # reasons kept per payload for the partial_success message
 _MAX_NANOS = (1 << 63) - 1  # int64 nanoseconds (year 2262): what every OTLP SDK means; DateTime64(6) holds it
+_MIN_NANOS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
 _MAX_COUNT = (1 << 32) - 1  # token columns are UInt32
 _CHUNK = 64 << 10
 
@@ -161,7 +162,8 @@ def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str
     if not request_id:
         raise SpanRejected("a span without gen_ai.request.id")
     where = f"span {request_id[:64]!r}"
-    if not 0 < start_ns <= end_ns <= _MAX_NANOS:
+    # A start before 2000 is an unset or broken clock, not a request: it would sit at the epoch on the timeline.
+    if not _MIN_NANOS <= start_ns <= end_ns <= _MAX_NANOS:
         raise SpanRejected(f"{where}: start/end time {start_ns}/{end_ns} ns is not a valid interval")
     latencies = {column: _latency(attrs, key, where) for column, key in _LATENCIES}
     prompt_tokens = _count(attrs, "gen_ai.usage.prompt_tokens", where)

@@ -1,0 +1,1 @@
+"""Diagnosis: detectors over the timeline that say what is wrong, with the numbers and the lever to pull."""

@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from stepline import demo
+    from stepline.diagnosis import cli as diagnosis_cli
+    from stepline.diagnosis import report_cli
     from stepline.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(
@@ -103,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(default 2048)")
     requests_p.add_argument("--store", help=STORE_HELP)
     requests_p.set_defaults(func=_requests)
+
+    diagnose_p = sub.add_parser(
+        "diagnose", help="say what is wrong: ranked findings with evidence, SQL and the lever to pull",
+        description="Run every detector over a window of the timeline: prefill interference, head-of-line "
+                    "blocking, scheduler vs hardware, prefix-cache collapse, KV pressure, a wedged engine, "
+                    "configuration not in effect, GPU throttling and XIDs, speculative-decoding shifts. Exit "
+                    "code 1 when a finding is critical.")
+    diagnosis_cli.add_arguments(diagnose_p)
+    diagnose_p.set_defaults(func=diagnosis_cli.run)
+
+    report_p = sub.add_parser(
+        "report", help="write a self-contained HTML incident report (findings and plots on one time axis)",
+        description="Diagnose a window and write one HTML file that opens anywhere without a network: the "
+                    "findings, then step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis "
+                    "with the findings' windows marked.")
+    report_cli.add_arguments(report_p)
+    report_p.set_defaults(func=report_cli.run)
 
     timeline_p = sub.add_parser(
         "timeline", help="engine steps beside GPU counters, around a moment",

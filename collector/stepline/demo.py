@@ -15,6 +15,7 @@ from typing import Any
 from stepline import perrequest, summary, timeline
 from stepline.clock import ManualClock
 from stepline.collector import Collector
+from stepline.diagnosis import summary_for_demo
 from stepline.rows import micros
 from stepline.runner import Scheduled
 from stepline.settings import Settings
@@ -227,10 +228,14 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
                                              "{since:Int64}, 'UTC')", parameters=params).result_rows[0][0]
         print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
               + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
+        print(f"\nwhat stepline diagnose says about {engine}:")
+        print(summary_for_demo(store, engine, since))
     finally:
         store.close()
     print("\nlook further:\n"
           "  stepline status\n"
+          "  stepline diagnose --since 1h\n"
+          "  stepline report --since 1h --out incident.html\n"
           "  stepline requests --slowest 10\n"
           "  stepline query \"SELECT ts, value FROM engine_samples WHERE metric = 'vllm:num_requests_waiting' "
           "ORDER BY ts DESC LIMIT 10\"\n"

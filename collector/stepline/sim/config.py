@@ -25,6 +25,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     cost: CostModel = field(default_factory=CostModel)
+    # Fault knobs for diagnosis scenarios; off, the simulator behaves as vLLM does.
+    # An aborted request keeps its running slot and KV forever (a slot released only on success).
+    leak_aborted_slots: bool = False
+    # long_prefill_token_threshold is reported at start-up but never applied (a flag that did nothing).
+    ignore_long_prefill_token_threshold: bool = False
 
     def __post_init__(self) -> None:
         positive = {

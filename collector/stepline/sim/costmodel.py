@@ -29,7 +29,7 @@ the end of a 359k-token one, so every request decoding beside it drops to 0.5-4 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STEP_OVERHEAD_S = 9e-3
 PREFILL_TOKEN_S = 27e-6
@@ -76,3 +76,37 @@ class CostModel:
         return self.step_seconds(
             chunk_tokens, attention_pairs(chunk_start, chunk_tokens), decode_requests, decode_context_tokens
         )
+
+
+class Throttle:
+    """A mutable slowdown factor (1.0: full speed) that a scenario runner sets as simulated time passes."""
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float = 1.0) -> None:
+        self.factor = factor
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottledCostModel(CostModel):
+    """A CostModel whose steps take `throttle.factor` times as long: clocks held down by a power cap."""
+
+    throttle: Throttle = field(default_factory=Throttle)
+
+    @classmethod
+    def wrap(cls, cost: CostModel, throttle: Throttle) -> ThrottledCostModel:
+        """The same constants as `cost`, slowed by `throttle`."""
+        return cls(cost.step_overhead_s, cost.prefill_token_s, cost.prefill_attention_pair_s,
+                   cost.decode_request_s, cost.decode_context_token_s, throttle)
+
+    def step_seconds(
+        self,
+        prefill_tokens: int,
+        prefill_pairs: float,
+        decode_requests: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """As CostModel.step_seconds, times the throttle's current factor."""
+        # Zero-argument super() fails in slotted dataclasses: name the base explicitly.
+        base = CostModel.step_seconds(self, prefill_tokens, prefill_pairs, decode_requests, decode_context_tokens)
+        return base * self.throttle.factor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from stepline.clock import Clock, SystemClock
 from stepline.sim.config import EngineConfig
@@ -12,6 +13,19 @@ from stepline.sim.scheduler import Batch, Request, Scheduler
 from stepline.sim.workloads import Workload
 
 StepCallback = Callable[[StepRecord], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One token sampled for a submitted request: its 1-based index, wall time, and whether it was the last."""
+
+    request_id: str
+    index: int
+    ts: float
+    finished: bool
+
+
+TokenCallback = Callable[[Token], None]
 
 
 class Simulation:
@@ -46,6 +60,7 @@ class Simulation:
         self._cycle = 0
         self._cycle_base = 0.0
         self._inflight: tuple[Batch, float] | None = None
+        self._listeners: dict[str, TokenCallback] = {}
 
     @property
     def scheduler(self) -> Scheduler:
@@ -60,6 +75,49 @@ class Simulation:
             and self._inflight is None
             and not self._scheduler.has_work()
         )
+
+    @property
+    def has_listeners(self) -> bool:
+        """True while a submitted request still waits for tokens."""
+        return bool(self._listeners)
+
+    def next_step_end(self) -> float | None:
+        """Simulated second the step in flight ends, or None when none is."""
+        return self._inflight[1] if self._inflight is not None else None
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        on_token: TokenCallback,
+        *,
+        cached_tokens: int = 0,
+        at: float | None = None,
+    ) -> None:
+        """Queue a request arriving at simulated second `at` (default: now) beside the workload's.
+
+        `on_token` is called, from whoever advances the simulation, once per sampled token as its step
+        ends. Raises ValueError when the request can never fit the KV cache, as vLLM refuses it.
+        """
+        if request_id in self._listeners:
+            raise ValueError(f"request {request_id} is already running")
+        if not self._scheduler.fits(prompt_tokens, max_tokens):
+            raise ValueError(
+                f"this request needs {prompt_tokens + max_tokens} tokens of KV cache "
+                f"(prompt {prompt_tokens} + max_tokens {max_tokens}); the engine holds "
+                f"{self.config.kv_capacity_tokens}"
+            )
+        arrival = self.now if at is None else at
+        if self._inflight is None:
+            self.now = max(self.now, arrival)  # an idle engine starts the next step when the request arrives
+        cached_fraction = min(1.0, max(0, cached_tokens) / prompt_tokens)
+        self._scheduler.add(Request(request_id, arrival, prompt_tokens, max_tokens, cached_fraction, "length"))
+        self._listeners[request_id] = on_token
+
+    def forget(self, request_id: str) -> None:
+        """Stop reporting tokens of a submitted request (its client went away); it still runs to the end."""
+        self._listeners.pop(request_id, None)
 
     def render_metrics(self) -> bytes:
         """The engine's /metrics exposition as of its last completed step."""
@@ -163,8 +221,20 @@ class Simulation:
         )
         self.iteration_index += 1
         self.metrics.observe_step(record)
+        if self._listeners:
+            self._report_tokens(batch, end)
         if self._on_step is not None:
             self._on_step(record)
+
+    def _report_tokens(self, batch: Batch, end: float) -> None:
+        sampled = [*batch.decodes, *(r for r, _, _ in batch.prefills)]
+        for request in sampled:
+            listener = self._listeners.get(request.request_id)
+            if listener is None or request.last_token != end:
+                continue  # a workload request, or a prefill chunk that sampled nothing
+            if request.finished:
+                del self._listeners[request.request_id]
+            listener(Token(request.request_id, request.generated, self.start_ts + end, request.finished))
 
     def _finished_record(self, request: Request, end: float) -> FinishedRequest:
         scheduled = request.first_scheduled if request.first_scheduled is not None else request.arrival

@@ -59,6 +59,7 @@ class GpuModel:
         self.gpus = gpus
         self.scenario = scenario
         self._cap_w = power_cap_w if scenario in ("power-cap", "xid") else TDP_W
+        self._scenario_cap_w = self._cap_w
         self._xid_at_s = xid_at_s if scenario == "xid" else None
         self._xid_code = xid_code
         self._lock = threading.Lock()
@@ -96,6 +97,11 @@ class GpuModel:
             self._busy_until = step.ts + max(0.5, 2 * seconds)
             if self._first_ts is None:
                 self._first_ts = step.ts - seconds
+
+    def set_power_cap(self, watts: float | None) -> None:
+        """Cap board power at `watts` from the next step on; None restores the scenario's own cap."""
+        with self._lock:
+            self._cap_w = self._scenario_cap_w if watts is None else watts
 
     def reading(self, now: float) -> GpuReading:
         """What the GPUs read at wall time `now`: the last step's figures, or idle once no step follows it."""

@@ -32,6 +32,7 @@ class Request:
         "first_token",
         "generated",
         "last_token",
+        "leaked",
         "max_tokens",
         "num_cached_tokens",
         "num_preemptions",
@@ -68,6 +69,7 @@ class Request:
         self.first_token: float | None = None
         self.last_token = 0.0
         self.finished = False
+        self.leaked = False  # finished, yet holding its slot and KV (EngineConfig.leak_aborted_slots)
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +183,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _chunk(self, remaining: int, budget: int) -> int:
-        threshold = self.config.long_prefill_token_threshold
+        threshold = 0 if self.config.ignore_long_prefill_token_threshold else self.config.long_prefill_token_threshold
         return min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
 
     def _add_prefill(self, batch: Batch, request: Request, tokens: int) -> None:
@@ -205,7 +207,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            if request is self.partial or not request.is_decoding:
+            if request is self.partial or not request.is_decoding or request.leaked:
                 continue
             if request.computed % self.config.block_size == 0 and not self._grow(request, 1, batch):
                 break
@@ -272,7 +274,7 @@ class Scheduler:
                 outcome.itls.append(now - request.last_token)  # resumed after a preemption
             self._sample(request, now, outcome)
         if outcome.finished:
-            self.running = [r for r in self.running if not r.finished]
+            self.running = [r for r in self.running if not r.finished or r.leaked]
         return outcome
 
     def _sample(self, request: Request, now: float, outcome: Outcome) -> None:
@@ -281,6 +283,9 @@ class Scheduler:
         outcome.output_tokens += 1
         if request.generated >= request.output_tokens:
             request.finished = True
+            outcome.finished.append(request)
+            if self.config.leak_aborted_slots and request.finish_reason == "abort":
+                request.leaked = True  # reported finished, but its slot and blocks are never given back
+                return
             self.free_blocks += request.blocks
             request.blocks = 0
-            outcome.finished.append(request)

@@ -1,17 +1,99 @@
-"""Real-time mode: a background thread advances the simulation with the clock; HTTP serves it."""
+"""Real-time mode: a background thread advances the simulation with the clock; HTTP serves it.
+
+Besides /metrics the server answers OpenAI-style `POST /v1/completions` (streamed as Server-Sent
+Events, or whole): each request joins the same continuous batch as the workload's, and each token
+is written to the client as the simulated step that samples it ends. The simulator has no
+tokenizer: a string prompt counts as ceil(characters / 4) tokens (prose runs ~4 characters per
+token, code ~3: send a list of token ids for an exact count). A prompt sent before, verbatim, is a
+prefix-cache hit (the last few thousand prompts are remembered by hash); the extra field
+`cached_prompt_tokens` sets the hit explicitly.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import queue
 import socket
 import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from stepline.clock import Clock, SystemClock
 from stepline.sim.config import EngineConfig
-from stepline.sim.engine import Simulation, StepCallback
+from stepline.sim.engine import Simulation, StepCallback, Token
 from stepline.sim.metrics import CONTENT_TYPE
 from stepline.sim.workloads import Workload
+
+CHARS_PER_TOKEN = 4
+PROMPT_CACHE_ENTRIES = 4096  # prompts remembered for prefix-cache hits
+MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+_TOKEN_TEXTS = (" the", " engine", " steps", " on", " one", " timeline", ".")
+_MIN_WAIT_S = 0.0002
+
+
+def idle_workload(duration_s: float = 60.0) -> Workload:
+    """A workload with no arrivals: only HTTP clients' requests run."""
+    return Workload("idle", duration_s, 0.0, ())
+
+
+class ApiError(Exception):
+    """A request the API refuses: HTTP status and vLLM's error type."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A parsed /v1/completions request."""
+
+    prompt_tokens: int
+    prompt_key: str
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    cached_prompt_tokens: int | None
+
+
+def parse_completion(body: bytes, model: str) -> Completion:
+    """Validate a /v1/completions body; raise ApiError naming what is wrong."""
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, "BadRequestError", f"the body is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "BadRequestError", "the body must be a JSON object")
+    if raw.get("model") not in (None, model):
+        raise ApiError(404, "NotFoundError", f"The model `{raw['model']}` does not exist.")
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        tokens = -(-len(prompt) // CHARS_PER_TOKEN)
+        key = hashlib.sha256(prompt.encode()).hexdigest()
+    elif isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        tokens = len(prompt)
+        key = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
+    else:
+        raise ApiError(400, "BadRequestError", "prompt must be a non-empty string or list of token ids")
+    max_tokens = raw.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise ApiError(400, "BadRequestError", f"max_tokens must be a positive integer, got {max_tokens!r}")
+    cached = raw.get("cached_prompt_tokens")
+    if cached is not None and (type(cached) is not int or cached < 0):
+        raise ApiError(400, "BadRequestError", f"cached_prompt_tokens must be a non-negative integer, got {cached!r}")
+    options = raw.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    return Completion(tokens, key, max_tokens, bool(raw.get("stream", False)), include_usage, cached)
 
 
 class _HttpServer(ThreadingHTTPServer):
@@ -23,7 +105,7 @@ class _HttpServer6(_HttpServer):
 
 
 class SimServer:
-    """A running simulated vLLM server: `/metrics`, `/health`, `/v1/models`."""
+    """A running simulated vLLM server: `/metrics`, `/health`, `/v1/models`, `/v1/completions`."""
 
     def __init__(self, simulation: Simulation, host: str, port: int, speed: float, clock: Clock, tick_s: float) -> None:
         self.simulation = simulation
@@ -33,6 +115,8 @@ class SimServer:
         self._tick_s = tick_s
         self._started = clock.monotonic()
         self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._seen_prompts: OrderedDict[str, None] = OrderedDict()
         server_class = _HttpServer6 if ":" in host else _HttpServer
         self._httpd = server_class((host, port), _handler_for(self))
         self.host = host
@@ -56,11 +140,44 @@ class SimServer:
             self.simulation.advance_to(self._sim_now())
             return self.simulation.render_metrics()
 
+    @property
+    def stopping(self) -> bool:
+        """True once `stop()` was called."""
+        return self._stopping.is_set()
+
+    def submit(self, request_id: str, completion: Completion, tokens: queue.Queue[Token]) -> int:
+        """Start a client's request now; its tokens arrive on `tokens`. Returns its cached prompt tokens."""
+        with self._lock:
+            self.simulation.advance_to(self._sim_now())
+            cached = completion.cached_prompt_tokens
+            if cached is None:
+                cached = completion.prompt_tokens if completion.prompt_key in self._seen_prompts else 0
+            cached = min(cached, completion.prompt_tokens)
+            try:
+                self.simulation.submit(
+                    request_id, completion.prompt_tokens, completion.max_tokens, tokens.put,
+                    cached_tokens=cached, at=self._sim_now(),
+                )
+            except ValueError as exc:
+                raise ApiError(400, "BadRequestError", str(exc)) from None
+            self._seen_prompts[completion.prompt_key] = None
+            self._seen_prompts.move_to_end(completion.prompt_key)
+            while len(self._seen_prompts) > PROMPT_CACHE_ENTRIES:
+                self._seen_prompts.popitem(last=False)
+        self._wake.set()
+        return cached
+
+    def forget(self, request_id: str) -> None:
+        """The client of `request_id` went away: drop its tokens."""
+        with self._lock:
+            self.simulation.forget(request_id)
+
     def stop(self) -> None:
         """Stop serving and the engine thread; idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self._wake.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._http_thread.join()
@@ -71,9 +188,24 @@ class SimServer:
 
     def _tick(self) -> None:
         # Without scrapes the engine still moves, so on_step callbacks arrive in real time.
-        while not self._stopping.wait(self._tick_s):
+        wait = self._tick_s
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
             with self._lock:
-                self.simulation.advance_to(self._sim_now())
+                now = self._sim_now()
+                self.simulation.advance_to(now)
+                wait = self._next_wait(now)
+
+    def _next_wait(self, now: float) -> float:
+        """Seconds to sleep: till the step in flight ends while a client streams, else one tick."""
+        end = self.simulation.next_step_end() if self.simulation.has_listeners else None
+        if end is None:
+            return self._tick_s
+        # Streamed tokens leave when their step ends, not on the next tick.
+        return min(self._tick_s, max(_MIN_WAIT_S, (end - now) / self._speed + _MIN_WAIT_S))
 
 
 def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
@@ -104,6 +236,79 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
             else:
                 self._reply(404, "application/json", b'{"detail":"Not Found"}')
 
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0].rstrip("/")
+            if path != "/v1/completions":
+                self._reply(404, "application/json", b'{"detail":"Not Found"}')
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._error(ApiError(411, "BadRequestError", "Content-Length is required"))
+                return
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self._error(ApiError(413, "BadRequestError", f"the body is over {MAX_BODY_BYTES} bytes"))
+                return
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            tokens: queue.Queue[Token] = queue.Queue()
+            try:
+                completion = parse_completion(self.rfile.read(length), model)
+                cached = server.submit(request_id, completion, tokens)
+            except ApiError as exc:
+                self._error(exc)
+                return
+            try:
+                if completion.stream:
+                    self._stream(request_id, completion, cached, tokens)
+                else:
+                    self._whole(request_id, completion, cached, tokens)
+            except OSError:
+                server.forget(request_id)  # the client went away; the engine finishes the request unseen
+
+        def _tokens(self, tokens: queue.Queue[Token]) -> Iterator[Token]:
+            while not server.stopping:
+                try:
+                    token = tokens.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                yield token
+                if token.finished:
+                    return
+
+        def _stream(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            # Small writes must leave at once: Nagle plus delayed ACKs would add ~40 ms to inter-token gaps.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            created = int(time.time())
+            for token in self._tokens(tokens):
+                choice = {"index": 0, "text": _token_text(token.index), "logprobs": None,
+                          "finish_reason": "length" if token.finished else None, "stop_reason": None}
+                self._event({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": [choice]})
+                if token.finished:
+                    if completion.include_usage:
+                        self._event({"id": request_id, "object": "text_completion", "created": created,
+                                     "model": model, "choices": [], "usage": _usage(completion, cached)})
+                    self.wfile.write(b"data: [DONE]\n\n")
+
+        def _event(self, payload: dict[str, Any]) -> None:
+            self.wfile.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+        def _whole(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
+            text = "".join(_token_text(token.index) for token in self._tokens(tokens))
+            body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                                 "stop_reason": None}],
+                    "usage": _usage(completion, cached)}
+            self._reply(200, "application/json", json.dumps(body).encode())
+
+        def _error(self, exc: ApiError) -> None:
+            body = {"object": "error", "message": str(exc), "type": exc.kind, "param": None, "code": exc.status}
+            self._reply(exc.status, "application/json", json.dumps(body).encode())
+
         def _reply(self, status: int, content_type: str, body: bytes) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
@@ -115,6 +320,16 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
             pass  # a scrape every few seconds would flood stderr
 
     return Handler
+
+
+def _token_text(index: int) -> str:
+    return _TOKEN_TEXTS[(index - 1) % len(_TOKEN_TEXTS)]
+
+
+def _usage(completion: Completion, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.max_tokens,
+            "total_tokens": completion.prompt_tokens + completion.max_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def serve(

@@ -161,3 +161,45 @@ def make_workload(name: str, seed: int = 0, duration_s: float | None = None) -> 
         case "isolated":
             return isolated(seed, duration_s or ISOLATED_DURATION_S)
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
+
+
+# Building blocks for diagnosis scenarios (sim/scenarios.py): arrival lists combined into one workload.
+
+
+def chat_arrivals(
+    prefix: str,
+    start_s: float,
+    end_s: float,
+    rate_per_s: float,
+    *,
+    seed: int = 0,
+    prompt_median: int = 1200,
+    output_median: int = 150,
+    cached: tuple[float, float] = (0.85, 0.95),
+    abort_share: float = 0.0,
+    max_prompt: int = 32_768,
+) -> list[Arrival]:
+    """Poisson chat arrivals on [start_s, end_s); each prompt's cached share is drawn uniformly from `cached`."""
+    rng = random.Random(f"{prefix}-{seed}")
+    arrivals: list[Arrival] = []
+    t = start_s + rng.expovariate(rate_per_s)
+    while t < end_s:
+        output = _lognormal_int(rng, output_median, 0.5, 1, 4 * output_median)
+        reason, max_tokens = _ending(rng, output, stop_share=0.7, abort_share=abort_share)
+        prompt = _lognormal_int(rng, prompt_median, 0.6, 16, max_prompt)
+        arrivals.append(Arrival(t, f"{prefix}-{len(arrivals):06d}", prompt, output, rng.uniform(*cached), reason,
+                                max_tokens))
+        t += rng.expovariate(rate_per_s)
+    return arrivals
+
+
+def one_request(
+    request_id: str, offset_s: float, prompt_tokens: int, output_tokens: int, cached_fraction: float = 0.0
+) -> Arrival:
+    """A single request that runs to its max_tokens."""
+    return Arrival(offset_s, request_id, prompt_tokens, output_tokens, cached_fraction, "length", output_tokens)
+
+
+def compose(name: str, duration_s: float, drain_s: float, *parts: list[Arrival]) -> Workload:
+    """One workload from several arrival lists, in time order."""
+    return _finalize(name, duration_s, drain_s, [a for part in parts for a in part])

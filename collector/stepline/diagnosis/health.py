@@ -1,0 +1,162 @@
+"""Engine health over the window: prefix cache, KV pressure, speculative acceptance, and wedged vs slow."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from stepline.diagnosis.common import Query, clip, engines, number, utc
+from stepline.diagnosis.findings import Finding, Window
+from stepline.summary import Reads
+
+MIN_BUCKET_QUERIES = 1000  # prefix-cache lookups (tokens) in a bucket before its hit rate means anything
+WEDGE_MIN_BUDGET_S = 30.0
+WEDGE_STEP_MULTIPLE = 10.0  # the progress budget: this many of the slowest recent step, so long work never trips it
+GPU_IDLE_PCT = 5.0
+
+_BUCKETS = """
+SELECT toStartOfInterval(ts, toIntervalSecond({bucket_s:UInt32})) AS t,
+       sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries,
+       sum(spec_num_accepted_tokens) AS accepted, sum(spec_num_draft_tokens) AS drafted, sum(spec_num_drafts) AS drafts
+FROM steps
+WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+GROUP BY t ORDER BY t
+"""
+
+
+def _bucket_s(window: Window) -> int:
+    return max(10, round((window.end - window.start).total_seconds() / 60))
+
+
+def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
+    """The windowed hit rate fell far below the engine's own baseline earlier in the window."""
+    findings = []
+    for engine in engines(reader, window):
+        query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
+        rows = [r for r in query.rows(reader) if int(r[2]) >= MIN_BUCKET_QUERIES]
+        if len(rows) < 3:
+            continue
+        # The baseline is the earliest fifth of the buckets, unweighted: a burst's many lookups must not define it.
+        first = rows[: max(1, len(rows) // 5)]
+        baseline = sum(int(r[1]) / int(r[2]) for r in first) / len(first)
+        low = [r for r in rows[len(first):] if int(r[1]) / int(r[2]) < baseline / 2]
+        if baseline < 0.3 or not low:
+            continue
+        low_rate = sum(int(r[1]) for r in low) / sum(int(r[2]) for r in low)
+        missed = sum(int(r[2]) * baseline - int(r[1]) for r in low)
+        findings.append(Finding(
+            "prefix_cache_collapse", "warning", engine, utc(low[0][0]), utc(low[-1][0]) + timedelta(
+                seconds=_bucket_s(window)),
+            clip(f"prefix-cache hit rate {low_rate:.1%} vs {baseline:.1%} earlier"),
+            {"hit_rate_baseline": round(baseline, 3), "hit_rate_low": round(low_rate, 3),
+             "low_buckets": len(low), "bucket_s": _bucket_s(window),
+             "tokens_recomputed_beyond_baseline": round(missed)},
+            query.literal(),
+            "the burst's prompts share little prefix (or evict each other): check KV headroom "
+            "(num_gpu_blocks), cache-aware routing, and whether clients still send the shared system prompt",
+            missed / 1e6))
+    return findings
+
+
+def spec_decode_acceptance_shift(reader: Reads, window: Window) -> list[Finding]:
+    """Speculative acceptance, per bucket from step deltas (never lifetime counters), moved a lot."""
+    findings = []
+    for engine in engines(reader, window):
+        query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
+        rows = [r for r in query.rows(reader) if int(r[5]) > 0 and int(r[4]) >= 100]
+        if len(rows) < 2:
+            continue
+        rates = [int(r[3]) / int(r[4]) for r in rows]
+        lo, hi = min(rates), max(rates)
+        if hi - lo < 0.15:
+            continue
+        findings.append(Finding(
+            "spec_decode_acceptance_shift", "warning" if hi >= 2 * lo else "info", engine,
+            utc(rows[0][0]), utc(rows[-1][0]),
+            clip(f"speculative acceptance ranged {lo:.0%}..{hi:.0%} across the window"),
+            {"acceptance_min": round(lo, 3), "acceptance_max": round(hi, 3), "buckets": len(rows),
+             "bucket_s": _bucket_s(window)},
+            query.literal(),
+            "acceptance depends on the traffic (code vs prose): tune num_speculative_tokens per workload, "
+            "or disable speculation when acceptance stays low", hi - lo))
+    return findings
+
+
+_KV = """
+SELECT max(kv_cache_usage) AS kv_max, sum(preempted) AS preempted, countIf(kv_cache_usage >= 0.95) AS steps_near_full,
+       min(ts) AS first, max(ts) AS last
+FROM steps
+WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+"""
+
+
+def kv_pressure(reader: Reads, window: Window) -> list[Finding]:
+    """KV cache near full, with requests preempted (their work recomputed)."""
+    findings = []
+    for engine in engines(reader, window):
+        query = Query(_KV, engine=engine, start=window.start, end=window.end)
+        rows = query.rows(reader)
+        if not rows or rows[0][3] is None:
+            continue
+        kv_max, preempted, near = number(rows[0][0]), int(rows[0][1] or 0), int(rows[0][2] or 0)
+        if kv_max < 0.95 or preempted == 0:
+            continue
+        findings.append(Finding(
+            "kv_pressure", "critical" if preempted >= 50 else "warning", engine, utc(rows[0][3]), utc(rows[0][4]),
+            clip(f"KV cache {kv_max:.0%} full, {preempted} preemptions"),
+            {"kv_usage_max": round(kv_max, 3), "preemptions": preempted, "steps_kv_over_95pct": near},
+            query.literal(),
+            "more KV room: raise --gpu-memory-utilization, lower --max-num-seqs or --max-model-len, or add replicas",
+            float(preempted)))
+    return findings
+
+
+_PROGRESS = """
+SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}) AS last_step,
+       (SELECT argMax(waiting, ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)})
+           AS waiting_step,
+       (SELECT argMax(value, ts) FROM engine_samples WHERE engine = {engine:String}
+            AND metric = 'vllm:num_requests_waiting' AND ts <= {end:DateTime64(6)} AND ts >= {start:DateTime64(6)})
+           AS waiting_scraped,
+       (SELECT max(elapsed_ms) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}
+            AND ts >= {end:DateTime64(6)} - INTERVAL 10 MINUTE) AS slowest_recent_ms,
+       (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE engine = {engine:String}
+            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 1 MINUTE) AS recent_p50_ms,
+       (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE engine = {engine:String}
+            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 30 SECOND) AS gpu_util_pct
+"""
+
+
+def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
+    """Requests wait, no step for longer than the work in flight explains, GPUs idle: a wedge pages; slow is not one."""
+    findings = []
+    for engine in engines(reader, window):
+        query = Query(_PROGRESS, engine=engine, start=window.start, end=window.end)
+        rows = query.rows(reader)
+        if not rows or rows[0][0] is None:
+            continue
+        last, waiting_step, waiting_scraped, slowest, recent_p50, util = rows[0]
+        last = utc(last)
+        if last.year < 2000:  # max() over no rows is the epoch
+            continue
+        waiting = max(int(waiting_step or 0), int(number(waiting_scraped)))
+        stalled_s = (window.end - last).total_seconds()
+        budget_s = max(WEDGE_MIN_BUDGET_S, WEDGE_STEP_MULTIPLE * number(slowest) / 1000)
+        gpu_util = None if util is None or number(util, -1) < 0 else number(util)
+        evidence = {"waiting": waiting, "seconds_since_last_step": round(stalled_s, 1),
+                    "progress_budget_s": round(budget_s, 1), "gpu_util_pct": gpu_util,
+                    "slowest_recent_step_ms": round(number(slowest), 1)}
+        if waiting > 0 and stalled_s > budget_s and (gpu_util is None or gpu_util < GPU_IDLE_PCT):
+            findings.append(Finding(
+                "wedged_engine", "critical", engine, last, window.end,
+                clip(f"{waiting} waiting, no step for {stalled_s:.0f}s (budget {budget_s:.0f}s), GPUs idle"),
+                evidence, query.literal(),
+                "the engine holds requests but schedules nothing: look for leaked slots (client disconnects), "
+                "then restart the engine", stalled_s))
+        elif stalled_s <= budget_s and number(recent_p50) >= 1000:
+            findings.append(Finding(
+                "legitimately_slow", "info", engine, last - timedelta(minutes=1), last,
+                clip(f"steps still progress, slowly: p50 {number(recent_p50) / 1000:.1f}s per step"),
+                {**evidence, "recent_step_p50_ms": round(number(recent_p50), 1)}, query.literal(),
+                "not a fault: a huge prefill or long-context decode is in flight; watchdogs should budget for it",
+                0.0))
+    return findings

@@ -1,0 +1,355 @@
+"""The HTML incident report: the findings over inline SVG plots that share one time axis, loading nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from stepline.diagnosis.findings import Finding, Window
+from stepline.summary import Reads
+
+WIDTH = 1200
+HEIGHT = 170
+LEFT, RIGHT, TOP, BOTTOM = 72, 72, 24, 26
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+BAND_FILL = {"critical": "#d62728", "warning": "#ff9f1a", "info": "#4c8bf5"}
+# Nice tick spacings in seconds for the shared time axis.
+_TIME_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+Point = tuple[float, float | None]  # (epoch seconds, value); None breaks the line
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line: its legend name, its points, and whether it reads on the right-hand axis."""
+
+    name: str
+    points: Sequence[Point]
+    right: bool = False
+    color: str = ""
+
+
+@dataclass(frozen=True)
+class Band:
+    """A shaded time range (a finding's window), labelled with the finding's number."""
+
+    start: float
+    end: float
+    severity: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One panel: a title, units for the left (and optional right) axis, and its series."""
+
+    title: str
+    unit: str
+    series: Sequence[Series] = field(default_factory=tuple)
+    right_unit: str = ""
+    y_max: float | None = None  # a fixed top (e.g. 100 for percentages); None: from the data
+
+
+def render_svg(plot: Plot, t0: float, t1: float, bands: Sequence[Band]) -> str:
+    """The plot as an inline <svg> over [t0, t1]; a labelled 'no data' panel when no series has a value."""
+    inner_w = WIDTH - LEFT - RIGHT
+    inner_h = HEIGHT - TOP - BOTTOM
+    span = max(t1 - t0, 1e-9)
+
+    def x(t: float) -> float:
+        return LEFT + (min(max(t, t0), t1) - t0) / span * inner_w
+
+    parts = [f'<svg class="plot" viewBox="0 0 {WIDTH} {HEIGHT}" '
+             f'data-t0="{t0:.3f}" data-t1="{t1:.3f}" role="img" aria-label="{escape(plot.title)}">',
+             f'<rect x="{LEFT}" y="{TOP}" width="{inner_w}" height="{inner_h}" class="frame"/>']
+    for i, band in enumerate(bands):
+        if band.end < t0 or band.start > t1:
+            continue
+        bx, bw = x(band.start), max(x(band.end) - x(band.start), 2.0)
+        # Labels step down by band so that windows starting close together stay readable.
+        parts.append(f'<rect x="{bx:.1f}" y="{TOP}" width="{bw:.1f}" height="{inner_h}" '
+                     f'fill="{BAND_FILL.get(band.severity, "#999")}" fill-opacity="0.16"/>'
+                     f'<text x="{bx + 3:.1f}" y="{TOP + 12 + 12 * (i % 8)}" class="band">{escape(band.label)}</text>')
+    for tick in _time_ticks(t0, t1):
+        tx = x(tick)
+        parts.append(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{TOP}" y2="{TOP + inner_h}" class="grid"/>'
+                     f'<text x="{tx:.1f}" y="{HEIGHT - 8}" class="tick" text-anchor="middle">'
+                     f'{datetime.fromtimestamp(tick, UTC):%H:%M:%S}</text>')
+    colored = [s if s.color else Series(s.name, s.points, s.right, PALETTE[i % len(PALETTE)])
+               for i, s in enumerate(plot.series)]
+    has_data = False
+    for side in (False, True):
+        values = [v for s in colored if s.right == side for _, v in s.points if v is not None and math.isfinite(v)]
+        if not values:
+            continue
+        has_data = True
+        top = plot.y_max if plot.y_max is not None and not side else _nice_ceiling(max(values))
+        bottom = min(0.0, min(values))
+
+        def y(v: float, lo: float = bottom, hi: float = top) -> float:
+            return TOP + inner_h - (v - lo) / max(hi - lo, 1e-12) * inner_h
+
+        for tick_value in (bottom, (bottom + top) / 2, top):
+            ax = LEFT + inner_w + 6 if side else LEFT - 6
+            parts.append(f'<text x="{ax}" y="{y(tick_value) + 4:.1f}" class="tick" '
+                         f'text-anchor="{"start" if side else "end"}">{_number(tick_value)}</text>')
+            if not side:
+                parts.append(f'<line x1="{LEFT}" x2="{LEFT + inner_w}" y1="{y(tick_value):.1f}" '
+                             f'y2="{y(tick_value):.1f}" class="grid"/>')
+        for s in colored:
+            if s.right == side:
+                parts.extend(_polylines(s, x, y))
+    unit = escape(plot.unit) + (f" · right: {escape(plot.right_unit)}" if plot.right_unit else "")
+    parts.append(f'<text x="{LEFT}" y="{TOP - 8}" class="title">{escape(plot.title)}'
+                 f'<tspan class="unit"> ({unit})</tspan></text>')
+    legend_x = WIDTH - RIGHT
+    for s in reversed(colored):
+        label = "■ " + s.name + (" →" if s.right else "")
+        parts.append(f'<text x="{legend_x}" y="{TOP - 8}" class="legend" text-anchor="end" '
+                     f'fill="{s.color}">{escape(label)}</text>')
+        legend_x -= 16 + 7 * len(label)  # about 7 px a character at 12 px
+    if not has_data:
+        parts.append(f'<text x="{LEFT + inner_w / 2:.0f}" y="{TOP + inner_h / 2 + 6:.0f}" class="nodata" '
+                     f'text-anchor="middle">no data in this window</text>')
+    parts.append(f'<line class="cursor" x1="-10" x2="-10" y1="{TOP}" y2="{TOP + inner_h}"/></svg>')
+    return "".join(parts)
+
+
+def bucket_seconds(span_s: float, max_buckets: int = 600) -> float:
+    """The smallest nice bucket giving at most max_buckets over span_s seconds."""
+    for step in (0.1, 0.2, 0.5, *sorted({*_TIME_STEPS, 180})):
+        if span_s / step <= max_buckets:
+            return float(step)
+    return float(math.ceil(span_s / max_buckets))
+
+
+def _polylines(series: Series, x: Callable[[float], float], y: Callable[[float], float]) -> list[str]:
+    """Polylines for the runs of finite values; a lone point becomes a dot."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for t, v in sorted(series.points, key=lambda p: p[0]):
+        if v is None or not math.isfinite(v):
+            if runs[-1]:
+                runs.append([])
+            continue
+        runs[-1].append((x(t), y(v)))
+    out = []
+    for run in runs:
+        if len(run) == 1:
+            out.append(f'<circle cx="{run[0][0]:.1f}" cy="{run[0][1]:.1f}" r="1.8" fill="{series.color}"/>')
+        elif run:
+            pts = " ".join(f"{px:.1f},{py:.1f}" for px, py in run)
+            out.append(f'<polyline points="{pts}" stroke="{series.color}" class="line"/>')
+    return out
+
+
+def _time_ticks(t0: float, t1: float, target: int = 10) -> list[float]:
+    span = t1 - t0
+    step = next((s for s in _TIME_STEPS if span / s <= target), _TIME_STEPS[-1])
+    first = math.ceil(t0 / step) * step
+    return [first + i * step for i in range(int((t1 - first) // step) + 1)]
+
+
+def _nice_ceiling(value: float) -> float:
+    if value <= 0:
+        return 1.0
+    magnitude = 10.0 ** math.floor(math.log10(value))
+    return next(m * magnitude for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * magnitude >= value)
+
+
+def _number(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 10000:
+        return f"{value / 1000:.0f}k"
+    if abs(value) >= 10:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+DEFAULT_TITLE = "stepline incident report"
+
+_BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
+           " AND ts < fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+           " AND ({engine:String} = '' OR engine = {engine:String})")
+_BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
+# Per bucket over every engine in the window: the worst step, the prefill it carried, the ITL tails.
+_STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms), sum(num_ctx_tokens),"
+          " quantilesExactArray(0.5, 0.99)(itl_seconds), sum(length(itl_seconds)),"
+          " max(running), max(waiting), max(kv_cache_usage), sum(prefix_cache_hits), sum(prefix_cache_queries)"
+          " FROM {steps}" + _BOUNDS + " AND NOT is_dummy GROUP BY b ORDER BY b")
+# NaN means a GPU does not support the reading: averaged over the finite samples only.
+_GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
+         " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
+         " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
+_MAX_GPU_LINES = 8  # more GPUs than this are drawn as their average
+
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:16px 24px;color:#222;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 6px}.meta{color:#555}
+.finding{border-left:5px solid #999;padding:4px 10px;margin:8px 0;background:#fafafa}
+.finding.critical{border-color:#d62728}.finding.warning{border-color:#ff9f1a}.finding.info{border-color:#4c8bf5}
+.sev{font-weight:bold;text-transform:uppercase;font-size:12px}.kind{color:#555;font-family:monospace}
+.ev{font-size:12px;color:#333;margin:2px 0}.ev b{font-weight:600}
+pre{background:#f0f0f0;padding:6px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
+.plots{max-width:1400px}svg.plot{display:block;width:100%;height:auto}
+.frame{fill:none;stroke:#bbb}.grid{stroke:#e6e6e6}.line{fill:none;stroke-width:1.4}
+.tick{font-size:11px;fill:#555}.title{font-size:13px;font-weight:bold;fill:#222}.unit{font-weight:normal;fill:#666}
+.legend{font-size:12px}.band{font-size:11px;font-weight:bold;fill:#444}.nodata{font-size:15px;fill:#999}
+.cursor{stroke:#333;stroke-dasharray:3 3}#at{position:fixed;right:12px;top:8px;background:#fffd;padding:2px 6px}
+"""
+# A crosshair that follows the pointer over every plot at once, with the time under it.
+_SCRIPT = """
+document.querySelectorAll('svg.plot').forEach(function(s){s.addEventListener('mousemove',function(e){
+var r=s.getBoundingClientRect(),k=WIDTH/r.width,x=(e.clientX-r.left)*k,l=LEFT,w=WIDTH-LEFT-RIGHT;
+if(x<l||x>l+w)return;var t=+s.dataset.t0+(x-l)/w*(s.dataset.t1-s.dataset.t0);
+document.querySelectorAll('line.cursor').forEach(function(c){c.setAttribute('x1',x);c.setAttribute('x2',x);});
+document.getElementById('at').textContent=new Date(t*1000).toISOString().slice(11,23)+' UTC';});});
+""".replace("WIDTH", str(WIDTH)).replace("LEFT", str(LEFT)).replace("RIGHT", str(RIGHT))
+
+
+def render_report(reader: Reads, window: Window, findings: Sequence[Finding], *, title: str = DEFAULT_TITLE,
+                  database: str = "") -> str:
+    """The report as one HTML page; `database` qualifies the tables (empty: the client's default)."""
+    t0, t1 = window.start.timestamp(), window.end.timestamp()
+    if not t1 > t0:
+        raise ValueError(f"the window must end after it starts: {window.start} .. {window.end}")
+    bucket = bucket_seconds(t1 - t0)
+    ranked = sorted(findings, key=lambda f: f.rank_key())
+    bands = [Band(f.start.timestamp(), f.end.timestamp(), f.severity, f"#{i}") for i, f in enumerate(ranked, 1)]
+    plots = _plots(reader, window, bucket, database)
+    scope = f"engine {window.engine}" if window.engine else "all engines"
+    head = (f"{_moment(window.start)} → {_moment(window.end)} UTC · {scope} · {len(ranked)} finding(s) · "
+            f"bucket {bucket:g} s · generated {_moment(datetime.now(UTC))} UTC")
+    body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(head)}</div>', "<h2>Findings</h2>"]
+    body.extend(_finding_html(i, f) for i, f in enumerate(ranked, 1))
+    if not ranked:
+        body.append("<p>No findings in this window.</p>")
+    body.append('<h2>Timeline</h2><div class="plots">')
+    body.extend(render_svg(plot, t0, t1, bands) for plot in plots)
+    body.append('</div><div id="at"></div>')
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body)
+            + f"\n<script>{_SCRIPT}</script></body></html>\n")
+
+
+def write_report(reader: Reads, window: Window, findings: Sequence[Finding], out: str | Path, *,
+                 title: str = DEFAULT_TITLE, database: str = "") -> Path:
+    """Render the report and write it to `out` (UTF-8); returns the path written."""
+    path = Path(out)
+    path.write_text(render_report(reader, window, findings, title=title, database=database), encoding="utf-8")
+    return path
+
+
+def _plots(reader: Reads, window: Window, bucket: float, database: str) -> list[Plot]:
+    t0 = window.start.timestamp()
+    params = {"from_us": round(t0 * 1_000_000), "to_us": round(window.end.timestamp() * 1_000_000),
+              "bucket_us": max(1, round(bucket * 1_000_000)), "engine": window.engine}
+
+    def at(b: int) -> float:  # a bucket is drawn at its middle
+        return t0 + (b + 0.5) * bucket
+
+    steps = reader.query(_STEPS.replace("{steps}", _table(database, "steps")), parameters=params).result_rows
+    cols: dict[str, list[Point]] = {k: [] for k in ("step", "prefill", "p50", "p99", "run", "wait", "kv", "hit")}
+    for b, step_ms, prefill, itl, itl_n, running, waiting, kv, hits, queries in steps:
+        t = at(b)
+        cols["step"].append((t, _f(step_ms)))
+        cols["prefill"].append((t, _f(prefill)))
+        cols["p50"].append((t, _scaled(itl[0], 1000) if itl_n else None))  # an empty bucket says 0, not NaN
+        cols["p99"].append((t, _scaled(itl[1], 1000) if itl_n else None))
+        cols["run"].append((t, _f(running)))
+        cols["wait"].append((t, _f(waiting)))
+        cols["kv"].append((t, _scaled(kv, 100)))
+        cols["hit"].append((t, 100 * hits / queries if queries else None))
+    gpu_rows = reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params).result_rows
+    sm, power, dram = _gpu_series(gpu_rows, at)
+    return [
+        Plot("Step duration (max) and prefill tokens (sum) per bucket", "ms", (
+            Series("step ms", cols["step"]), Series("prefill tokens", cols["prefill"], right=True)),
+             right_unit="tokens"),
+        Plot("Inter-token latency", "ms", (Series("ITL p50", cols["p50"]), Series("ITL p99", cols["p99"]))),
+        Plot("Requests running / waiting (max per bucket)", "requests",
+             (Series("running", cols["run"]), Series("waiting", cols["wait"]))),
+        Plot("KV cache usage (max per bucket)", "%", (Series("KV used", cols["kv"]),), y_max=100.0),
+        Plot("Prefix-cache hit rate", "% of queried tokens", (Series("hit rate", cols["hit"]),), y_max=100.0),
+        Plot("GPU SM clock", "MHz", sm),
+        Plot("GPU power", "W", power),
+        Plot("GPU DRAM bandwidth utilisation", "%", dram, y_max=100.0),
+    ]
+
+
+def _gpu_series(rows: Sequence[Sequence[Any]], at: Callable[[int], float]
+                ) -> tuple[list[Series], list[Series], list[Series]]:
+    """One line per GPU (host:index when several hosts), or their average when there are many GPUs."""
+    by_gpu: dict[tuple[str, int], list[tuple[float, float | None, float | None, float | None]]] = {}
+    for b, host, gpu, sm, power, dram in rows:
+        by_gpu.setdefault((host, gpu), []).append((at(b), _f(sm), _f(power), _f(dram)))
+    gpus = len(by_gpu)
+    if gpus > _MAX_GPU_LINES:
+        merged: dict[float, list[tuple[float | None, float | None, float | None]]] = {}
+        for points in by_gpu.values():
+            for t, *values in points:
+                merged.setdefault(t, []).append((values[0], values[1], values[2]))
+        by_gpu = {("", -1): [(t, _mean([v[0] for v in vs]), _mean([v[1] for v in vs]), _mean([v[2] for v in vs]))
+                             for t, vs in sorted(merged.items())]}
+    hosts = {host for host, _ in by_gpu}
+    out: tuple[list[Series], list[Series], list[Series]] = ([], [], [])
+    for (host, gpu), points in sorted(by_gpu.items()):
+        name = f"mean of {gpus} GPUs" if gpu < 0 else f"{host}:GPU {gpu}" if len(hosts) > 1 else f"GPU {gpu}"
+        for i, series in enumerate(out):
+            series.append(Series(name, [(p[0], p[i + 1]) for p in points]))
+    return out
+
+
+def _finding_html(number: int, f: Finding) -> str:
+    evidence = " · ".join(f"<span>{escape(str(k))}=<b>{escape(_value(v))}</b></span>" for k, v in f.evidence.items())
+    parts = [f'<div class="finding {escape(f.severity)}" id="finding-{number}">',
+             f'<div><b>#{number}</b> <span class="sev">{escape(f.severity)}</span> '
+             f'<span class="kind">{escape(f.kind)}</span> · <b>{escape(f.title)}</b></div>',
+             f'<div class="meta">{escape(f.engine or "all engines")} · {_moment(f.start)} → {_moment(f.end)} UTC</div>']
+    if evidence:
+        parts.append(f'<div class="ev">{evidence}</div>')
+    if f.lever:
+        parts.append(f"<div><b>Lever:</b> {escape(f.lever)}</div>")
+    if f.sql:
+        parts.append(f"<details><summary>SQL</summary><pre>{escape(f.sql)}</pre></details>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _table(database: str, name: str) -> str:
+    return f"`{database.replace('`', '')}`.`{name}`" if database else f"`{name}`"
+
+
+def _moment(moment: datetime) -> str:
+    aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)  # chDB may hand back naive UTC
+    return f"{aware.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+
+
+def _f(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _scaled(value: Any, factor: float) -> float | None:
+    number = _f(value)
+    return None if number is None else number * factor
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    finite = [v for v in values if v is not None]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, datetime):
+        return _moment(value) + " UTC"
+    return str(value)

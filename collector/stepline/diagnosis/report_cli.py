@@ -1,0 +1,31 @@
+"""`stepline report [--since 30m | --from T --to T] [--engine E] --out FILE`: diagnose a window, write the page."""
+
+from __future__ import annotations
+
+import argparse
+
+from stepline.diagnosis.cli import add_window_arguments, window_of
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The report command's options: the diagnose window, and where to write the page."""
+    add_window_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="FILE", help="the HTML file to write (self-contained)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Diagnose the window, write the report, print where it went and how many findings it holds."""
+    from stepline.diagnosis.engine import diagnose
+    from stepline.diagnosis.report import write_report
+    from stepline.reader import open_reader
+    from stepline.storeurl import default_store_url
+
+    window = window_of(args)
+    reader = open_reader(args.store or default_store_url())
+    try:
+        findings = diagnose(reader.client, window)
+        path = write_report(reader.client, window, findings, args.out, database=reader.database)
+    finally:
+        reader.close()
+    print(f"{path}: {len(findings)} finding(s)")
+    return 0

@@ -1,0 +1,295 @@
+"""Diagnosis scenarios: short simulated incidents with one known cause each, replayed into a store.
+
+Each `Scenario` pairs a workload, an engine configuration and what the GPUs do with the finding
+kind a correct diagnosis names first (None: nothing above info). `simulate` replays one on a
+virtual clock; `run_scenario` does so through the real collector (plugin receiver, OTLP receiver,
+/metrics ingestion, the GPU source over simulated GPUs), as `stepline demo --fast` does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from stepline.clock import ManualClock
+from stepline.collector import Collector
+from stepline.diagnosis.findings import Window
+from stepline.settings import Settings
+from stepline.sim.config import EngineConfig
+from stepline.sim.costmodel import Throttle, ThrottledCostModel
+from stepline.sim.engine import Simulation
+from stepline.sim.gpu import BOOST_MHZ, SW_POWER_CAP, GpuModel, GpuReading, SimulatedGpus, SimulatedGpuSource
+from stepline.sim.records import StepRecord
+from stepline.sim.telemetry import Telemetry
+from stepline.sim.workloads import Workload, chat_arrivals, compose, one_request
+from stepline.sources.base import SourceContext
+from stepline.sources.otlp import OtlpReceiver
+from stepline.sources.vllm_metrics import VllmMetricsSource
+
+SCRAPE_INTERVAL_S = 5.0
+GPU_INTERVAL_S = 0.5
+# The power cap is applied, and the step slowdown re-read from the GPUs' clocks, this often.
+TICK_S = 0.5
+
+
+@dataclass(frozen=True)
+class PowerCap:
+    """Board power capped at `watts` from `start_s` to `end_s` (simulated seconds)."""
+
+    start_s: float
+    end_s: float
+    watts: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One simulated incident and the finding kind it should produce (None: nothing above info)."""
+
+    name: str
+    expected_kind: str | None
+    workload: Workload
+    config: EngineConfig = field(default_factory=EngineConfig)
+    gpu_scenario: str = "normal"
+    power_cap: PowerCap | None = None
+    description: str = ""
+
+
+def _healthy() -> Scenario:
+    return Scenario("healthy", None, compose("healthy", 150, 30, chat_arrivals("chat", 0, 150, 4.0, abort_share=0.01)),
+                    description="steady cached chat at 4 req/s; nothing wrong")
+
+
+def _monster_prefill() -> Scenario:
+    # A fixed pool of long answers decodes throughout; nothing else arrives, so the queue stays empty.
+    pool = [one_request(f"decode-{i:03d}", 0.1 * i, 2000, 3000, 0.9) for i in range(48)]
+    monster = [one_request("monster-300k", 30.0, 300_000, 124)]
+    return Scenario("monster_prefill", "prefill_interference", compose("monster_prefill", 120, 30, pool, monster),
+                    description="48 requests decoding; one uncached 300k-token prompt prefills beside them")
+
+
+def _head_of_line() -> Scenario:
+    chat = chat_arrivals("chat", 0, 25, 1.0, output_median=30)
+    monster = [one_request("monster-240k", 25.0, 240_000, 124)]
+    shorts = chat_arrivals("short", 26, 36, 8.0, prompt_median=1500, output_median=40, cached=(0.4, 0.6))
+    return Scenario("head_of_line", "head_of_line_blocking", compose("head_of_line", 90, 30, chat, monster, shorts),
+                    description="a 240k-token prompt, then ~80 short requests that wait behind its prefill")
+
+
+def _prefix_cache_collapse() -> Scenario:
+    quiet = chat_arrivals("quiet", 0, 75, 3.0, prompt_median=3000, output_median=40, cached=(0.96, 1.0),
+                          max_prompt=16_384)
+    fresh = chat_arrivals("fresh", 75, 150, 5.0, prompt_median=3000, output_median=40, cached=(0.0, 0.08),
+                          max_prompt=16_384)
+    return Scenario("prefix_cache_collapse", "prefix_cache_collapse",
+                    compose("prefix_cache_collapse", 150, 30, quiet, fresh),
+                    description="prefix-cache hit rate ~98% then ~4%: fresh documents, no monsters")
+
+
+def _leaked_slot_wedge() -> Scenario:
+    chat = chat_arrivals("chat", 0, 180, 2.0, output_median=60, abort_share=0.2)
+    return Scenario("leaked_slot_wedge", "wedged_engine", compose("leaked_slot_wedge", 180, 0, chat),
+                    EngineConfig(max_num_seqs=16, leak_aborted_slots=True),
+                    description="aborted requests keep their slot until max_num_seqs=16 is used up; then no steps")
+
+
+def _gpu_power_cap() -> Scenario:
+    chat = chat_arrivals("chat", 0, 180, 6.0, output_median=300)
+    return Scenario("gpu_power_cap", "gpu_throttling", compose("gpu_power_cap", 180, 0, chat),
+                    power_cap=PowerCap(60.0, 120.0, 250.0),
+                    description="steady decode load; a 250 W power cap from t=60 s to t=120 s holds clocks down")
+
+
+def _config_not_in_effect() -> Scenario:
+    # Chat pauses while the document prefills: its 8192-token chunks slow nobody, so the unapplied
+    # setting is the only thing wrong (no interference to blame).
+    before, after = chat_arrivals("chat", 0, 55, 3.0), chat_arrivals("later", 65, 150, 3.0)
+    # Partly cached, so its hit rate stays well above half the chat's: no cache collapse either.
+    document = [one_request("document-40k", 60.0, 40_960, 100, 0.6)]
+    return Scenario("config_not_in_effect", "config_not_in_effect",
+                    compose("config_not_in_effect", 150, 30, before, document, after),
+                    EngineConfig(long_prefill_token_threshold=2048, ignore_long_prefill_token_threshold=True),
+                    description="long_prefill_token_threshold=2048 reported at start-up, 8192-token chunks run")
+
+
+def _legitimately_slow() -> Scenario:
+    work = [one_request("long-700k", 0.5, 700_000, 3000, 0.9)]
+    return Scenario("legitimately_slow", None, compose("legitimately_slow", 150, 30, work),
+                    description="one 700k-token request alone: a 70k-token prefill, then a slow, steady decode")
+
+
+_BUILDERS: dict[str, Callable[[], Scenario]] = {
+    "healthy": _healthy,
+    "monster_prefill": _monster_prefill,
+    "head_of_line": _head_of_line,
+    "prefix_cache_collapse": _prefix_cache_collapse,
+    "leaked_slot_wedge": _leaked_slot_wedge,
+    "gpu_power_cap": _gpu_power_cap,
+    "config_not_in_effect": _config_not_in_effect,
+    "legitimately_slow": _legitimately_slow,
+}
+SCENARIO_NAMES = tuple(_BUILDERS)
+
+
+def make_scenario(name: str) -> Scenario:
+    """The scenario called `name`."""
+    try:
+        return _BUILDERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIO_NAMES)}") from None
+
+
+def all_scenarios() -> list[Scenario]:
+    """Every scenario, in registry order."""
+    return [build() for build in _BUILDERS.values()]
+
+
+@dataclass
+class ScenarioRun:
+    """What a replay produced: its stamped span, steps, and the GPUs' reading after each step."""
+
+    scenario: Scenario
+    start_ts: float
+    end_ts: float
+    steps: list[StepRecord] = field(default_factory=list)
+    readings: list[tuple[float, GpuReading]] = field(default_factory=list)
+    scrapes: int = 0
+    drained: bool = False
+
+
+def simulate(
+    scenario: Scenario,
+    *,
+    end_at: float | None = None,
+    before_step: Callable[[StepRecord], None] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    on_scrape: Callable[[float, bytes], None] | None = None,
+    gpus: SimulatedGpus | None = None,
+) -> ScenarioRun:
+    """Replay `scenario` on a virtual clock, stamped as if it had ended at `end_at` (default: now).
+
+    `before_step` sees each step before the GPU model does, `on_step` after; `on_scrape(ts, body)`
+    gets the engine's /metrics every SCRAPE_INTERVAL_S simulated seconds.
+    """
+    workload = scenario.workload
+    scrapes = math.ceil((workload.duration_s + workload.drain_s) / SCRAPE_INTERVAL_S - 1e-9)
+    end = end_at if end_at is not None else time.time()
+    start = end - scrapes * SCRAPE_INTERVAL_S
+    model = gpus.model if gpus is not None else GpuModel(scenario=scenario.gpu_scenario)
+    throttle = Throttle()
+    config = replace(scenario.config, cost=ThrottledCostModel.wrap(scenario.config.cost, throttle))
+    run = ScenarioRun(scenario, start, end)
+
+    def record(step: StepRecord) -> None:
+        if before_step is not None:
+            before_step(step)
+        model.on_step(step)
+        run.steps.append(step)
+        run.readings.append((step.ts, model.reading(step.ts)))
+        if on_step is not None:
+            on_step(step)
+
+    sim = Simulation(workload, config, ManualClock(start), on_step=record)
+    now = 0.0
+    for k in range(scrapes + 1):
+        target = k * SCRAPE_INTERVAL_S
+        before = len(run.steps)
+        while now < target:
+            now = min(now + TICK_S, target)
+            throttle.factor = _power_cap(scenario.power_cap, model, run.readings[-1][1] if run.readings else None, now)
+            sim.advance_to(now)
+        if len(run.steps) == before:
+            _publish_idle_stats(sim)
+        if on_scrape is not None:
+            on_scrape(start + target, sim.render_metrics())
+        run.scrapes += 1
+    run.drained = sim.is_done()
+    return run
+
+
+def _power_cap(cap: PowerCap | None, model: GpuModel, last: GpuReading | None, now: float) -> float:
+    """Apply the cap for simulated second `now`; returns how much slower steps run at the clocks it leaves."""
+    if cap is None or not cap.start_s <= now < cap.end_s:
+        model.set_power_cap(None)
+        return 1.0
+    model.set_power_cap(cap.watts)
+    # Steps slow in proportion to the SM clock the cap left on the latest step.
+    return BOOST_MHZ / last.sm_clock_mhz if last is not None and last.reasons & SW_POWER_CAP else 1.0
+
+
+def _publish_idle_stats(sim: Simulation) -> None:
+    # vLLM's engine loop publishes scheduler stats even when it schedules nothing, so a stalled
+    # engine's /metrics still shows its queue; the simulator only publishes on completed steps.
+    scheduler = sim.scheduler
+    sim.metrics.running.set(len(scheduler.running))
+    sim.metrics.waiting.set(len(scheduler.waiting))
+    sim.metrics.waiting_capacity.set(len(scheduler.waiting))
+    sim.metrics.kv_usage.set(scheduler.kv_cache_usage)
+
+
+def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = None,
+                 engine: str | None = None) -> tuple[str, Window]:
+    """Replay `scenario` through a collector into `store_url`; returns the engine name and the window to diagnose.
+
+    The window runs from the replay's first scrape to when the run finished (at least `end_at`):
+    the plugin's engine_config event is stamped on receipt, in real time, so it must fall inside.
+    """
+    engine = engine or scenario.name
+    gpus = SimulatedGpus(GpuModel(scenario=scenario.gpu_scenario), engine_pid=os.getpid())
+    with tempfile.TemporaryDirectory(prefix="stepline-scenario-") as sockets:
+        # The GPUs are simulated and sampled on the virtual clock below; the real GPU source would find no NVML.
+        base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
+                                "plugin_socket": os.path.join(sockets, "plugin.sock"),
+                                "disabled_sources": frozenset({"gpu"}), "scrape_interval_s": SCRAPE_INTERVAL_S}
+        collector = Collector(Settings.from_env(engines=(), **base))
+        collector.start()
+        try:
+            assert collector.writers is not None
+            write = collector.writers.write
+            otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+            telemetry = Telemetry(engine, scenario.config, plugin_socket=collector.settings.plugin_socket,
+                                  otlp_endpoint=otlp.url)
+            host = collector.settings.host_name
+            scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
+                                        engine=engine)
+            sampler = _VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, write)
+
+            def on_step(step: StepRecord) -> None:
+                sampler.until(step.ts)
+                telemetry.on_step(step)
+
+            # The GPUs read the previous step's figures until this one began.
+            run = simulate(scenario, end_at=end_at, gpus=gpus, on_step=on_step,
+                           before_step=lambda step: sampler.until(step.ts - step.elapsed_ms / 1000),
+                           on_scrape=lambda ts, body: scraper.ingest(body, ts, write))
+            sampler.until(run.end_ts)
+            telemetry.close()
+        finally:
+            collector.stop()
+    window_end = max(run.end_ts, time.time())
+    return engine, Window(datetime.fromtimestamp(run.start_ts, UTC), datetime.fromtimestamp(window_end, UTC), engine)
+
+
+class _VirtualGpuSampler:
+    """Polls the GPU source every GPU_INTERVAL_S of simulated time, as the runner would in real time."""
+
+    def __init__(self, gpus: SimulatedGpus, ctx: SourceContext, engine: str, emit: Callable[[Any], object]) -> None:
+        assert isinstance(ctx.clock, ManualClock)
+        self._clock = ctx.clock
+        self._source = SimulatedGpuSource(gpus, ctx)
+        self._emit = emit
+        self._next: float | None = None
+        ctx.engine_processes.found(engine, os.getpid())
+
+    def until(self, ts: float) -> None:
+        if self._next is None:
+            self._next = ts
+        while self._next <= ts:
+            self._clock.set(self._next)
+            self._source.poll(self._emit)
+            self._next += GPU_INTERVAL_S

@@ -1,0 +1,241 @@
+"""Detectors over synthetic timelines in a real embedded store, and the demo's burst end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepline.diagnosis import Finding, Window, as_json, diagnose, render
+from stepline.diagnosis import cli as diagnose_cli
+from stepline.rows import Event, GpuSample, Request, Step, micros
+from stepline.settings import SettingsError
+from stepline.store import Store
+
+ENGINE = "e0"
+NOW = datetime.now(UTC).replace(microsecond=0)
+T0 = NOW - timedelta(minutes=10)
+
+
+def _ts(offset_s: float) -> int:
+    return micros(T0.timestamp() + offset_s)
+
+
+def step(t: float, elapsed_ms: float = 10.0, *, prefill: int = 0, decoding: int = 2, waiting: int = 0,
+         itl: list[float] | None = None, kv: float = 0.3, queries: int = 1000, hits: int = 950,
+         preempted: int = 0, drafts: int = 0, drafted: int = 0, accepted: int = 0, n: int = 0) -> Step:
+    return Step(_ts(t), "h", ENGINE, 0, "m", n, elapsed_ms, 1 if prefill else 0, prefill, decoding, decoding,
+                decoding + (1 if prefill else 0), waiting, 0, kv, queries, hits, preempted, drafts, drafted,
+                accepted, [], itl if itl is not None else [elapsed_ms / 1000] * decoding, False)
+
+
+def request(rid: str, arrival: float, queue: float, ttft: float, decode: float, prompt: int,
+            gen: int = 100, cached: int = 0) -> Request:
+    return Request(_ts(arrival + ttft + decode), "h", ENGINE, 0, "m", rid, "plugin", "stop", _ts(arrival), queue,
+                   ttft - queue, decode, ttft - queue + decode, ttft + decode, ttft, decode / gen, prompt, cached,
+                   gen, 200, 0)
+
+
+def gpu(t: float, util: float = 60.0, clock: float = 1900.0, flags: tuple[str, ...] = ()) -> GpuSample:
+    nan = float("nan")
+    return GpuSample(_ts(t), "h", ENGINE, 0, "u0", "H100", clock, 2600.0, 400.0, 0, 60.0, 60.0, util, 0.0, 0, 0,
+                     0.0, 0.0, 0, 0.0, 0.0, 0, list(flags), nan, nan, nan, {})
+
+
+def config(t: float = 0.0, **attrs: Any) -> Event:
+    base = {"max_num_batched_tokens": "8192", "long_prefill_token_threshold": "0"}
+    base.update({k: str(v) for k, v in attrs.items()})
+    return Event(_ts(t), "h", ENGINE, "plugin", "engine_config", "info", "configured", base)
+
+
+def insert(store: Store, rows: list[Any]) -> None:
+    by_table: dict[str, list[Any]] = {}
+    for row in rows:
+        table = {Step: "steps", Request: "requests", GpuSample: "gpu_samples", Event: "events"}[type(row)]
+        by_table.setdefault(table, []).append(row)
+    for table, rs in by_table.items():
+        store.insert(table, rs, rs[0]._fields)
+
+
+def steady(seconds: int = 600, every: float = 0.5) -> list[Any]:
+    """A healthy engine: 10 ms decode steps, a few short requests, GPUs busy, a high prefix-cache hit rate."""
+    rows: list[Any] = [config()]
+    rows += [step(i * every, n=i) for i in range(int(seconds / every))]
+    rows += [gpu(float(i)) for i in range(seconds)]
+    rows += [request(f"r{i}", 5.0 * i, 0.01, 0.05, 1.0, 2000) for i in range(100)]
+    return rows
+
+
+WINDOW = Window(T0 - timedelta(seconds=5), NOW, ENGINE)
+
+
+def kinds(findings: list[Finding], at_least: str = "warning") -> set[str]:
+    levels = ("info", "warning", "critical")
+    return {f.kind for f in findings if levels.index(f.severity) >= levels.index(at_least)}
+
+
+def test_healthy_timeline_has_nothing_above_info(store: Store) -> None:
+    insert(store, steady())
+    findings = diagnose(store, WINDOW)
+    assert kinds(findings) == set(), render(findings)
+    assert "detector_failed" not in kinds(findings, "info")
+
+
+def _monster(store: Store, threshold: int = 0) -> None:
+    rows: list[Any] = [config(long_prefill_token_threshold=threshold)]
+    rows += [step(i * 0.1, n=i) for i in range(1000)]  # 0..100 s: decode only
+    rows += [step(100 + i, 1200.0, prefill=8192, decoding=4, waiting=30, n=1000 + i) for i in range(30)]
+    rows += [step(136 + i * 0.1, n=2000 + i) for i in range(1000)]
+    rows += [gpu(float(i)) for i in range(230)]
+    rows.append(request("monster", 100.0, 0.0, 30.0, 20.0, 250_000, 120))
+    rows += [request(f"short{i}", 100.0 + i, 30.0 - i, 30.5 - i, 2.0, 3000, 30) for i in range(20)]
+    rows += [request(f"quiet{i}", 5.0 * i, 0.0, 0.05, 1.0, 2000) for i in range(15)]
+    insert(store, rows)
+
+
+def test_prefill_interference_names_the_monster_and_head_of_line(store: Store) -> None:
+    _monster(store)
+    findings = diagnose(store, WINDOW)
+    top = findings[0]
+    assert (top.kind, top.severity) == ("prefill_interference", "critical"), render(findings)
+    assert top.evidence["request_id"] == "monster"
+    assert top.evidence["uncached_tokens"] == 250_000
+    assert top.evidence["chunk_tokens"] == 8192
+    assert top.evidence["itl_p99_inside_s"] == pytest.approx(1.2, rel=0.01)
+    assert top.evidence["itl_p99_outside_s"] == pytest.approx(0.01, rel=0.01)
+    assert "long_prefill_token_threshold=0" in top.lever and "max_num_batched_tokens=8192" in top.lever
+    hol = [f for f in findings if f.kind == "head_of_line_blocking"]
+    assert hol and hol[0].evidence["queued_requests"] == 20
+    assert hol[0].evidence["queue_max_s"] == pytest.approx(30.0, abs=0.1)
+    assert "scheduler_vs_hardware" in kinds(findings)
+    # The SQL stands alone: pasted into the store it answers.
+    assert store.query(top.sql).result_rows[0][0] == 30
+
+
+def test_config_not_in_effect_when_chunks_exceed_threshold(store: Store) -> None:
+    _monster(store, threshold=2048)
+    found = [f for f in diagnose(store, WINDOW) if f.kind == "config_not_in_effect"]
+    assert found and found[0].evidence["steps_over_threshold"] == 30
+
+
+def test_config_in_effect_is_quiet(store: Store) -> None:
+    rows = steady()
+    rows[0] = config(long_prefill_token_threshold=2048)
+    rows += [step(300 + i * 0.01, 12.0, prefill=2048, n=9000 + i) for i in range(5)]
+    insert(store, rows)
+    assert "config_not_in_effect" not in kinds(diagnose(store, WINDOW), "info")
+
+
+def test_wedged_engine_is_critical(store: Store) -> None:
+    rows: list[Any] = [step(i * 0.5, n=i) for i in range(600)]  # steps stop at 300 s, window ends at 600 s
+    rows.append(step(300, waiting=12, n=700))
+    rows += [gpu(float(i), util=0.0) for i in range(600)]
+    insert(store, rows)
+    wedged = [f for f in diagnose(store, WINDOW) if f.kind == "wedged_engine"]
+    assert wedged and wedged[0].severity == "critical" and wedged[0].evidence["waiting"] == 12
+
+
+def test_legitimately_slow_engine_is_not_wedged(store: Store) -> None:
+    rows: list[Any] = [step(i * 0.5, n=i) for i in range(1000)]
+    # A long-context decode: a 20 s step, then 2 s steps until now, with requests waiting.
+    rows += [step(520 + i * 2, 2000.0 if i else 20_000.0, waiting=5, decoding=1, n=2000 + i) for i in range(40)]
+    rows += [gpu(float(i), util=95.0) for i in range(600)]
+    insert(store, rows)
+    findings = diagnose(store, WINDOW)
+    assert "wedged_engine" not in kinds(findings, "info")
+    assert "legitimately_slow" in kinds(findings, "info")
+
+
+def test_prefix_cache_collapse_against_own_baseline(store: Store) -> None:
+    rows = steady()
+    rows += [step(400 + i * 0.1, queries=5000, hits=100, n=5000 + i) for i in range(1000)]
+    insert(store, rows)
+    found = [f for f in diagnose(store, WINDOW) if f.kind == "prefix_cache_collapse"]
+    assert found and found[0].evidence["hit_rate_baseline"] == pytest.approx(0.95, abs=0.01)
+    assert found[0].evidence["hit_rate_low"] < 0.1
+
+
+def test_kv_pressure_needs_preemptions(store: Store) -> None:
+    rows = steady()
+    rows += [step(300 + i, kv=0.99, n=8000 + i) for i in range(10)]
+    insert(store, rows)
+    assert "kv_pressure" not in kinds(diagnose(store, WINDOW), "info")
+    insert(store, [step(320, kv=0.99, preempted=3, n=8100)])
+    found = [f for f in diagnose(store, WINDOW) if f.kind == "kv_pressure"]
+    assert found and found[0].evidence["preemptions"] == 3
+
+
+def test_gpu_xid_is_critical(store: Store) -> None:
+    rows = steady()
+    rows.append(Event(_ts(200), "h", ENGINE, "nvml", "gpu_xid", "critical", "XID 79 on GPU 0", {"xid": "79"}))
+    insert(store, rows)
+    found = [f for f in diagnose(store, WINDOW) if f.kind == "gpu_xid"]
+    assert found and found[0].severity == "critical" and found[0].evidence["xids"] == ["79"]
+
+
+def test_spec_decode_shift_from_window_deltas(store: Store) -> None:
+    rows = steady()
+    assert "spec_decode_acceptance_shift" not in kinds(diagnose(store, WINDOW), "info")  # no drafts: silent
+    rows += [step(10 + i, drafts=10, drafted=40, accepted=32, n=7000 + i) for i in range(100)]
+    rows += [step(400 + i, drafts=10, drafted=40, accepted=12, n=7200 + i) for i in range(100)]
+    insert(store, rows)
+    found = [f for f in diagnose(store, WINDOW) if f.kind == "spec_decode_acceptance_shift"]
+    assert found and found[0].evidence["acceptance_max"] == pytest.approx(0.8, abs=0.01)
+    assert found[0].evidence["acceptance_min"] == pytest.approx(0.3, abs=0.01)
+
+
+def test_failing_detector_is_reported_and_others_run(store: Store) -> None:
+    _monster(store)
+
+    def broken(reader: Any, window: Window) -> list[Finding]:
+        raise RuntimeError("boom")
+
+    from stepline.diagnosis.engine import DETECTORS
+    findings = diagnose(store, WINDOW, (("broken", broken), *DETECTORS))
+    assert findings[0].kind == "prefill_interference"
+    failed = [f for f in findings if f.kind == "detector_failed"]
+    assert failed and failed[0].evidence["detector"] == "broken" and failed[0].severity == "info"
+
+
+def test_render_fits_and_json_round_trips(store: Store) -> None:
+    _monster(store)
+    findings = diagnose(store, WINDOW)
+    text = render(findings)
+    prose = [line for line in text.splitlines() if not line.startswith("     ")]  # SQL lines stay whole to paste
+    assert all(len(line) <= 80 for line in prose), [line for line in prose if len(line) > 80]
+    assert "CRITICAL  prefill_interference" in text
+    assert json.loads(as_json(findings))[0]["evidence"]["request_id"] == "monster"
+    assert render([]).startswith("no findings")
+
+
+def test_cli_window_and_bad_input() -> None:
+    parser = argparse.ArgumentParser()
+    diagnose_cli.add_arguments(parser)
+    w = diagnose_cli.window_of(parser.parse_args(["--since", "30m", "--engine", "x"]), NOW)
+    assert (w.end - w.start, w.engine) == (timedelta(minutes=30), "x")
+    w = diagnose_cli.window_of(parser.parse_args(["--from", "2026-01-01T00:00:00", "--to", "2026-01-01T01:00:00"]))
+    assert w.start == datetime(2026, 1, 1, tzinfo=UTC)
+    for bad in (["--since", "soon"], ["--from", "2026-01-01T02:00:00", "--to", "2026-01-01T01:00:00"]):
+        with pytest.raises(SettingsError):
+            diagnose_cli.window_of(parser.parse_args(bad))
+
+
+def test_demo_burst_top_finding_is_the_monster(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "stepline.cli", "demo", "--fast", "--duration", "120"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # chDB hosts one store path per process and this session's is taken: diagnose in a process of its own.
+    script = ("import argparse, sys; from stepline.diagnosis import cli; p = argparse.ArgumentParser(); "
+              "cli.add_arguments(p); sys.exit(cli.run(p.parse_args(sys.argv[1:])))")
+    done = subprocess.run([sys.executable, "-c", script, "--since", "1h", "--json", "--store",
+                           f"chdb://{tmp_path}/stepline-data"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr[-2000:]  # a critical finding
+    top = json.loads(done.stdout)[0]
+    assert top["kind"] == "prefill_interference", done.stdout[:3000]
+    assert top["evidence"]["request_id"].startswith("burst-") and top["evidence"]["prompt_tokens"] >= 100_000

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stepline import demo
+    from stepline import demo, matrix
     from stepline.diagnosis import cli as diagnosis_cli
     from stepline.diagnosis import report_cli
     from stepline.sim import cli as sim_cli
@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "with the findings' windows marked.")
     report_cli.add_arguments(report_p)
     report_p.set_defaults(func=report_cli.run)
+
+    matrix_p = sub.add_parser(
+        "matrix", help="interference test: decode-only vs + long uncached prompt vs + cached prompt",
+        description="Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one "
+                    "long uncached prompt; the same with that prompt cached. Every token is timestamped on the "
+                    "client; TTFT and ITL p50/p95/p99 and the worst gap per run, with deltas. Results also go to "
+                    "the store as matrix_run events.")
+    matrix.add_arguments(matrix_p)
+    matrix_p.set_defaults(func=matrix.run)
 
     timeline_p = sub.add_parser(
         "timeline", help="engine steps beside GPU counters, around a moment",

@@ -9,7 +9,7 @@ import threading
 from types import FrameType
 
 from stepline.sim.config import DEFAULT_MODEL, EngineConfig
-from stepline.sim.server import serve
+from stepline.sim.server import idle_workload, serve
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import WORKLOAD_NAMES, make_workload
 
@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `stepline sim` options to `parser`."""
     parser.add_argument(
         "--workload",
-        choices=WORKLOAD_NAMES,
+        choices=(*WORKLOAD_NAMES, "idle"),
         default="steady",
-        help="traffic to simulate: steady chat, a reported production burst with monster prompts, or one "
+        help="traffic to simulate: steady chat, a reported production burst with monster prompts, idle (only "
+        "what clients send to /v1/completions), or one "
         "isolated 512k-token request decoding alone (default: %(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -93,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, 2 on a bad setting, 1 if the port cannot be bound."""
     try:
-        workload = make_workload(args.workload, seed=args.seed, duration_s=args.duration)
+        workload = (idle_workload(args.duration or 60.0) if args.workload == "idle"
+                    else make_workload(args.workload, seed=args.seed, duration_s=args.duration))
         config = EngineConfig(
             model=args.model,
             max_num_batched_tokens=args.max_num_batched_tokens,

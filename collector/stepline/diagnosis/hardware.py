@@ -41,6 +41,39 @@ GROUP BY slow ORDER BY slow
 """
 
 
+# Like for like: decode-only steps of a similar batch, throttled against not. Under open-loop load the batch
+# grows as steps slow, so comparing against every fast step would always blame the scheduler.
+_MATCHED = """
+WITH base AS (
+    SELECT elapsed_ms, sm_clock_mhz, decoding, hasAny(clock_event_flags, {flags:Array(String)}) AS throttled
+    FROM timeline
+    WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)} AND gpu_ts > 0
+      AND prefill_tokens = 0 AND decoding > 0
+),
+band AS (SELECT quantileExact(0.5)(decoding) AS mid FROM base WHERE throttled)
+SELECT throttled, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms, avg(sm_clock_mhz) AS sm_mhz
+FROM base
+WHERE decoding BETWEEN (SELECT mid FROM band) * 0.7 AND (SELECT mid FROM band) * 1.3
+GROUP BY throttled ORDER BY throttled
+"""
+MATCHED_MIN_STEPS = 20
+
+
+def _clock_explains(reader: Reads, engine: str, window: Window) -> tuple[bool, dict[str, object]]:
+    """Whether throttled decode-only steps are slower than unthrottled ones of the same batch by what the clock lost."""
+    rows = {bool(r[0]): r for r in Query(_MATCHED, engine=engine, start=window.start, end=window.end,
+                                         flags=list(THROTTLE_FLAGS)).rows(reader)}
+    if True not in rows or False not in rows or min(int(rows[True][1]), int(rows[False][1])) < MATCHED_MIN_STEPS:
+        return False, {}
+    throttled, free = rows[True], rows[False]
+    drop = 1 - number(throttled[3]) / number(free[3], 1e-9)
+    slowdown = number(throttled[2]) / number(free[2], 1e-9)
+    evidence: dict[str, object] = {"matched_clock_drop": round(drop, 3), "matched_step_slowdown": round(slowdown, 2),
+                                   "matched_steps": f"{throttled[1]} throttled vs {free[1]} not, same batch size"}
+    # A clock drop explains a slowdown up to about its own ratio (with slack for memory stalls).
+    return drop > CLOCK_DROP and 1.2 <= slowdown <= 2 / max(1 - drop, 0.05), evidence
+
+
 def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
     """Per prompt band, decode rates under load against the engine alone; GPU counters say whether silicon slowed."""
     findings = []
@@ -74,8 +107,12 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
                              "clock_drop": round(drop, 3), "step_slowdown": round(slowdown, 1),
                              "throttled_share_slow_steps": round(number(slow[5]), 2),
                              "clock_flags_slow_steps": list(slow[6])})
-            # A clock drop explains at most its own ratio of slowdown (with slack for memory stalls).
+            # A clock drop explains at most its own ratio of slowdown (with slack for memory stalls); failing that,
+            # like-for-like steps decide.
             hardware = drop > CLOCK_DROP and number(slow[5]) > 0.5 and slowdown <= 2 / max(1 - drop, 0.05)
+            if not hardware and drop > CLOCK_DROP and number(slow[5]) > 0.5:
+                hardware, matched = _clock_explains(reader, engine, window)
+                evidence.update(matched)
         rate = f"{number(worst[3]):.1f}..{number(worst[4]):.1f}"
         if hardware:
             findings.append(Finding(

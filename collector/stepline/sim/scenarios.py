@@ -99,10 +99,14 @@ def _leaked_slot_wedge() -> Scenario:
 
 
 def _gpu_power_cap() -> Scenario:
-    chat = chat_arrivals("chat", 0, 180, 6.0, output_median=300)
-    return Scenario("gpu_power_cap", "gpu_throttling", compose("gpu_power_cap", 180, 0, chat),
-                    power_cap=PowerCap(60.0, 120.0, 250.0),
-                    description="steady decode load; a 250 W power cap from t=60 s to t=120 s holds clocks down")
+    # Two requests decode alone first (what this GPU does unhindered), then long-context chat keeps
+    # ~40% of the GPU busy, until a deep power cap holds the clocks near half for a minute.
+    alone = [one_request(f"alone-{i}", 0.5 + i, 4000, 1200, 0.95) for i in range(2)]
+    chat = chat_arrivals("chat", 15, 180, 4.0, prompt_median=4000, output_median=300, cached=(0.93, 0.97),
+                          max_prompt=16_384)
+    return Scenario("gpu_power_cap", "gpu_throttling", compose("gpu_power_cap", 180, 0, alone, chat),
+                    power_cap=PowerCap(70.0, 130.0, 130.0),
+                    description="steady decode load; a 130 W power cap from t=70 s to t=130 s holds clocks down")
 
 
 def _config_not_in_effect() -> Scenario:
@@ -200,8 +204,9 @@ def simulate(
         target = k * SCRAPE_INTERVAL_S
         before = len(run.steps)
         while now < target:
-            now = min(now + TICK_S, target)
+            # The tick's starting second decides the cap for the steps that end within it.
             throttle.factor = _power_cap(scenario.power_cap, model, run.readings[-1][1] if run.readings else None, now)
+            now = min(now + TICK_S, target)
             sim.advance_to(now)
         if len(run.steps) == before:
             _publish_idle_stats(sim)

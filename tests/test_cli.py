@@ -62,6 +62,11 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     result = _stepline("demo", "--fast", "--duration", "120", cwd=cwd, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gen tok/s" in result.stdout and "look further" in result.stdout
+    # The demo ends with its diagnosis: the monster prefill that starved decode comes first, with numbers.
+    diagnosis = result.stdout.split("what stepline diagnose says about", 1)[1]
+    first = diagnosis.splitlines()[1]
+    assert first.startswith("1. CRITICAL  prefill_interference"), diagnosis[:500]
+    assert "uncached) prefill: ITL p99" in diagnosis.splitlines()[2]
     yield cwd / "stepline-data"
 
 
@@ -98,6 +103,14 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
         assert int(result.stdout.split()[-1]) > 10_000
         status = _stepline("status", "--store", url)
         assert "vllm_metrics:127.0.0.1:9  DOWN" in status.stdout, status.stdout
+        # Diagnosis and the report read through the collector's read-only endpoint too.
+        diagnosis = _stepline("diagnose", "--since", "3h", "--store", url)
+        assert diagnosis.returncode == 1, diagnosis.stderr  # critical: the monster's prefill starved decode
+        assert "CRITICAL  prefill_interference" in diagnosis.stdout and "via collector pid" in diagnosis.stdout
+        report = _stepline("report", "--since", "3h", "--out", str(demo_store.parent / "incident.html"),
+                           "--store", url)
+        assert report.returncode == 0, report.stderr
+        assert "prefill_interference" in (demo_store.parent / "incident.html").read_text(encoding="utf-8")
         refused = _stepline("query", "DROP TABLE engine_samples", "--store", url)
         assert refused.returncode == 1 and "read-only" in refused.stderr
         second = _stepline("collect", "--store", url, "--metrics-port", "0", "--query-port", "0", "--otlp-port", "0",

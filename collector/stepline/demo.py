@@ -21,7 +21,7 @@ from stepline.runner import Scheduled
 from stepline.settings import Settings
 from stepline.sim import server as sim_server
 from stepline.sim.config import EngineConfig
-from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource
+from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource, VirtualGpuSampler
 from stepline.sim.records import StepRecord
 from stepline.sim.replay import replay
 from stepline.sim.telemetry import Telemetry
@@ -139,7 +139,7 @@ def _replay(collector: Collector, workload: Workload, config: EngineConfig, inte
     host = collector.settings.host_name
     scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
                                 engine=engine)
-    sampler = _VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine,
+    sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine,
                                  collector.settings.gpu_interval_s, writers.write)
 
     def on_step(step: StepRecord) -> None:
@@ -155,28 +155,6 @@ def _replay(collector: Collector, workload: Workload, config: EngineConfig, inte
     print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
           f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
     return result.start_ts
-
-
-class _VirtualGpuSampler:
-    """Polls the GPU source every interval of simulated time, as the runner would in real time."""
-
-    def __init__(self, gpus: SimulatedGpus, ctx: SourceContext, engine: str, interval_s: float,
-                 emit: Callable[[Any], object]) -> None:
-        assert isinstance(ctx.clock, ManualClock)
-        self._clock = ctx.clock
-        self._source = SimulatedGpuSource(gpus, ctx)
-        self._interval_s = interval_s
-        self._emit = emit
-        self._next: float | None = None
-        ctx.engine_processes.found(engine, os.getpid())
-
-    def until(self, ts: float) -> None:
-        if self._next is None:
-            self._next = ts
-        while self._next <= ts:
-            self._clock.set(self._next)
-            self._source.poll(self._emit)
-            self._next += self._interval_s
 
 
 def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, interval: float) -> None:

@@ -9,10 +9,13 @@ XID error part-way through. Figures are for an H200-class GPU (700 W, 1980 MHz b
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from stepline.clock import ManualClock
+from stepline.rows import Row
 from stepline.sim.records import StepRecord
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
@@ -170,3 +173,28 @@ class SimulatedGpuSource:
 
     def stats(self) -> Mapping[str, int]:
         return self.source.stats()
+
+
+class VirtualGpuSampler:
+    """Polls the simulated GPUs every interval of simulated time during a fast replay, as the runner would live."""
+
+    def __init__(self, gpus: SimulatedGpus, ctx: SourceContext, engine: str, interval_s: float,
+                 emit: Callable[[Iterable[Row]], object]) -> None:
+        if not isinstance(ctx.clock, ManualClock):
+            raise TypeError("a virtual sampler needs a ManualClock to set to simulated time")
+        self._clock = ctx.clock
+        self._source = SimulatedGpuSource(gpus, ctx)
+        self._interval_s = interval_s
+        self._emit = emit
+        self._next: float | None = None
+        # The simulator runs in this process: its GPUs' process is ours, and it serves `engine`.
+        ctx.engine_processes.found(engine, os.getpid())
+
+    def until(self, ts: float) -> None:
+        """Take every sample due up to simulated time `ts`."""
+        if self._next is None:
+            self._next = ts
+        while self._next <= ts:
+            self._clock.set(self._next)
+            self._source.poll(self._emit)
+            self._next += self._interval_s

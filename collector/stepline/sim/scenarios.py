@@ -24,7 +24,7 @@ from stepline.settings import Settings
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
 from stepline.sim.engine import Simulation
-from stepline.sim.gpu import BOOST_MHZ, SW_POWER_CAP, GpuModel, GpuReading, SimulatedGpus, SimulatedGpuSource
+from stepline.sim.gpu import BOOST_MHZ, SW_POWER_CAP, GpuModel, GpuReading, SimulatedGpus, VirtualGpuSampler
 from stepline.sim.records import StepRecord
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import Workload, chat_arrivals, compose, one_request
@@ -262,7 +262,7 @@ def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = N
             host = collector.settings.host_name
             scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
                                         engine=engine)
-            sampler = _VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, write)
+            sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, GPU_INTERVAL_S, write)
 
             def on_step(step: StepRecord) -> None:
                 sampler.until(step.ts)
@@ -278,23 +278,3 @@ def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = N
             collector.stop()
     window_end = max(run.end_ts, time.time())
     return engine, Window(datetime.fromtimestamp(run.start_ts, UTC), datetime.fromtimestamp(window_end, UTC), engine)
-
-
-class _VirtualGpuSampler:
-    """Polls the GPU source every GPU_INTERVAL_S of simulated time, as the runner would in real time."""
-
-    def __init__(self, gpus: SimulatedGpus, ctx: SourceContext, engine: str, emit: Callable[[Any], object]) -> None:
-        assert isinstance(ctx.clock, ManualClock)
-        self._clock = ctx.clock
-        self._source = SimulatedGpuSource(gpus, ctx)
-        self._emit = emit
-        self._next: float | None = None
-        ctx.engine_processes.found(engine, os.getpid())
-
-    def until(self, ts: float) -> None:
-        if self._next is None:
-            self._next = ts
-        while self._next <= ts:
-            self._clock.set(self._next)
-            self._source.poll(self._emit)
-            self._next += GPU_INTERVAL_S

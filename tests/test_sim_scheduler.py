@@ -198,3 +198,21 @@ def test_invariants_hold_for_arbitrary_traffic(
     run = drive(config, requests)
     assert sorted(r.request_id for r in run.finished) == sorted(r.request_id for r in requests)
     assert all(r.generated == r.output_tokens for r in run.finished)
+
+
+def test_leaked_slots_wedge_the_engine_until_released() -> None:
+    config = EngineConfig(max_num_seqs=2, leak_aborted_slots=True)
+    scheduler = Scheduler(config)
+    for i in range(2):
+        scheduler.add(Request(f"a{i}", 0.0, 16, 2, 0.0, "abort", 2))
+    scheduler.add(Request("w", 0.0, 16, 2, 0.0, "length", 2))
+    now = 0.0
+    for _ in range(10):
+        batch = scheduler.schedule(now)
+        now += 0.01
+        scheduler.complete(batch, now)
+    assert [r.request_id for r in scheduler.waiting] == ["w"] and all(r.leaked for r in scheduler.running)
+    assert scheduler.schedule(now).is_empty  # wedged: nothing can run
+    assert scheduler.release_leaked() == 2 and scheduler.running == []
+    assert scheduler.free_blocks == config.num_gpu_blocks
+    assert not scheduler.schedule(now).is_empty  # the waiting request runs again

@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from stepline import demo, matrix
+    from stepline.alerting import cli as alerting_cli
     from stepline.diagnosis import cli as diagnosis_cli
     from stepline.diagnosis import report_cli
     from stepline.sim import cli as sim_cli
@@ -131,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "the store as matrix_run events.")
     matrix.add_arguments(matrix_p)
     matrix_p.set_defaults(func=matrix.run)
+
+    alerts_p = sub.add_parser(
+        "alerts", help="generate the alert rules, Alertmanager example and Grafana alert provisioning",
+        description="`stepline alerts build` regenerates everything in alerts/ from the one alert config: "
+                    "Prometheus rules, an Alertmanager example, Grafana-managed rules, contact point and policy.")
+    alerting_cli.add_arguments(alerts_p)
+    alerts_p.set_defaults(func=alerting_cli.run)
 
     timeline_p = sub.add_parser(
         "timeline", help="engine steps beside GPU counters, around a moment",

@@ -19,6 +19,7 @@ from stepline.selfmetrics import MetricsServer, SelfMetrics
 from stepline.settings import Settings
 from stepline.sources.base import Source, SourceContext
 from stepline.store import CollectorInfo, Store, remove_collector_info, write_collector_info
+from stepline.watchdog import Watchdog
 from stepline.writer import Writers
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Collector:
         self.runner: Runner | None = None
         self.metrics_server: MetricsServer | None = None
         self.query_endpoint: QueryEndpoint | None = None
+        self.watchdog: Watchdog | None = None
         self.sources: list[Source] = []
         self._stopped = threading.Event()
 
@@ -57,6 +59,9 @@ class Collector:
             self.writers = Writers(store, self.metrics, max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
                                    flush_interval_s=s.flush_interval_s)
             self.writers.start()
+            self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
+                                     reader_factory=store.reader)
+            self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
             if store.url.embedded:
@@ -71,7 +76,7 @@ class Collector:
             self._close()
             raise
         self.sources = [item.source for item in scheduled]
-        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name)
+        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe)
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
                    f"{store.url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
                                                 "retention_days": str(s.retention_days)})
@@ -97,6 +102,8 @@ class Collector:
         self._close()
 
     def _close(self) -> None:
+        if self.watchdog is not None:  # its events go through the writers: it stops first
+            self.watchdog.stop()
         if self.writers is not None:
             self.writers.stop()
         if self.query_endpoint is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stepline.ratelimit import RateLimitedLog
@@ -28,8 +28,11 @@ class Scheduled:
 class Runner:
     """One thread per source: poll, record timing and success, sleep until the next tick."""
 
-    def __init__(self, scheduled: Iterable[Scheduled], writers: Writers, metrics: SelfMetrics, host: str) -> None:
+    def __init__(self, scheduled: Iterable[Scheduled], writers: Writers, metrics: SelfMetrics, host: str, *,
+                 observer: Callable[[Sequence[Row]], None] | None = None) -> None:
+        """`observer` sees every batch the sources emit (the watchdog's tap); it must be cheap and never raise."""
         self._scheduled = list(scheduled)
+        self._observer = observer
         self._writers = writers
         self._metrics = metrics
         self._host = host
@@ -74,7 +77,12 @@ class Runner:
 
         def emit(batch: Iterable[Row]) -> None:
             nonlocal rows
-            rows += self._writers.write(batch)
+            if self._observer is None:
+                rows += self._writers.write(batch)
+                return
+            listed = batch if isinstance(batch, list) else list(batch)  # a generator could be read only once
+            rows += self._writers.write(listed)
+            self._observer(listed)
 
         started = time.perf_counter()
         ok = False

@@ -65,6 +65,49 @@ class SelfMetrics:
             "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],
             registry=r,
         )
+        self._watchdog_metrics(r)
+
+    def _watchdog_metrics(self, r: CollectorRegistry) -> None:
+        """The progress watchdog's view of each engine and its GPUs (names shared with the alert rules)."""
+        e = ["engine"]
+        self.progress_age = Gauge("stepline_engine_progress_age_seconds",
+                                  "Seconds since the engine last made progress.", e, registry=r)
+        self.progress_budget = Gauge("stepline_engine_progress_budget_seconds",
+                                     "Seconds allowed without progress, given the work in flight.", e, registry=r)
+        self.engine_state = Gauge("stepline_engine_state", "1 for the engine's current watchdog state, else 0.",
+                                  ["engine", "state"], registry=r)
+        self.waiting_requests = Gauge("stepline_engine_waiting_requests", "Requests waiting.", e, registry=r)
+        self.running_requests = Gauge("stepline_engine_running_requests", "Requests running.", e, registry=r)
+        self.inflight_prefill = Gauge("stepline_engine_inflight_prefill_tokens",
+                                      "Prefill tokens of the last step (the work in flight).", e, registry=r)
+        self.longest_context = Gauge("stepline_engine_longest_context_tokens",
+                                     "Longest prompt known to be in flight (a lower bound; 0 when unknown).", e,
+                                     registry=r)
+        self.gpu_utilization = Gauge("stepline_engine_gpu_utilization_ratio",
+                                     "Mean utilisation of the engine's GPUs over the last 10 s.", e, registry=r)
+        self.itl_p99 = Gauge("stepline_engine_itl_p99_seconds", "Inter-token latency p99 over the last 60 s.", e,
+                             registry=r)
+        self.prefill_step_share = Gauge("stepline_engine_prefill_step_share",
+                                        "Share of the last 60 s of steps that carried prefill tokens.", e, registry=r)
+        self.prefix_cache_hit_ratio = Gauge("stepline_engine_prefix_cache_hit_ratio",
+                                            "Prefix-cache hit ratio (tokens) over the last 60 s.", e, registry=r)
+        self.kv_cache_usage = Gauge("stepline_engine_kv_cache_usage_ratio", "KV cache usage, 0-1.", e, registry=r)
+        self.preemptions = Counter("stepline_engine_preemptions", "Requests preempted.", e, registry=r)
+        self.queued_behind_prefill = Gauge(
+            "stepline_engine_queued_behind_prefill",
+            "Requests waiting while a prefill of >= 8192 tokens has been in flight for >= 10 s.", e, registry=r)
+        self.gpu_clock_event_active = Gauge("stepline_gpu_clock_event_active",
+                                            "1 when the clock-event flag is set in the GPU's latest sample.",
+                                            ["engine", "gpu", "reason"], registry=r)
+        self.gpu_sm_clock = Gauge("stepline_gpu_sm_clock_mhz", "SM clock in the GPU's latest sample.",
+                                  ["engine", "gpu"], registry=r)
+        self.gpu_xid_errors = Counter("stepline_gpu_xid_errors", "XID errors reported by the GPU.",
+                                      ["engine", "gpu", "xid"], registry=r)
+        self.gpu_present = Gauge("stepline_gpu_present", "1 when GPU samples arrived in the last 60 s.",
+                                 registry=r)
+        self.top_finding = Gauge("stepline_engine_top_finding_info",
+                                 "The top diagnosis finding of a slow or stalled engine.",
+                                 ["engine", "kind", "severity", "title"], registry=r)
 
 
 class MetricsServer:

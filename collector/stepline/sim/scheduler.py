@@ -277,6 +277,16 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished or r.leaked]
         return outcome
 
+    def release_leaked(self) -> int:
+        """Give back every leaked slot and its KV (what restarting a wedged lane does); returns how many."""
+        leaked = [r for r in self.running if r.leaked]
+        for request in leaked:
+            self.free_blocks += request.blocks
+            request.blocks = 0
+            request.leaked = False
+        self.running = [r for r in self.running if not r.finished]
+        return len(leaked)
+
     def _sample(self, request: Request, now: float, outcome: Outcome) -> None:
         request.generated += 1
         request.last_token = now

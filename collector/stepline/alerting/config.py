@@ -1,0 +1,85 @@
+"""The one config object that alerts (and, later, dashboards) read: selectors, SLOs, thresholds, `for`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives; dashboards draw these as thresholds, alerts page on them."""
+
+    itl_p99_seconds: float = 0.1
+    """Inter-token latency p99 a decoding stream should see (DecodeStarvation warning)."""
+    itl_p99_critical_seconds: float = 1.0
+    """ITL p99 at which decode is effectively stopped (~1 token/s): DecodeStarvation critical."""
+    ttft_p99_seconds: float = 10.0
+    """Time to first token p99; for dashboards (no alert reads it yet)."""
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    """Every selector, threshold and duration the alert rules use (node-mixin style)."""
+
+    selector: str = 'job="stepline"'
+    """Label matchers selecting the collector's own /metrics target(s)."""
+    slo: Slo = field(default_factory=Slo)
+
+    engine_down_for: str = "1m"
+    stalled_for: str = "1m"
+    """Extra patience beyond the watchdog budget (the budget already reflects the work in flight)."""
+    wedge_min_age_seconds: float = 30.0
+    """No progress for this long with a queue and idle GPUs is a wedge, whatever the budget says."""
+    wedge_gpu_idle_ratio: float = 0.05
+    wedged_for: str = "1m"
+    starvation_min_prefill_share: float = 0.2
+    """Share of recent steps carrying prefill above which slow decode is blamed on prefill."""
+    starvation_for: str = "5m"
+    starvation_critical_for: str = "2m"
+    hol_blocked_for: str = "2m"
+    hol_critical_requests: int = 10
+    hol_critical_for: str = "5m"
+    prefix_cache_drop_factor: float = 0.5
+    """Hit ratio below this fraction of its own 1 h average is a collapse."""
+    prefix_cache_min_baseline: float = 0.3
+    """Below this 1 h average the cache was never doing much: no alert."""
+    prefix_cache_for: str = "10m"
+    kv_usage_warning_ratio: float = 0.9
+    kv_usage_critical_ratio: float = 0.97
+    kv_preemptions_critical_per_5m: int = 50
+    kv_for: str = "5m"
+    throttle_reasons: tuple[str, ...] = (
+        "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown",
+    )
+    """Clock-event reasons that mean trouble; sw_power_cap under load is normal and left out."""
+    throttle_for: str = "5m"
+    throttle_critical_for: str = "30m"
+    xid_window: str = "10m"
+    fatal_xids: tuple[int, ...] = (48, 74, 79, 94, 95, 119, 120)
+    """XIDs that mean the GPU or its memory needs attention now (DBE, NVLink, off the bus, ECC, GSP)."""
+    drop_window: str = "5m"
+    drop_for: str = "5m"
+    drop_critical_rows_per_second: float = 100.0
+    dropped_source_counters: tuple[str, ...] = ("plugin_dropped_records", "lost_datagrams")
+    source_down_for: str = "10m"
+    gpu_present_lookback: str = "1d"
+    """The gpu source being down is expected only where no GPU was seen over this window."""
+
+    runbook_url: str = "https://github.com/stepline/stepline/blob/main/alerts/runbook.md#{anchor}"
+    """`{anchor}` is the lower-cased alert name."""
+    diagnose_since: str = "30m"
+    group_name: str = "stepline"
+    evaluation_interval: str = "30s"
+
+    webhook_url: str = "http://127.0.0.1:9095/stepline"
+    heartbeat_url: str = "http://127.0.0.1:9095/heartbeat"
+    grafana_datasource_uid: str = "${STEPLINE_PROMETHEUS_UID}"
+    """Grafana expands this from its environment when it reads the provisioning file."""
+    grafana_folder_uid: str = "stepline"
+
+    def sel(self, *matchers: str) -> str:
+        """`{selector, matchers...}` for a metric."""
+        return "{" + ", ".join(m for m in (self.selector, *matchers) if m) + "}"
+
+    def runbook(self, alert: str) -> str:
+        return self.runbook_url.format(anchor=alert.lower())

@@ -1,0 +1,235 @@
+"""The alert list: every rule once, with placeholders that each backend renders in its own templating.
+
+Placeholders in summaries and descriptions: `[engine]`, `[value]`, `[value_duration]`, `[value_ratio]`,
+and for the watchdog pages `[state]`, `[budget]`, `[age]`, `[waiting]`, `[running]`, `[finding]`
+(see `templates.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from stepline.alerting.config import AlertConfig
+
+Severity = Literal["critical", "warning", "none"]
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alerting rule."""
+
+    name: str
+    severity: Severity
+    expr: str
+    for_: str
+    summary: str
+    description: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def anchor(self) -> str:
+        return self.name.lower()
+
+
+WATCHDOG_CONTEXT = (
+    "state [state], no progress for [age] against a budget of [budget] (derived from the work in flight); "
+    "[waiting] waiting, [running] running. Top finding: [finding]. "
+    "Run: stepline diagnose --engine [engine] --since {since}"
+)
+
+
+def alerts(cfg: AlertConfig) -> list[Alert]:
+    """Every alert, in the order they appear in the rule file."""
+    s = cfg.sel
+    slo = cfg.slo
+    ctx = WATCHDOG_CONTEXT.format(since=cfg.diagnose_since)
+    diag = f"Run: stepline diagnose --engine [engine] --since {cfg.diagnose_since}"
+    throttle = "|".join(cfg.throttle_reasons)
+    fatal = "|".join(str(x) for x in cfg.fatal_xids)
+    dropped = "|".join(cfg.dropped_source_counters)
+    vllm_sources = s('source=~"vllm_metrics:.*"')
+    other_sources = s('source!~"vllm_metrics:.*"')
+    gpu_source = s('source="gpu"')
+    stalled_state = s('state="stalled"')
+    throttled = s('reason=~"' + throttle + '"')
+    fatal_xid = s('xid=~"' + fatal + '"')
+    dropped_counters = s('counter=~"' + dropped + '"')
+    drops = (
+        "sum without (table, reason, source, counter) (\n"
+        f"  rate(stepline_writer_rows_dropped_total{s()}[{cfg.drop_window}])\n"
+        f"  or rate(stepline_source_counts_total{dropped_counters}[{cfg.drop_window}])\n)"
+    )
+    return [
+        Alert(
+            "EngineDown", "critical",
+            f'label_replace(stepline_source_up{vllm_sources}, '
+            f'"engine", "$1", "source", "vllm_metrics:(.*)") == 0',
+            cfg.engine_down_for,
+            "vLLM engine [engine] is not answering /metrics.",
+            "The collector has failed to scrape engine [engine] ([source]) for at least "
+            f"{cfg.engine_down_for}: the process is gone, hung or not serving HTTP. EngineStalled and "
+            "EngineWedgedWithQueue for this engine are inhibited while this fires. " + diag,
+        ),
+        Alert(
+            "EngineStalled", "critical",
+            f"(stepline_engine_progress_age_seconds{s()} > stepline_engine_progress_budget_seconds{s()})\n"
+            f'  and ignoring (state) (stepline_engine_state{stalled_state} == 1)',
+            cfg.stalled_for,
+            "Engine [engine] has made no progress for [value_duration], beyond its watchdog budget.",
+            "Engine [engine]: " + ctx,
+        ),
+        Alert(
+            "EngineWedgedWithQueue", "critical",
+            f"(stepline_engine_waiting_requests{s()} > 0)\n"
+            f"  and (stepline_engine_progress_age_seconds{s()} > {cfg.wedge_min_age_seconds:g})\n"
+            f"  and (stepline_engine_gpu_utilization_ratio{s()} < {cfg.wedge_gpu_idle_ratio:g})",
+            cfg.wedged_for,
+            "Engine [engine] is wedged: [value] requests waiting, no progress, GPUs idle.",
+            "Engine [engine] has requests queued but its GPUs are idle and nothing moves: a leaked slot "
+            "or a stuck lane, not slow work. " + ctx,
+        ),
+        Alert(
+            "DecodeStarvation", "warning",
+            f"(stepline_engine_itl_p99_seconds{s()} > {slo.itl_p99_seconds:g})\n"
+            f"  and (stepline_engine_prefill_step_share{s()} > {cfg.starvation_min_prefill_share:g})",
+            cfg.starvation_for,
+            "Decode on [engine] is starved by prefill: ITL p99 [value_duration] (SLO "
+            f"{slo.itl_p99_seconds:g}s).",
+            "Engine [engine]: ITL p99 over the last minute is [value_duration] against an SLO of "
+            f"{slo.itl_p99_seconds:g}s while prefill shares the steps (long prompts in chunked prefill). "
+            "Top finding: [finding]. " + diag,
+        ),
+        Alert(
+            "DecodeStarvation", "critical",
+            f"(stepline_engine_itl_p99_seconds{s()} > {slo.itl_p99_critical_seconds:g})\n"
+            f"  and (stepline_engine_prefill_step_share{s()} > {cfg.starvation_min_prefill_share:g})",
+            cfg.starvation_critical_for,
+            "Decode on [engine] has collapsed behind prefill: ITL p99 [value_duration].",
+            "Engine [engine]: ITL p99 over the last minute is [value_duration] (critical above "
+            f"{slo.itl_p99_critical_seconds:g}s): streams get about one token per prefill step. "
+            "Top finding: [finding]. " + diag,
+        ),
+        Alert(
+            "HeadOfLineBlocking", "warning",
+            f"stepline_engine_queued_behind_prefill{s()} > 0",
+            cfg.hol_blocked_for,
+            "[value] requests on [engine] are queued behind a long prefill.",
+            "Engine [engine]: [value] requests have been waiting while a prefill of 8192+ tokens runs "
+            "for 10 s or more. Top finding: [finding]. " + diag,
+        ),
+        Alert(
+            "HeadOfLineBlocking", "critical",
+            f"stepline_engine_queued_behind_prefill{s()} >= {cfg.hol_critical_requests}",
+            cfg.hol_critical_for,
+            "[value] requests on [engine] are queued behind a long prefill.",
+            f"Engine [engine]: {cfg.hol_critical_requests} or more requests ([value]) have waited behind "
+            f"a long prefill for {cfg.hol_critical_for}. Top finding: [finding]. " + diag,
+        ),
+        Alert(
+            "PrefixCacheCollapse", "warning",
+            f"(stepline_engine_prefix_cache_hit_ratio{s()}\n"
+            f"  < {cfg.prefix_cache_drop_factor:g} * avg_over_time(stepline_engine_prefix_cache_hit_ratio{s()}[1h]))\n"
+            f"  and (avg_over_time(stepline_engine_prefix_cache_hit_ratio{s()}[1h])"
+            f" > {cfg.prefix_cache_min_baseline:g})",
+            cfg.prefix_cache_for,
+            "Prefix-cache hit ratio on [engine] collapsed to [value_ratio].",
+            "Engine [engine]: the prefix-cache hit ratio over the last minute is [value_ratio], under "
+            f"{cfg.prefix_cache_drop_factor:g}x its own 1 h average: new prompts are being computed "
+            "from scratch (burst of unseen prefixes, or eviction under KV pressure). " + diag,
+        ),
+        Alert(
+            "KVCachePressure", "warning",
+            f"(stepline_engine_kv_cache_usage_ratio{s()} > {cfg.kv_usage_warning_ratio:g})\n"
+            f"  and (increase(stepline_engine_preemptions_total{s()}[5m]) > 0)",
+            cfg.kv_for,
+            "KV cache on [engine] is [value_ratio] full and requests are being preempted.",
+            "Engine [engine]: KV cache usage [value_ratio] with preemptions in the last 5m; preempted "
+            "requests recompute their prefill. " + diag,
+        ),
+        Alert(
+            "KVCachePressure", "critical",
+            f"(stepline_engine_kv_cache_usage_ratio{s()} > {cfg.kv_usage_critical_ratio:g})\n"
+            f"  and (increase(stepline_engine_preemptions_total{s()}[5m])"
+            f" > {cfg.kv_preemptions_critical_per_5m})",
+            cfg.kv_for,
+            "KV cache on [engine] is [value_ratio] full with a preemption storm.",
+            f"Engine [engine]: KV cache usage [value_ratio] and more than {cfg.kv_preemptions_critical_per_5m} "
+            "preemptions in 5m: the engine spends its time recomputing. " + diag,
+        ),
+        Alert(
+            "GpuThrottling", "warning",
+            f'stepline_gpu_clock_event_active{throttled} == 1',
+            cfg.throttle_for,
+            "GPU [gpu] of [engine] is throttled ([reason]).",
+            "GPU [gpu] of engine [engine] has reported [reason] for "
+            f"{cfg.throttle_for}: clocks are held down by temperature or the board. " + diag,
+        ),
+        Alert(
+            "GpuThrottling", "critical",
+            f'stepline_gpu_clock_event_active{throttled} == 1',
+            cfg.throttle_critical_for,
+            "GPU [gpu] of [engine] has been throttled for {for_} ([reason]).".replace(
+                "{for_}", cfg.throttle_critical_for),
+            "GPU [gpu] of engine [engine] has reported [reason] for "
+            f"{cfg.throttle_critical_for}: check cooling and power delivery. " + diag,
+        ),
+        Alert(
+            "GpuXidError", "warning",
+            f"increase(stepline_gpu_xid_errors_total{s()}[{cfg.xid_window}]) > 0\n"
+            f"  or (stepline_gpu_xid_errors_total{s()} > 0 unless stepline_gpu_xid_errors_total{s()}"
+            f" offset {cfg.xid_window})",
+            "0m",
+            "GPU [gpu] of [engine] reported XID [xid].",
+            "GPU [gpu] of engine [engine] reported XID [xid] in the last "
+            f"{cfg.xid_window}. " + diag,
+        ),
+        Alert(
+            "GpuXidError", "critical",
+            f"increase(stepline_gpu_xid_errors_total{fatal_xid}"
+            f"[{cfg.xid_window}]) > 0\n"
+            f"  or (stepline_gpu_xid_errors_total{fatal_xid} > 0"
+            f" unless stepline_gpu_xid_errors_total{s()} offset {cfg.xid_window})",
+            "0m",
+            "GPU [gpu] of [engine] reported fatal XID [xid].",
+            f"GPU [gpu] of engine [engine] reported XID [xid] (one of {', '.join(map(str, cfg.fatal_xids))}): "
+            "uncorrectable memory error, NVLink, GSP or the GPU fell off the bus. Drain the node. " + diag,
+        ),
+        Alert(
+            "CollectorDroppingData", "warning",
+            f"({drops}) > 0",
+            cfg.drop_for,
+            "The stepline collector [instance] is dropping data.",
+            "Collector [instance] has dropped [value_rate] rows or records a second over the last "
+            f"{cfg.drop_window}: the timeline has holes. Check the writer queue (stepline_writer_queue_rows) "
+            "and the store.",
+        ),
+        Alert(
+            "CollectorDroppingData", "critical",
+            f"({drops}) > {cfg.drop_critical_rows_per_second:g}",
+            cfg.drop_for,
+            "The stepline collector [instance] is dropping [value_rate] rows a second.",
+            "Collector [instance] has dropped [value_rate] rows or records a second over the last "
+            f"{cfg.drop_window}: the store is down or far too slow. Check the writer queue "
+            "(stepline_writer_queue_rows) and the store.",
+        ),
+        Alert(
+            "CollectorSourceDown", "warning",
+            f'(stepline_source_up{other_sources} == 0)\n'
+            f'  unless (stepline_source_up{gpu_source} == 0'
+            f" and ignoring (source) max_over_time(stepline_gpu_present{s()}[{cfg.gpu_present_lookback}]) == 0)",
+            cfg.source_down_for,
+            "Collector source [source] on [instance] is down.",
+            "Source [source] of collector [instance] has failed every poll for "
+            f"{cfg.source_down_for}; its rows are missing from the timeline. `stepline status` and the "
+            "collector's log name the error. (The gpu source on a machine without GPUs does not count.)",
+        ),
+        Alert(
+            "Watchdog", "none",
+            "vector(1)",
+            "0m",
+            "The stepline alerting pipeline is alive.",
+            "Always firing. Route it to a dead man's switch: silence from this alert means Prometheus, "
+            "the rules or Alertmanager are broken.",
+        ),
+    ]

@@ -1,0 +1,142 @@
+"""Grafana-managed alert rules, contact points and notification policy (file provisioning), built with
+grafana-foundation-sdk's alerting builders from the same definitions as the Prometheus rules.
+
+Grafana expands `$VAR` from its environment in provisioning files, except in annotations: every other
+literal `$` (PromQL's `$1`, Grafana's `$A`) is written as `$$`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from grafana_foundation_sdk.builders import alerting as ab
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.cog import variants as cogvariants
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.cog.runtime import UnknownDataquery
+from grafana_foundation_sdk.models.alerting import RelativeTimeRange
+
+from stepline.alerting import templates
+from stepline.alerting.config import AlertConfig
+from stepline.alerting.definitions import Alert, alerts
+from stepline.alerting.prometheus import HEARTBEAT
+
+ORG_ID = 1
+EXPR_UID = "__expr__"
+_DURATION = re.compile(r"^(\d+)([smh])$")
+
+
+class _Model(cogbuilder.Builder[cogvariants.Dataquery]):
+    """A raw query model (the SDK has no Prometheus-for-alerting or math-expression builder that fits)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def build(self) -> cogvariants.Dataquery:
+        return UnknownDataquery(self._data)
+
+
+def _escape(s: str) -> str:
+    return s.replace("$", "$$")
+
+
+def _seconds(duration: str) -> int:
+    m = _DURATION.match(duration)
+    if not m:
+        raise ValueError(f"unsupported duration {duration!r}")
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def _prom_query(cfg: AlertConfig, ref: str, expr: str) -> ab.Query:
+    window = max(600, 2 * max((_seconds(d) for d in re.findall(r"\[(\d+[smh])\]", expr)), default=0))
+    return (ab.Query(ref).datasource_uid(cfg.grafana_datasource_uid)
+            .relative_time_range(RelativeTimeRange(from_val=window, to=0))
+            .model(_Model({"refId": ref, "expr": _escape(expr), "instant": True, "range": False,
+                           "intervalMs": 1000, "maxDataPoints": 43200})))
+
+
+def rule_uid(a: Alert) -> str:
+    """Stable uid (<= 40 chars) for a Grafana rule."""
+    return f"stepline-{a.anchor}-{a.severity}"[:40]
+
+
+def rule(cfg: AlertConfig, a: Alert, title: str) -> ab.Rule:
+    """A Grafana-managed rule: A is the PromQL (firing when it returns a series), C = is_number($A)."""
+    r = (ab.Rule(title).uid(rule_uid(a)).folder_uid(cfg.grafana_folder_uid).rule_group(cfg.group_name)
+         .org_id(ORG_ID).condition("C").for_val(a.for_)
+         .no_data_state("OK").exec_err_state("Error").is_paused(False)
+         .labels({"severity": a.severity, **a.labels})
+         .annotations({"summary": templates.grafana(a.summary),
+                       "description": templates.grafana(a.description),
+                       "runbook_url": cfg.runbook(a.name)})
+         .with_query(_prom_query(cfg, "A", a.expr)))
+    for ref in templates.grafana_aux_refs(a.summary, a.description):
+        r = r.with_query(_prom_query(cfg, ref, templates.GRAFANA_AUX[ref].replace("{sel}", cfg.sel())))
+    return r.with_query(
+        ab.Query("C").datasource_uid(EXPR_UID).relative_time_range(RelativeTimeRange(from_val=0, to=0))
+        .model(_Model({"refId": "C", "type": "math", "expression": _escape("is_number($A)"),
+                       "datasource": {"type": "__expr__", "uid": EXPR_UID}})))
+
+
+def _plain(obj: object) -> Any:
+    return json.loads(json.dumps(obj, cls=JSONEncoder))
+
+
+def rules_file(cfg: AlertConfig) -> dict[str, object]:
+    """`alerting/*.yaml` provisioning document with one rule group."""
+    group = ab.RuleGroup(cfg.group_name).folder_uid(cfg.grafana_folder_uid) \
+        .interval(_seconds(cfg.evaluation_interval))
+    every = alerts(cfg)
+    paired = {a.name for a in every if sum(b.name == a.name for b in every) > 1}
+    for a in every:
+        # Grafana wants titles unique in a folder: the critical half of a pair says so in its title.
+        title = f"{a.name} (critical)" if a.name in paired and a.severity == "critical" else a.name
+        group = group.with_rule(rule(cfg, a, title))
+    built = _plain(group.build())
+    file_rules = []
+    for r in built["rules"]:
+        for api_only in ("folderUID", "ruleGroup", "orgID"):
+            r.pop(api_only, None)
+        file_rules.append(r)
+    return {"apiVersion": 1, "groups": [{
+        "orgId": ORG_ID, "name": built["title"], "folder": "stepline",
+        "interval": cfg.evaluation_interval, "rules": file_rules,
+    }]}
+
+
+def contact_points_file(cfg: AlertConfig) -> dict[str, object]:
+    """Webhook contact points: one for pages, one for the heartbeat."""
+    def point(name: str, url: str, no_resolved: bool) -> dict[str, object]:
+        cp = _plain(ab.ContactPoint().uid(name).name(name).type("webhook")
+                    .settings({"url": url, "httpMethod": "POST"})
+                    .disable_resolve_message(no_resolved).build())
+        cp.pop("name")
+        return {"orgId": ORG_ID, "name": name, "receivers": [cp]}
+
+    return {"apiVersion": 1, "contactPoints": [
+        point("stepline-webhook", cfg.webhook_url, False),
+        point("stepline-heartbeat", cfg.heartbeat_url, True),
+    ]}
+
+
+def policies_file(cfg: AlertConfig) -> dict[str, object]:
+    """The notification policy tree: grouped by engine, severity routes, the heartbeat on its own."""
+    def route(matcher: str, receiver: str, **timing: str) -> ab.NotificationPolicy:
+        name, value = matcher.split("=", 1)
+        p = ab.NotificationPolicy().receiver(receiver).object_matchers([[name, "=", value]])
+        for key, val in timing.items():
+            p = getattr(p, key)(val)
+        return p
+
+    tree = (ab.NotificationPolicy().receiver("stepline-webhook")
+            .group_by(["grafana_folder", "alertname", "engine"])
+            .group_wait("30s").group_interval("5m").repeat_interval("4h")
+            .routes([
+                route(f"alertname={HEARTBEAT}", "stepline-heartbeat", group_wait="0s", group_interval="1m",
+                      repeat_interval="1m"),
+                route("severity=critical", "stepline-webhook", group_wait="10s", repeat_interval="1h"),
+                route("severity=warning", "stepline-webhook"),
+            ]))
+    return {"apiVersion": 1, "policies": [{"orgId": ORG_ID, **_plain(tree.build())}]}

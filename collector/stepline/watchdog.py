@@ -1,0 +1,259 @@
+"""The progress watchdog: taps the rows flowing to the writers, judges each engine every second.
+
+The model (budgets and states) is in `watchdog_model`. Here: the tap (`observe`, on the ingest
+path, so it only files rows), the timer thread that assesses each engine, exports the figures on
+the collector's /metrics, puts an `engine_state` event on the timeline at each change, and, for a
+slow or stalled engine, runs the diagnosis every ~30 s and exports its top finding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from stepline.clock import Clock, SystemClock
+from stepline.ratelimit import RateLimitedLog
+from stepline.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
+from stepline.selfmetrics import SelfMetrics
+from stepline.summary import Reads
+from stepline.watchdog_model import STATES, Assessment, EngineModel, Policy
+
+log = logging.getLogger(__name__)
+
+SEVERITY = {"idle": "info", "progressing": "info", "slow": "warning", "stalled": "critical", "down": "critical"}
+# Exported for every GPU, 0 when unset, so a rule can tell "not throttled" from "no data".
+CLOCK_REASONS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
+                 "hw_power_brake_slowdown")
+GPU_PRESENT_WINDOW_S = 60.0
+
+Emit = Callable[[Sequence[Row]], object]
+Diagnose = Callable[[Reads, str, float], tuple[str, str, str] | None]
+
+
+def top_finding(reader: Reads, engine: str, now: float) -> tuple[str, str, str] | None:
+    """(kind, severity, title) of the top finding over the last 10 minutes, or None."""
+    from stepline.diagnosis import Window, diagnose  # the detectors are heavy; only a slow engine needs them
+
+    end = datetime.fromtimestamp(now, UTC)
+    for f in diagnose(reader, Window(end - timedelta(minutes=10), end, engine)):
+        if f.kind != "detector_failed":
+            return f.kind, f.severity, f.title
+    return None
+
+
+class Watchdog:
+    """Per-engine progress watchdog; `observe` is the runner's tap, `evaluate` runs on a timer."""
+
+    def __init__(self, metrics: SelfMetrics, emit: Emit, *, host: str = "", clock: Clock | None = None,
+                 policy: Policy | None = None, interval_s: float = 1.0,
+                 reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_finding,
+                 diagnose_every_s: float = 30.0, dwell_s: float = 10.0) -> None:
+        self._metrics = metrics
+        self._emit = emit
+        self._host = host
+        self._clock = clock or SystemClock()
+        self._policy = policy or Policy()
+        self._interval_s = interval_s
+        self._reader_factory = reader_factory
+        self._reader: Reads | None = None
+        self._diagnose = diagnose
+        self._diagnose_every_s = diagnose_every_s
+        self._dwell_s = dwell_s
+        self._lock = threading.Lock()
+        self._engines: dict[str, EngineModel] = {}
+        self._gpus: dict[tuple[str, int], GpuSample] = {}
+        self._last_gpu_ts = 0.0
+        self._states: dict[str, tuple[str, float]] = {}  # engine -> (state, since)
+        self._findings: dict[str, tuple[float, tuple[str, str, str] | None]] = {}  # engine -> (at, labels)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errors = RateLimitedLog(log, interval_s=60.0)
+        metrics.gpu_present.set(0)
+
+    # --- the tap: on the ingest path, so it files rows and nothing more ---
+
+    def observe(self, rows: Iterable[Row]) -> None:
+        """File a batch of rows the sources emitted; never raises."""
+        try:
+            with self._lock:
+                for row in rows:
+                    # Exact type checks: the cheapest dispatch, and rows are never subclassed.
+                    if type(row) is EngineSample:
+                        if row.engine:
+                            self._model(row.engine, row.ts).sample(row)
+                    elif type(row) is Step:
+                        if row.engine:
+                            self._model(row.engine, row.ts).step(row)
+                    elif type(row) is GpuSample:
+                        self._gpu(row)
+                    elif type(row) is Event:
+                        self._event(row)
+                    elif type(row) is Request and row.engine:
+                        self._model(row.engine, row.ts).request(row)
+        except Exception as exc:  # the watchdog must never cost the timeline a row
+            self._errors.warning("observe", "watchdog could not file rows: %s: %s", type(exc).__name__, exc)
+
+    def _model(self, engine: str, ts: int) -> EngineModel:
+        model = self._engines.get(engine)
+        if model is None:
+            model = self._engines[engine] = EngineModel(engine, ts / 1e6, self._policy)
+        return model
+
+    def _gpu(self, g: GpuSample) -> None:
+        self._gpus[(g.engine, g.gpu_index)] = g
+        self._last_gpu_ts = max(self._last_gpu_ts, g.ts / 1e6)
+        if g.engine:
+            self._model(g.engine, g.ts).gpu(g)
+
+    def _event(self, e: Event) -> None:
+        if e.kind == "gpu_xid":
+            a = e.attributes
+            self._metrics.gpu_xid_errors.labels(e.engine, a.get("gpu", ""), a.get("xid", "")).inc()
+        elif e.engine and e.kind in ("engine_down", "engine_up", "engine_restart"):
+            self._model(e.engine, e.ts).event(e)
+
+    # --- the timer ---
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the timer (idempotent); a diagnosis in flight may take up to timeout_s to notice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self._reader is not None:
+            close = getattr(self._reader, "close", None)
+            if close is not None:
+                close()
+            self._reader = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.evaluate()
+                self.refresh_findings()
+            except Exception:  # a watchdog bug must not end the watchdog
+                log.exception("watchdog evaluation failed")
+
+    def evaluate(self) -> list[Assessment]:
+        """Assess every engine now: export the figures, emit an event for each state change."""
+        now = self._clock.time()
+        events: list[Row] = []
+        with self._lock:
+            assessments = []
+            for name, model in self._engines.items():
+                previous, since = self._states.get(name, (None, now))
+                a = model.assess(now, previous, since, self._dwell_s)
+                assessments.append(a)
+                if a.state != previous:
+                    self._states[name] = (a.state, now)
+                    # The first benign verdict is no news; a first bad one is.
+                    if previous is not None or a.state not in ("idle", "progressing"):
+                        events.append(self._state_event(now, a, previous))
+                self._export(a, model)
+            self._export_gpus(now)
+        if events:
+            self._emit(events)
+        return assessments
+
+    def _state_event(self, now: float, a: Assessment, previous: str | None) -> Event:
+        work = f"{a.waiting} waiting, {a.running} running, {a.inflight_prefill_tokens} prefill tokens in flight"
+        if a.longest_context_tokens:
+            work += f", longest context {a.longest_context_tokens} tokens"
+        gpu = "" if a.gpu_utilization is None else f", GPUs {a.gpu_utilization:.0%} busy"
+        message = (f"engine {a.engine} {previous or 'unknown'} -> {a.state}: no progress for {a.age_s:.1f}s "
+                   f"(budget {a.budget_s:.1f}s); {work}{gpu}; {a.reason}")
+        attributes = {"state": a.state, "previous": previous or "", "age_s": f"{a.age_s:.3f}",
+                      "budget_s": f"{a.budget_s:.3f}", "expected_step_s": f"{a.expected_step_s:.4f}",
+                      "waiting": str(a.waiting), "running": str(a.running),
+                      "inflight_prefill_tokens": str(a.inflight_prefill_tokens),
+                      "decoding_requests": str(a.decoding_requests),
+                      "longest_context_tokens": str(a.longest_context_tokens), "reason": a.reason}
+        if a.gpu_utilization is not None:
+            attributes["gpu_utilization"] = f"{a.gpu_utilization:.3f}"
+        return Event(micros(now), self._host, a.engine, "watchdog", "engine_state", SEVERITY[a.state],
+                     message[:500], attributes)
+
+    def _export(self, a: Assessment, model: EngineModel) -> None:
+        m, e = self._metrics, a.engine
+        m.progress_age.labels(e).set(a.age_s)
+        m.progress_budget.labels(e).set(a.budget_s)
+        for state in STATES:
+            m.engine_state.labels(e, state).set(1 if state == a.state else 0)
+        m.waiting_requests.labels(e).set(a.waiting)
+        m.running_requests.labels(e).set(a.running)
+        m.inflight_prefill.labels(e).set(a.inflight_prefill_tokens)
+        m.longest_context.labels(e).set(a.longest_context_tokens)
+        m.queued_behind_prefill.labels(e).set(a.queued_behind_prefill)
+        m.preemptions.labels(e).inc(model.pending_preemptions)
+        model.pending_preemptions = 0
+        for gauge, value in ((m.gpu_utilization, a.gpu_utilization), (m.itl_p99, a.itl_p99_s),
+                             (m.prefill_step_share, a.prefill_step_share),
+                             (m.prefix_cache_hit_ratio, a.prefix_cache_hit_ratio),
+                             (m.kv_cache_usage, a.kv_cache_usage)):
+            if value is None:
+                _remove(gauge, e)  # absent, not 0: "no data" must not read as "idle GPU" or "no hits"
+            else:
+                gauge.labels(e).set(value)
+        if a.state not in ("slow", "stalled"):
+            self._set_finding(e, None)
+
+    def _export_gpus(self, now: float) -> None:
+        m = self._metrics
+        m.gpu_present.set(1 if now - self._last_gpu_ts <= GPU_PRESENT_WINDOW_S else 0)
+        for (engine, index), g in self._gpus.items():
+            gpu = str(index)
+            if g.sm_clock_mhz == g.sm_clock_mhz:
+                m.gpu_sm_clock.labels(engine, gpu).set(g.sm_clock_mhz)
+            flags = set(g.clock_event_flags)
+            for reason in sorted(flags.union(CLOCK_REASONS)):
+                m.gpu_clock_event_active.labels(engine, gpu, reason).set(1 if reason in flags else 0)
+
+    # --- the top finding of a slow or stalled engine ---
+
+    def refresh_findings(self) -> None:
+        """Diagnose each slow or stalled engine at most every diagnose_every_s (in the timer's thread)."""
+        if self._reader_factory is None:
+            return
+        now = self._clock.time()
+        with self._lock:
+            due = [e for e, (state, _) in self._states.items() if state in ("slow", "stalled")
+                   and now - self._findings.get(e, (-1e18, None))[0] >= self._diagnose_every_s]
+        for engine in due:
+            try:
+                if self._reader is None:
+                    self._reader = self._reader_factory()
+                found = self._diagnose(self._reader, engine, now)
+            except Exception as exc:  # a store hiccup costs the finding, not the watchdog
+                self._errors.warning(f"diagnose:{engine}", "watchdog diagnosis of %s failed: %s: %s",
+                                     engine, type(exc).__name__, " ".join(str(exc).split())[:200])
+                with self._lock:
+                    self._findings[engine] = (now, self._findings.get(engine, (0.0, None))[1])
+                continue
+            with self._lock:
+                if self._states.get(engine, ("", 0.0))[0] in ("slow", "stalled"):
+                    self._set_finding(engine, found, now)
+
+    def _set_finding(self, engine: str, found: tuple[str, str, str] | None, at: float | None = None) -> None:
+        old = self._findings.get(engine)
+        if old is not None and old[1] is not None and old[1] != found:
+            _remove(self._metrics.top_finding, engine, *old[1])
+        if found is not None:
+            self._metrics.top_finding.labels(engine, *found).set(1)
+        if at is None:
+            self._findings.pop(engine, None)  # next slow spell diagnoses at once
+        else:
+            self._findings[engine] = (at, found)
+
+
+def _remove(gauge: Any, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never set: nothing to remove
+        gauge.remove(*labels)

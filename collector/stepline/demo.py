@@ -6,9 +6,7 @@ import argparse
 import logging
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +22,7 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource, VirtualGpuSampler
 from stepline.sim.records import StepRecord
 from stepline.sim.replay import replay
-from stepline.sim.telemetry import Telemetry
+from stepline.sim.telemetry import LateBound, Telemetry
 from stepline.sim.workloads import WORKLOAD_NAMES, Workload, make_workload
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
@@ -77,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             interval = args.scrape_interval or 1.0
             workload = make_workload(args.workload, duration_s=args.duration or REALTIME_DURATION_S)
-            forward = _Forward(gpus.model.on_step)
+            forward = LateBound(gpus.model.on_step)
             server = sim_server.serve(workload, config, host="127.0.0.1", port=0, repeat=False, on_step=forward)
             try:
                 settings = Settings.from_env(engines=(f"{engine}={server.url}",), scrape_interval_s=interval, **base)
@@ -98,31 +96,6 @@ def _gpu_sources(gpus: SimulatedGpus, ctx: SourceContext, engine: str, settings:
     # The simulator runs inside this process: its GPUs' process is ours, and it serves `engine`.
     ctx.engine_processes.found(engine, os.getpid())
     return [Scheduled(SimulatedGpuSource(gpus, ctx), settings.gpu_interval_s)]
-
-
-class _Forward:
-    """Feeds each simulated step to the GPU model at once, and to the plugin and spans once they exist."""
-
-    def __init__(self, first: Callable[[StepRecord], None]) -> None:
-        self._lock = threading.Lock()
-        self._first = first
-        self._early: list[StepRecord] = []
-        self._then: Callable[[StepRecord], None] | None = None
-
-    def __call__(self, step: StepRecord) -> None:
-        self._first(step)
-        with self._lock:
-            if self._then is None:
-                self._early.append(step)
-                return
-            self._then(step)
-
-    def attach(self, then: Callable[[StepRecord], None]) -> None:
-        with self._lock:
-            self._then = then
-            for step in self._early:
-                then(step)
-            self._early.clear()
 
 
 def _telemetry(collector: Collector, engine: str, config: EngineConfig) -> Telemetry:

@@ -120,7 +120,11 @@ class Simulation:
         self._listeners.pop(request_id, None)
 
     def render_metrics(self) -> bytes:
-        """The engine's /metrics exposition as of its last completed step."""
+        """The engine's /metrics exposition: counters as of its last completed step, queue gauges as of now."""
+        # vLLM's engine loop publishes scheduler stats even when it can schedule nothing, so a stalled
+        # engine's /metrics still shows its queue; the simulator's steps alone would freeze them.
+        scheduler = self._scheduler
+        self.metrics.observe_queue(len(scheduler.running), len(scheduler.waiting), scheduler.kv_cache_usage)
         return self.metrics.render()
 
     def advance_to(self, t: float) -> None:

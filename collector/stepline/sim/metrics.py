@@ -195,12 +195,16 @@ class VllmMetrics:
         cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, registry=reg)
         cache_info.labels(**info).set(1)
 
+    def observe_queue(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The scheduler's queue gauges."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.waiting_capacity.set(waiting)
+        self.kv_usage.set(kv_cache_usage)
+
     def observe_step(self, step: StepRecord) -> None:
         """Apply one step's scheduler and iteration stats, as PrometheusStatLogger.record does."""
-        self.running.set(step.num_running_reqs)
-        self.waiting.set(step.num_waiting_reqs)
-        self.waiting_capacity.set(step.num_waiting_reqs)
-        self.kv_usage.set(step.kv_cache_usage)
+        self.observe_queue(step.num_running_reqs, step.num_waiting_reqs, step.kv_cache_usage)
         if step.prefix_cache_queries:
             self.prefix_queries.inc(step.prefix_cache_queries)
             self.prefix_hits.inc(step.prefix_cache_hits)

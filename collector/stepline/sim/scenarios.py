@@ -202,14 +202,11 @@ def simulate(
     now = 0.0
     for k in range(scrapes + 1):
         target = k * SCRAPE_INTERVAL_S
-        before = len(run.steps)
         while now < target:
             # The tick's starting second decides the cap for the steps that end within it.
             throttle.factor = _power_cap(scenario.power_cap, model, run.readings[-1][1] if run.readings else None, now)
             now = min(now + TICK_S, target)
             sim.advance_to(now)
-        if len(run.steps) == before:
-            _publish_idle_stats(sim)
         if on_scrape is not None:
             on_scrape(start + target, sim.render_metrics())
         run.scrapes += 1
@@ -225,16 +222,6 @@ def _power_cap(cap: PowerCap | None, model: GpuModel, last: GpuReading | None, n
     model.set_power_cap(cap.watts)
     # Steps slow in proportion to the SM clock the cap left on the latest step.
     return BOOST_MHZ / last.sm_clock_mhz if last is not None and last.reasons & SW_POWER_CAP else 1.0
-
-
-def _publish_idle_stats(sim: Simulation) -> None:
-    # vLLM's engine loop publishes scheduler stats even when it schedules nothing, so a stalled
-    # engine's /metrics still shows its queue; the simulator only publishes on completed steps.
-    scheduler = sim.scheduler
-    sim.metrics.running.set(len(scheduler.running))
-    sim.metrics.waiting.set(len(scheduler.waiting))
-    sim.metrics.waiting_capacity.set(len(scheduler.waiting))
-    sim.metrics.kv_usage.set(scheduler.kv_cache_usage)
 
 
 def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = None,

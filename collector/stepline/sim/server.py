@@ -172,6 +172,11 @@ class SimServer:
         with self._lock:
             self.simulation.forget(request_id)
 
+    def release_leaked(self) -> int:
+        """Give back the slots leaked requests hold (what restarting a wedged lane does); returns how many."""
+        with self._lock:
+            return self.simulation.scheduler.release_leaked()
+
     def stop(self) -> None:
         """Stop serving and the engine thread; idempotent."""
         if self._stopping.is_set():

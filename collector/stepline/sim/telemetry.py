@@ -6,6 +6,8 @@ the real opentelemetry-sdk and its OTLP/HTTP exporter, with the attributes vLLM 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -142,3 +144,29 @@ class Telemetry:
         if self._provider is not None:
             self._provider.force_flush()
             self._provider.shutdown()
+
+
+class LateBound:
+    """A step callback for a simulator started before what it feeds: `first` gets each step at once, `then`
+    (attached later, e.g. once a collector's receivers exist) gets every step, the early ones replayed."""
+
+    def __init__(self, first: Callable[[StepRecord], None]) -> None:
+        self._lock = threading.Lock()
+        self._first = first
+        self._early: list[StepRecord] = []
+        self._then: Callable[[StepRecord], None] | None = None
+
+    def __call__(self, step: StepRecord) -> None:
+        self._first(step)
+        with self._lock:
+            if self._then is None:
+                self._early.append(step)
+                return
+            self._then(step)
+
+    def attach(self, then: Callable[[StepRecord], None]) -> None:
+        with self._lock:
+            self._then = then
+            for step in self._early:
+                then(step)
+            self._early.clear()

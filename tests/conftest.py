@@ -14,6 +14,8 @@ import pytest
 from clickhouse_connect.driver.client import Client
 from hypothesis import settings
 
+from stepline.sim.server import SimServer, serve
+from stepline.sim.workloads import make_workload
 from stepline.store import Store
 
 # A copy of the exposition captured from vLLM 0.33.0 (shared/fixtures in the design repo).
@@ -70,3 +72,11 @@ def sock_dir() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="stepline-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def steady_engine() -> Iterator[SimServer]:
+    """A simulated vLLM engine serving steady chat, five times faster than real time, on a free port."""
+    server = serve(make_workload("steady", duration_s=20), port=0, speed=5.0, repeat=True)
+    yield server
+    server.stop()

@@ -3,31 +3,22 @@
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 
 import clickhouse_connect
-import pytest
 
 from stepline.collector import Collector
 from stepline.reader import open_reader, table_status
 from stepline.settings import Settings
-from stepline.sim import server as sim_server
+from stepline.sim.server import SimServer
 from stepline.sim.workloads import make_workload
 from stepline.store import read_collector_info
 from stepline.storeurl import parse_store_url
 from stepline.testing import wait_until
 
 
-@pytest.fixture
-def engine() -> Iterator[sim_server.SimServer]:
-    server = sim_server.serve(make_workload("steady", duration_s=20), port=0, speed=5.0, repeat=True)
-    yield server
-    server.stop()
-
-
-def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, engine: sim_server.SimServer,
+def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, steady_engine: SimServer,
                                                                sock_dir: str) -> None:
-    settings = Settings.from_env({}, store=store_url, engines=(f"sim={engine.url}", "dead=http://127.0.0.1:9"),
+    settings = Settings.from_env({}, store=store_url, engines=(f"sim={steady_engine.url}", "dead=http://127.0.0.1:9"),
                                  metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1,
                                  otlp_port=0, plugin_socket=f"{sock_dir}/p.sock")
     collector = Collector(settings)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,8 +14,7 @@ from stepline.collector import Collector
 from stepline.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
 from stepline.selfmetrics import SelfMetrics
 from stepline.settings import Settings
-from stepline.sim import server as sim_server
-from stepline.sim.workloads import make_workload
+from stepline.sim.server import SimServer
 from stepline.summary import Reads
 from stepline.testing import wait_until
 from stepline.watchdog import Watchdog
@@ -304,16 +303,9 @@ def test_observe_never_raises_on_odd_rows() -> None:
     assert h.tick() in ("progressing", "slow", "stalled")
 
 
-@pytest.fixture
-def engine() -> Iterator[sim_server.SimServer]:
-    server = sim_server.serve(make_workload("steady", duration_s=20), port=0, speed=5.0, repeat=True)
-    yield server
-    server.stop()
-
-
-def test_the_collector_exports_the_watchdog_on_its_metrics(store_url: str, engine: sim_server.SimServer,
+def test_the_collector_exports_the_watchdog_on_its_metrics(store_url: str, steady_engine: SimServer,
                                                            sock_dir: str) -> None:
-    settings = Settings.from_env({}, store=store_url, engines=(f"sim={engine.url}", "dead=http://127.0.0.1:9"),
+    settings = Settings.from_env({}, store=store_url, engines=(f"sim={steady_engine.url}", "dead=http://127.0.0.1:9"),
                                  metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1,
                                  otlp_port=0, plugin_socket=f"{sock_dir}/p.sock")
     collector = Collector(settings)

@@ -29,7 +29,7 @@ def test_every_subcommand_has_useful_help() -> None:
     for name, sub in subcommands.items():
         text = sub.format_help()
         assert sub.description, name
-        assert "--store" in text or name in ("schema", "sim", "alerts"), name
+        assert "--store" in text or name in ("schema", "sim", "alerts", "dashboards", "grafana-provisioning"), name
 
 
 def test_schema_prints_cluster_ddl() -> None:

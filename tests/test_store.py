@@ -174,3 +174,19 @@ def test_columns_added_since_a_store_was_created_are_added_in_place(store: Store
         parameters={"db": store.database}).result_rows]
     assert columns == list(schema.TABLE_BY_NAME["gpu_samples"].column_names)
     assert store.query("SELECT count() FROM timeline").result_rows == [(0,)]
+
+
+def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # chDB has no clusters to hold Distributed tables: the cluster check is stood in, the rest is real.
+    db = store.database
+    store.client.command(f"ALTER TABLE `{db}`.`events` DROP COLUMN attributes")
+    monkeypatch.setattr(store, "_on_cluster", lambda: True)
+    with caplog.at_level("WARNING"):
+        store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
+    assert "lack events.attributes" in caplog.text
+    columns = {r[0] for r in store.query("SELECT name FROM system.columns WHERE database = {db:String} "
+                                         "AND table = 'events'", parameters={"db": db}).result_rows}
+    assert "attributes" not in columns
+    assert "toIntervalDay(30)" in store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} "
+                                              "AND name = 'steps'", parameters={"db": db}).result_rows[0][0]

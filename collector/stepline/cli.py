@@ -41,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stepline import demo, matrix
+    from stepline import demo, matrix, provisioning
     from stepline.alerting import cli as alerting_cli
+    from stepline.dashboards import cli as dashboards_cli
     from stepline.diagnosis import cli as diagnosis_cli
     from stepline.diagnosis import report_cli
     from stepline.sim import cli as sim_cli
@@ -139,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "Prometheus rules, an Alertmanager example, Grafana-managed rules, contact point and policy.")
     alerting_cli.add_arguments(alerts_p)
     alerts_p.set_defaults(func=alerting_cli.run)
+
+    dashboards_p = sub.add_parser(
+        "dashboards", help="generate the Grafana dashboards",
+        description="`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet "
+                    "overview, engine timeline, requests, GPU and collector health.")
+    dashboards_cli.add_arguments(dashboards_p)
+    dashboards_p.set_defaults(func=dashboards_cli.run)
+
+    provisioning_p = sub.add_parser(
+        "grafana-provisioning", help="write Grafana provisioning for the embedded store (datasource + dashboards)",
+        description="A local Grafana against `stepline collect`, with no ClickHouse server: a ClickHouse "
+                    "datasource (protocol http) pointing at the collector's query endpoint, and the dashboards.")
+    provisioning.add_arguments(provisioning_p)
+    provisioning_p.set_defaults(func=provisioning.run)
 
     timeline_p = sub.add_parser(
         "timeline", help="engine steps beside GPU counters, around a moment",

@@ -167,6 +167,14 @@ class Store:
                     f"the store at {self.url.redacted()} holds schema version {found}, newer than this "
                     f"stepline's {schema.SCHEMA_VERSION}: upgrade stepline"
                 )
+            if self._on_cluster():
+                # `stepline schema --cluster` made these tables: changing them is an ON CLUSTER job for an operator,
+                # not something one sidecar does to Distributed tables.
+                missing = self._missing_columns()
+                if missing:
+                    log.warning("the cluster's tables lack %s: apply the ALTERs from `stepline schema --cluster`",
+                                ", ".join(missing))
+                return
             views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
             for statement in statements[1:-1]:
                 if statement not in views:
@@ -189,17 +197,29 @@ class Store:
         rows = self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`").result_rows
         return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
-    def _add_missing_columns(self) -> None:
-        """Columns added to a table since the store was created are added in place (additive changes only)."""
+    def _on_cluster(self) -> bool:
+        """Whether the timeline tables are Distributed tables over a cluster."""
+        rows = self.client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
+                                 "AND engine = 'Distributed'", parameters={"db": self.database}).result_rows
+        return bool(rows[0][0])
+
+    def _missing_columns(self) -> list[str]:
+        """`table.column` for each column this stepline has and the store's tables lack, in schema order."""
         rows = self.client.query("SELECT table, name FROM system.columns WHERE database = {db:String}",
                                  parameters={"db": self.database}).result_rows
         present: dict[str, set[str]] = {}
         for table, name in rows:
             present.setdefault(table, set()).add(name)
+        return [f"{t.name}.{name}" for t in schema.TABLES if t.name in present
+                for name, _ in t.columns if name not in present[t.name]]
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table since the store was created are added in place (additive changes only)."""
+        missing = set(self._missing_columns())
         for table in schema.TABLES:
             previous = None
             for name, type_ in table.columns:
-                if name not in present.get(table.name, {name}):
+                if f"{table.name}.{name}" in missing:
                     after = f" AFTER `{previous}`" if previous else " FIRST"
                     log.info("adding column %s.%s", table.name, name)
                     self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "

@@ -1,0 +1,21 @@
+"""`stepline dashboards build [--out dashboards]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from stepline.dashboards.generate import build
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `build` subcommand to `parser` (the `dashboards` command's parser)."""
+    sub = parser.add_subparsers(dest="dashboards_command", required=True)
+    b = sub.add_parser("build", help="write the Grafana dashboards' JSON")
+    b.add_argument("--out", default="dashboards", help="output folder (default: dashboards)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the dashboards; prints one line per file; returns the exit code."""
+    for path in build(args.out):
+        print(path)
+    return 0

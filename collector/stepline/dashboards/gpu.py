@@ -1,0 +1,72 @@
+"""GPU: clocks, power, energy, heat, utilisation, interconnect, throttling and XIDs per GPU."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+
+from stepline.alerting.config import AlertConfig
+from stepline.dashboards.panels import ENGINE, GPU, HOST, base, events_annotation, grid, series, timeline_variables
+from stepline.dashboards.query import ClickHouseQuery, Format
+
+UID = "stepline-gpu"
+
+# gpu_samples.engine is '' for a GPU no engine was seen on: such GPUs show under "All" engines only.
+GPU_WHERE = f"$__timeFilter_ms(ts) AND {HOST} AND {ENGINE} AND {GPU}"
+GPU_SERIES = "concat(host, '/gpu', toString(gpu_index)) AS gpu"
+
+
+def _per_gpu(columns: str, extra: str = "") -> ClickHouseQuery:
+    return ClickHouseQuery(f"""
+        SELECT $__timeInterval_ms(ts) AS time, {GPU_SERIES}, {columns}
+        FROM gpu_samples WHERE {GPU_WHERE}{extra}
+        GROUP BY time, gpu ORDER BY time""")
+
+
+def dashboard(config: AlertConfig) -> db.Dashboard:
+    """The GPU dashboard."""
+    d = base("stepline / GPU", UID, "Per-GPU telemetry from NVML, with throttle reasons and XID errors.", ["gpu"])
+    for variable in timeline_variables(gpu=True):
+        d = d.with_variable(variable)
+    d = d.annotation(events_annotation())
+    d = d.with_panel(series("Clocks", "Whether SM and memory clocks held under load.", "rotmhz",
+                            _per_gpu("avg(sm_clock_mhz) AS sm, avg(mem_clock_mhz) AS mem")))
+    d = d.with_panel(series("Power", "How much power each GPU drew.", "watt", _per_gpu("avg(power_w) AS power")))
+    d = d.with_panel(grid(
+        "Energy used in range", "How much energy each GPU used over the selected time range.",
+        ClickHouseQuery(f"""
+            SELECT {GPU_SERIES}, any(gpu_name) AS model, (max(energy_mj) - min(energy_mj)) / 1000 AS energy_j,
+                   avg(power_w) AS mean_power_w
+            FROM gpu_samples WHERE {GPU_WHERE}
+            GROUP BY gpu ORDER BY gpu""", Format.TABLE),
+        units=[("energy_j", "joule"), ("mean_power_w", "watt")], w=12, h=8))
+    d = d.with_panel(series("Temperatures", "How hot the GPU die and its memory ran.", "celsius",
+                            _per_gpu("max(temp_gpu_c) AS gpu_temp, max(temp_mem_c) AS mem_temp")))
+    d = d.with_panel(series(
+        "Utilisation", "How busy each GPU was: any kernel, tensor cores, SM occupancy.", "percent",
+        _per_gpu("avg(util_gpu_pct) AS util, avg(tensor_active_pct) AS tensor, avg(sm_occupancy_pct) AS occupancy")))
+    d = d.with_panel(series("DRAM bandwidth", "How busy GPU memory bandwidth was.", "percent",
+                            _per_gpu("avg(dram_bw_util_pct) AS dram_bw")))
+    d = d.with_panel(series("Memory used", "How much GPU memory was allocated, of the total.", "bytes",
+                            _per_gpu("max(mem_used_bytes) AS used, max(mem_total_bytes) AS total")))
+    d = d.with_panel(series(
+        "PCIe and NVLink", "How much each GPU moved over PCIe and NVLink, each direction.", "Bps",
+        _per_gpu("avg(pcie_tx_bytes_per_s) AS pcie_tx, avg(pcie_rx_bytes_per_s) AS pcie_rx, "
+                 "avg(nvlink_tx_bytes_per_s) AS nvlink_tx, avg(nvlink_rx_bytes_per_s) AS nvlink_rx")))
+    d = d.with_panel(series(
+        "Clock-event (throttle) reasons", "Why clocks were held back: samples per interval with each reason.",
+        "short",
+        ClickHouseQuery(f"""
+            SELECT $__timeInterval_ms(ts) AS time, concat(host, '/gpu', toString(gpu_index), ' ', reason) AS series,
+                   count() AS samples
+            FROM gpu_samples ARRAY JOIN clock_event_flags AS reason
+            WHERE {GPU_WHERE} AND reason != 'gpu_idle'
+            GROUP BY time, series ORDER BY time"""), stacked=True, bars=True))
+    return d.with_panel(grid(
+        "XID errors", "Which GPUs reported XID errors, and what the driver said.",
+        ClickHouseQuery(f"""
+            SELECT ts, host, engine, attributes['gpu'] AS gpu, attributes['xid'] AS xid,
+                   toString(severity) AS severity, message
+            FROM events
+            WHERE $__timeFilter(ts) AND kind = 'gpu_xid' AND {HOST} AND (engine = '' OR {ENGINE})
+              AND $__conditionalAll(attributes['gpu'] IN (${{gpu:singlequote}}), $gpu)
+            ORDER BY ts DESC LIMIT 200""", Format.TABLE), h=8))

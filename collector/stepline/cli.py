@@ -108,53 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     requests_p.add_argument("--store", help=STORE_HELP)
     requests_p.set_defaults(func=_requests)
 
-    diagnose_p = sub.add_parser(
-        "diagnose", help="say what is wrong: ranked findings with evidence, SQL and the lever to pull",
-        description="Run every detector over a window of the timeline: prefill interference, head-of-line "
-                    "blocking, scheduler vs hardware, prefix-cache collapse, KV pressure, a wedged engine, "
-                    "configuration not in effect, GPU throttling and XIDs, speculative-decoding shifts. Exit "
-                    "code 1 when a finding is critical.")
-    diagnosis_cli.add_arguments(diagnose_p)
-    diagnose_p.set_defaults(func=diagnosis_cli.run)
-
-    report_p = sub.add_parser(
-        "report", help="write a self-contained HTML incident report (findings and plots on one time axis)",
-        description="Diagnose a window and write one HTML file that opens anywhere without a network: the "
-                    "findings, then step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis "
-                    "with the findings' windows marked.")
-    report_cli.add_arguments(report_p)
-    report_p.set_defaults(func=report_cli.run)
-
-    matrix_p = sub.add_parser(
-        "matrix", help="interference test: decode-only vs + long uncached prompt vs + cached prompt",
-        description="Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one "
-                    "long uncached prompt; the same with that prompt cached. Every token is timestamped on the "
-                    "client; TTFT and ITL p50/p95/p99 and the worst gap per run, with deltas. Results also go to "
-                    "the store as matrix_run events.")
-    matrix.add_arguments(matrix_p)
-    matrix_p.set_defaults(func=matrix.run)
-
-    alerts_p = sub.add_parser(
-        "alerts", help="generate the alert rules, Alertmanager example and Grafana alert provisioning",
-        description="`stepline alerts build` regenerates everything in alerts/ from the one alert config: "
-                    "Prometheus rules, an Alertmanager example, Grafana-managed rules, contact point and policy.")
-    alerting_cli.add_arguments(alerts_p)
-    alerts_p.set_defaults(func=alerting_cli.run)
-
-    dashboards_p = sub.add_parser(
-        "dashboards", help="generate the Grafana dashboards",
-        description="`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet "
-                    "overview, engine timeline, requests, GPU and collector health.")
-    dashboards_cli.add_arguments(dashboards_p)
-    dashboards_p.set_defaults(func=dashboards_cli.run)
-
-    provisioning_p = sub.add_parser(
-        "grafana-provisioning", help="write Grafana provisioning for the embedded store (datasource + dashboards)",
-        description="A local Grafana against `stepline collect`, with no ClickHouse server: a ClickHouse "
-                    "datasource (protocol http) pointing at the collector's query endpoint, and the dashboards.")
-    provisioning.add_arguments(provisioning_p)
-    provisioning_p.set_defaults(func=provisioning.run)
-
     timeline_p = sub.add_parser(
         "timeline", help="engine steps beside GPU counters, around a moment",
         description="Each engine step beside the sample of each of its GPUs taken at or just before it "
@@ -183,16 +136,40 @@ def build_parser() -> argparse.ArgumentParser:
                           help="days of data to keep (default 30)")
     schema_p.set_defaults(func=_schema)
 
-    sim = sub.add_parser("sim", help="run the vLLM-compatible engine simulator",
-                         description="Serve a simulated vLLM 0.33 engine's /metrics: no GPU needed.")
-    sim_cli.add_arguments(sim)
-    sim.set_defaults(func=sim_cli.run)
-
-    demo_p = sub.add_parser("demo", help="simulate a burst and collect it into the embedded store",
-                            description="Start the simulator and the collector, run the burst workload, "
-                                        "then print a summary from SQL.")
-    demo.add_arguments(demo_p)
-    demo_p.set_defaults(func=demo.run)
+    # Commands whose options and behaviour live in their own module (add_arguments, run).
+    for name, command, help_text, description in (
+        ("diagnose", diagnosis_cli, "say what is wrong: ranked findings with evidence, SQL and the lever to pull",
+         "Run every detector over a window of the timeline: prefill interference, head-of-line blocking, "
+         "scheduler vs hardware, prefix-cache collapse, KV pressure, a wedged engine, configuration not in "
+         "effect, GPU throttling and XIDs, speculative-decoding shifts. Exit code 1 when a finding is critical."),
+        ("report", report_cli, "write a self-contained HTML incident report (findings and plots on one time axis)",
+         "Diagnose a window and write one HTML file that opens anywhere without a network: the findings, then "
+         "step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis with the findings' windows marked."),
+        ("matrix", matrix, "interference test: decode-only vs + long uncached prompt vs + cached prompt",
+         "Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one long "
+         "uncached prompt; the same with that prompt cached. Every token is timestamped on the client; TTFT and "
+         "ITL p50/p95/p99 and the worst gap per run, with deltas. Results also go to the store as matrix_run "
+         "events."),
+        ("alerts", alerting_cli, "generate the alert rules, Alertmanager example and Grafana alert provisioning",
+         "`stepline alerts build` regenerates everything in alerts/ from the one alert config: Prometheus rules, "
+         "an Alertmanager example, Grafana-managed rules, contact point and policy."),
+        ("dashboards", dashboards_cli, "generate the Grafana dashboards",
+         "`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet overview, "
+         "engine timeline, requests, GPU and collector health."),
+        ("grafana-provisioning", provisioning,
+         "write Grafana provisioning for the embedded store (datasource + dashboards)",
+         "A local Grafana against `stepline collect`, with no ClickHouse server: a ClickHouse datasource "
+         "(protocol http) pointing at the collector's query endpoint, and the dashboards."),
+        ("sim", sim_cli, "run the vLLM-compatible engine simulator",
+         "Serve a simulated vLLM 0.33 engine's /metrics, plugin datagrams, OTLP spans and streaming completions: "
+         "no GPU needed."),
+        ("demo", demo, "simulate a burst and collect it into the embedded store",
+         "Start the simulator and the collector, run the burst workload, then print a summary and the "
+         "diagnosis from SQL."),
+    ):
+        command_parser = sub.add_parser(name, help=help_text, description=description)
+        command.add_arguments(command_parser)
+        command_parser.set_defaults(func=command.run)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 
 from stepline.alerting.config import AlertConfig
-from stepline.dashboards.panels import WHERE, base, events_annotation, right_axis, series, timeline_variables
+from stepline.dashboards.panels import WHERE, right_axis, series, timeline_base
 from stepline.dashboards.query import ClickHouseQuery
 
 UID = "stepline-engine-timeline"
@@ -37,11 +37,9 @@ def _spec_delta(metric: str) -> str:
 def dashboard(config: AlertConfig) -> db.Dashboard:
     """The engine timeline dashboard."""
     slo = config.slo
-    d = base("stepline / Engine timeline", UID, "Step by step: scheduling, latency, cache and GPUs on one time axis.",
-             ["engine"])
-    for variable in timeline_variables():
-        d = d.with_variable(variable)
-    d = d.annotation(events_annotation())
+    d = timeline_base("stepline / Engine timeline", UID,
+                      "Step by step: scheduling, latency, cache and GPUs on one time axis.",
+                      ["engine"])
     d = d.with_panel(series(
         "Step duration", "How long each engine iteration takes (mean and worst per interval).", "ms",
         _steps("avg(elapsed_ms) AS mean, max(elapsed_ms) AS max")))

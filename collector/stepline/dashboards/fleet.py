@@ -9,12 +9,10 @@ from stepline.dashboards.panels import (
     ENGINE,
     HOST,
     WHERE,
-    base,
-    events_annotation,
     grid,
     series,
     single,
-    timeline_variables,
+    timeline_base,
 )
 from stepline.dashboards.query import PROMETHEUS, ClickHouseQuery, Format, promql
 
@@ -33,11 +31,9 @@ def _gauge(metric: str, alias: str) -> str:
 def dashboard(config: AlertConfig) -> db.Dashboard:
     """The fleet overview dashboard."""
     slo, sel = config.slo, config.selector
-    d = base("stepline / Fleet overview", UID, "Every engine at a glance: up, throughput, latency, queues, alerts.",
-             ["fleet"])
-    for variable in timeline_variables():
-        d = d.with_variable(variable)
-    d = d.annotation(events_annotation())
+    d = timeline_base("stepline / Fleet overview", UID,
+                      "Every engine at a glance: up, throughput, latency, queues, alerts.",
+                      ["fleet"])
     d = d.with_panel(single(
         "Engines up", "How many engines' /metrics answer the collector right now (of all it knows).", "none",
         promql(f'sum(stepline_source_up{{{sel},source=~"vllm_metrics:.*"}})', "up"),

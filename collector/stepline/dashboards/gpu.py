@@ -5,7 +5,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 
 from stepline.alerting.config import AlertConfig
-from stepline.dashboards.panels import ENGINE, GPU, HOST, base, events_annotation, grid, series, timeline_variables
+from stepline.dashboards.panels import ENGINE, GPU, HOST, grid, series, timeline_base
 from stepline.dashboards.query import ClickHouseQuery, Format
 
 UID = "stepline-gpu"
@@ -24,10 +24,9 @@ def _per_gpu(columns: str, extra: str = "") -> ClickHouseQuery:
 
 def dashboard(config: AlertConfig) -> db.Dashboard:
     """The GPU dashboard."""
-    d = base("stepline / GPU", UID, "Per-GPU telemetry from NVML, with throttle reasons and XID errors.", ["gpu"])
-    for variable in timeline_variables(gpu=True):
-        d = d.with_variable(variable)
-    d = d.annotation(events_annotation())
+    d = timeline_base("stepline / GPU", UID,
+                      "Per-GPU telemetry from NVML, with throttle reasons and XID errors.",
+                      ["gpu"], gpu=True)
     d = d.with_panel(series("Clocks", "Whether SM and memory clocks held under load.", "rotmhz",
                             _per_gpu("avg(sm_clock_mhz) AS sm, avg(mem_clock_mhz) AS mem")))
     d = d.with_panel(series("Power", "How much power each GPU drew.", "watt", _per_gpu("avg(power_w) AS power")))

@@ -141,3 +141,12 @@ def base(title: str, uid: str, description: str, tags: Sequence[str] = ()) -> db
     """A dashboard with the house settings: UTC, last hour, 30 s refresh, stepline tags."""
     return (db.Dashboard(title).uid(uid).description(description).tags(["stepline", *tags]).timezone("utc")
             .time("now-1h", "now").refresh("30s").editable().tooltip(dm.DashboardCursorSync.CROSSHAIR))
+
+
+def timeline_base(title: str, uid: str, description: str, tags: Sequence[str] = (), *, gpu: bool = False
+                  ) -> db.Dashboard:
+    """A ClickHouse dashboard: the house settings, the timeline variables and the engine-events annotation."""
+    d = base(title, uid, description, tags)
+    for variable in timeline_variables(gpu=gpu):
+        d = d.with_variable(variable)
+    return d.annotation(events_annotation())

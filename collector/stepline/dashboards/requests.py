@@ -7,7 +7,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 
 from stepline.alerting.config import AlertConfig
 from stepline.dashboards import engine
-from stepline.dashboards.panels import WHERE, base, distribution, events_annotation, grid, timeline_variables
+from stepline.dashboards.panels import WHERE, distribution, grid, timeline_base
 from stepline.dashboards.query import ClickHouseQuery, Format
 
 UID = "stepline-requests"
@@ -21,11 +21,9 @@ TIMELINE_URL = (f"/d/{engine.UID}/{engine.SLUG}?from=${{__data.fields.from_ms}}&
 
 def dashboard(config: AlertConfig) -> db.Dashboard:
     """The requests dashboard."""
-    d = base("stepline / Requests", UID, "Finished requests: the slowest, and how latency is distributed.",
-             ["requests"])
-    for variable in timeline_variables():
-        d = d.with_variable(variable)
-    d = d.annotation(events_annotation())
+    d = timeline_base("stepline / Requests", UID,
+                      "Finished requests: the slowest, and how latency is distributed.",
+                      ["requests"])
     link = (db.DashboardLink("Engine timeline around this request").type(dm.DashboardLinkType.LINK)
             .url(TIMELINE_URL).target_blank(False))
     d = d.with_panel(grid(

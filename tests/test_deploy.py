@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from stepline import provisioning
-from stepline.settings import _ENV, Settings
+from stepline.settings import _ENV, _SECRETS, Settings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
 PLUGIN_ENV = {"STEPLINE_ENGINE", "STEPLINE_PLUGIN_SOCKET"}
-COLLECTOR_ENV = {var for _, var, _ in _ENV} | {"STEPLINE_QUERY_PASSWORD_FILE"}
+COLLECTOR_ENV = {var for _, var, _ in _ENV} | {f"{var}_FILE" for _, var in _SECRETS}
 SOCKET = "/run/stepline/plugin.sock"
 
 

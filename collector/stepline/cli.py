@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline import schema
-from stepline.settings import Settings, SettingsError
+from stepline.settings import Settings, SettingsError, size
 from stepline.store import StoreError
 from stepline.storeurl import StoreUrlError, default_store_url
 
@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "tell (repeatable); GPUs used by it or its children are tied to NAME")
     collect.add_argument("--otlp-port", type=int,
                          help="port of the OTLP/HTTP trace receiver for vLLM's llm_request spans (default 4318)")
+    collect.add_argument("--spool-dir", metavar="DIR",
+                         help="where rows wait on disk until the store takes them (default: beside an embedded "
+                              "store, else ./stepline-spool/HOST_PORT_DB)")
+    collect.add_argument("--spool-max-bytes", type=size, metavar="SIZE",
+                         help="the spool's bound; when full the oldest rows go first, counted (default 1G; 0: no "
+                              "spool, rows wait in memory only)")
+    collect.add_argument("--flush-interval", type=float, dest="flush_interval_s", metavar="SECONDS",
+                         help="how often rows are cut into a batch, spooled and inserted; a kill -9 loses at most "
+                              "this much (default 1)")
     collect.set_defaults(func=_collect)
 
     query = sub.add_parser("query", help="run read-only SQL against the timeline",
@@ -179,7 +188,8 @@ def _collect(args: argparse.Namespace) -> int:
     settings = Settings.from_env(
         store=args.store, retention_days=args.retention_days, listen=args.listen, metrics_port=args.metrics_port,
         query_port=args.query_port, scrape_interval_s=args.scrape_interval_s, host_name=args.host_name,
-        plugin_socket=args.plugin_socket, otlp_port=args.otlp_port,
+        plugin_socket=args.plugin_socket, otlp_port=args.otlp_port, spool_dir=args.spool_dir,
+        spool_max_bytes=args.spool_max_bytes, flush_interval_s=args.flush_interval_s,
         engine_processes=tuple(args.engine_process) if args.engine_process else None,
         engines=tuple(args.engine) if args.engine else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
@@ -288,9 +298,9 @@ def _status(args: argparse.Namespace) -> int:
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit} ago"
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f}{unit} ago"
     return f"{seconds:.1f}s ago"
 
 

@@ -37,9 +37,12 @@ class Settings:
     plugin_socket: str = "/tmp/stepline-plugin.sock"
     otlp_port: int = 4318
     otlp_token: str | None = field(default=None, repr=False)
+    plugin_token: str | None = field(default=None, repr=False)
     writer_max_rows: int = 200_000
     writer_batch_rows: int = 20_000
-    flush_interval_s: float = 1.0
+    flush_interval_s: float = 1.0  # also the spool's sync interval: what a kill -9 can lose
+    spool_dir: str | None = None  # default: beside the store (see spool_path)
+    spool_max_bytes: int = 1 << 30  # 0: no spool (rows wait in memory only)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -54,13 +57,10 @@ class Settings:
                 values[name] = convert(raw)
             except ValueError:
                 raise SettingsError(f"{var}={raw!r} is not a valid {convert.__name__}") from None
-        password_file = env.get("STEPLINE_QUERY_PASSWORD_FILE")
-        if password_file and "query_password" not in values:
-            try:
-                with open(password_file, encoding="utf-8") as fh:
-                    values["query_password"] = fh.read().strip()
-            except OSError as exc:
-                raise SettingsError(f"STEPLINE_QUERY_PASSWORD_FILE={password_file!r}: {exc.strerror}") from None
+        for name, var in _SECRETS:
+            secret_file = env.get(f"{var}_FILE")
+            if secret_file and name not in values:
+                values[name] = _read_secret(f"{var}_FILE", secret_file)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values).validated()
 
@@ -89,6 +89,11 @@ class Settings:
             raise SettingsError(
                 f"scrape timeout {self.scrape_timeout} s exceeds the scrape interval {self.scrape_interval_s} s"
             )
+        if self.spool_max_bytes < 0:
+            raise SettingsError(f"spool size must be 0 (no spool) or more bytes, got {self.spool_max_bytes}")
+        for name, _ in _SECRETS:
+            if getattr(self, name) == "":
+                raise SettingsError(f"{name.replace('_', '-')} is empty: leave it unset, or give a value")
         if not 1 <= self.writer_batch_rows <= self.writer_max_rows:
             raise SettingsError(
                 f"writer batch ({self.writer_batch_rows} rows) must be between 1 and the queue size "
@@ -109,6 +114,15 @@ class Settings:
         """Seconds one scrape may take: never more than the interval, so scrapes cannot pile up."""
         return self.scrape_timeout_s if self.scrape_timeout_s is not None else min(3.0, self.scrape_interval_s)
 
+    def spool_path(self) -> str:
+        """Where rows wait on disk for the store: --spool-dir, else beside the embedded store or in ./stepline-spool."""
+        if self.spool_dir:
+            return self.spool_dir
+        url = parse_store_url(self.store)
+        if url.embedded:
+            return f"{url.path.rstrip('/')}-spool"
+        return os.path.join("stepline-spool", f"{url.host}_{url.port}_{url.database}")
+
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes).validated()
 
@@ -119,6 +133,36 @@ def _csv(raw: str) -> tuple[str, ...]:
 
 def _names(raw: str) -> frozenset[str]:
     return frozenset(_csv(raw))
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def size(raw: str) -> int:
+    """A byte count: 1073741824, 512M, 2G (powers of 1024)."""
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    number = text[: len(text) - len(unit)]
+    if not number.isdigit():
+        raise ValueError(f"{raw!r} is not a size such as 1073741824, 512M or 2G")
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def _read_secret(var: str, path: str) -> str:
+    """A secret from a file (a mounted Kubernetes secret, say): its content without the trailing newline."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise SettingsError(f"{var}={path!r}: {exc.strerror}") from None
+
+
+# Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
+_SECRETS = (
+    ("query_password", "STEPLINE_QUERY_PASSWORD"),
+    ("otlp_token", "STEPLINE_OTLP_TOKEN"),
+    ("plugin_token", "STEPLINE_PLUGIN_TOKEN"),
+)
 
 
 _ENV: tuple[tuple[str, str, Any], ...] = (
@@ -139,4 +183,8 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
     ("otlp_port", "STEPLINE_OTLP_PORT", int),
     ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
+    ("plugin_token", "STEPLINE_PLUGIN_TOKEN", str),
+    ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),
+    ("spool_dir", "STEPLINE_SPOOL_DIR", str),
+    ("spool_max_bytes", "STEPLINE_SPOOL_MAX_BYTES", size),
 )

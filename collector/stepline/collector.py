@@ -12,6 +12,7 @@ from types import FrameType
 
 from stepline import sources as source_registry
 from stepline.clock import Clock, SystemClock
+from stepline.dedup import RecentRequests
 from stepline.queryserver import QueryEndpoint
 from stepline.rows import Event, micros
 from stepline.runner import Runner, Scheduled
@@ -20,7 +21,7 @@ from stepline.settings import Settings
 from stepline.sources.base import Source, SourceContext
 from stepline.store import CollectorInfo, Store, remove_collector_info, write_collector_info
 from stepline.watchdog import Watchdog
-from stepline.writer import Writers
+from stepline.writer import MEMORY_SPOOL_BYTES, Writers
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,13 @@ class Collector:
         self.store = store
         try:
             store.ensure_schema(s.retention_days)
-            self.writers = Writers(store, self.metrics, max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
+            spool_dir = s.spool_path() if s.spool_max_bytes else None
+            self.writers = Writers(store, self.metrics, spool_dir=spool_dir,
+                                   spool_max_bytes=s.spool_max_bytes or MEMORY_SPOOL_BYTES,
+                                   max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
                                    flush_interval_s=s.flush_interval_s)
+            # A request written before a restart must not be written again when its other report arrives.
+            self.writers.remember_requests(store.recent_requests(s.host_name, RecentRequests.WINDOW_S))
             self.writers.start()
             self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
                                      reader_factory=store.reader)

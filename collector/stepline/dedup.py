@@ -16,7 +16,9 @@ class RecentRequests:
     `max_entries`) the oldest are forgotten, so memory stays bounded whatever the traffic.
     """
 
-    def __init__(self, window_s: float = 600.0, max_entries: int = 500_000,
+    WINDOW_S = 600.0
+
+    def __init__(self, window_s: float = WINDOW_S, max_entries: int = 500_000,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self._window_s = window_s
         self._max_entries = max_entries

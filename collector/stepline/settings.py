@@ -120,7 +120,7 @@ class Settings:
             return self.spool_dir
         url = parse_store_url(self.store)
         if url.embedded:
-            return f"{url.path.rstrip('/')}-spool"
+            return os.path.join(f"{url.path.rstrip('/')}-spool", url.database)
         return os.path.join("stepline-spool", f"{url.host}_{url.port}_{url.database}")
 
     def with_(self, **changes: Any) -> Settings:

@@ -243,9 +243,22 @@ class Store:
                 f"ALTER TABLE `{self.database}`.`{name}` MODIFY TTL toDateTime(ts) + INTERVAL {retention_days} DAY"
             )
 
-    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
-        """Insert rows into one table; raises ClickHouseError (or a transport error) on failure."""
-        self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names))
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
+               dedup_token: str | None = None) -> None:
+        """Insert rows into one table; raises ClickHouseError (or a transport error) on failure.
+
+        With `dedup_token`, a retry of the same batch is stored once (the tables keep a deduplication window).
+        """
+        settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+        self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names), settings=settings)
+
+    def recent_requests(self, host: str, window_s: float) -> list[tuple[str, str]]:
+        """(engine, request id) of the requests this host finished within the last `window_s` seconds."""
+        return [(str(engine), str(request_id)) for engine, request_id in self.client.query(
+            f"SELECT engine, request_id FROM `{self.database}`.`requests` "
+            "WHERE host = {host:String} AND ts >= now64(6) - toIntervalMillisecond({ms:UInt64})",
+            parameters={"host": host, "ms": round(window_s * 1000)},
+        ).result_rows]
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         """Run a query in the store's database."""

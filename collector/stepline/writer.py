@@ -1,19 +1,22 @@
-"""One bounded batching writer per table: flush on size or time, drop with a counter, drain on stop."""
+"""One batching writer per table: memory, then the spool, then the store; drop with a counter, drain on stop."""
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
+
+from clickhouse_connect.driver.exceptions import DataError
 
 from stepline import schema
 from stepline.dedup import RecentRequests
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import TABLE_OF, Request, Row
 from stepline.selfmetrics import SelfMetrics
+from stepline.spool import Segment, Spool
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +24,23 @@ log = logging.getLogger(__name__)
 class Sink(Protocol):
     """Where batches go: the Store, or an in-memory stand-in in tests."""
 
-    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None: ...
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
+               dedup_token: str | None = None) -> None: ...
+
+
+# Failures of the batch itself, raised before it leaves this process: retrying cannot help.
+_REJECTED = (TypeError, ValueError, OverflowError, struct.error, DataError)
+MEMORY_SPOOL_BYTES = 256 << 20  # the bound when the collector runs without a spool directory
 
 
 class TableWriter:
-    """Buffers rows of one table and inserts them in batches from a thread of its own.
+    """Buffers rows of one table, cuts them into segments of the spool and inserts those from a thread of its own.
 
-    Rows are accepted while fewer than `max_rows` wait; beyond that new rows are dropped and
-    counted (reason `queue_full`). A batch the store refuses stays queued and is retried with
-    backoff, so a short store outage loses nothing until the queue fills.
+    Rows wait in memory for at most `flush_interval_s` (or until `batch_rows` are queued), then become a
+    segment: on disk with a disk spool, which is what makes them survive a store outage and a restart. The
+    thread inserts the table's segments oldest first, each with its deduplication token, and retries with
+    backoff while the store is down; the spool drops the oldest segments only when it is full, counted.
+    Rows beyond `max_rows` in memory (a spool that cannot keep up) are dropped and counted (`queue_full`).
     """
 
     def __init__(
@@ -37,6 +48,7 @@ class TableWriter:
         table: str,
         sink: Sink,
         metrics: SelfMetrics,
+        spool: Spool,
         *,
         max_rows: int = 200_000,
         batch_rows: int = 20_000,
@@ -49,11 +61,12 @@ class TableWriter:
         self.columns = schema.TABLE_BY_NAME[table].column_names
         self._sink = sink
         self._metrics = metrics
+        self._spool = spool
         self._max_rows = max_rows
         self._batch_rows = batch_rows
         self._flush_interval_s = flush_interval_s
         self._retry_max_s = retry_max_s
-        self._queue: deque[Sequence[Any]] = deque()
+        self._queue: list[Sequence[Any]] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._drain_deadline = 0.0
@@ -74,17 +87,18 @@ class TableWriter:
             self._queue.extend(rows[:accepted])
             if len(self._queue) >= self._batch_rows:
                 self._cond.notify()
-            self._depth.set(len(self._queue))
         if accepted < len(rows):
-            self._drop(len(rows) - accepted, reason)
+            self.drop(len(rows) - accepted, reason)
         return accepted
 
     def depth(self) -> int:
+        """Rows accepted and not yet in the store: in memory and in the spool."""
         with self._cond:
-            return len(self._queue)
+            queued = len(self._queue)
+        return queued + self._spool.rows(self.table)
 
     def request_stop(self, drain_timeout_s: float = 10.0) -> None:
-        """Stop accepting rows; the thread writes what is queued, retrying for up to drain_timeout_s."""
+        """Stop accepting rows; the thread spools what is queued and inserts for up to drain_timeout_s."""
         with self._cond:
             if not self._stopping:
                 self._stopping = True
@@ -92,57 +106,94 @@ class TableWriter:
             self._cond.notify()
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
-        """Stop, drain, and count as dropped whatever the store would not take in time."""
+        """Stop and drain. Rows the store would not take in time stay in a disk spool for the next start;
+        without one they are counted as dropped."""
         self.request_stop(drain_timeout_s)
         if self._thread.is_alive():
             self._thread.join(drain_timeout_s + 30.0)  # one insert in flight may outlast the deadline
         if self._thread.is_alive():
             log.error("writer for %s did not finish draining", self.table)
-        left = self.depth()
-        if left:
-            self._drop(left, "store_unavailable_at_stop")
+        with self._cond:
+            unspooled, self._queue = self._queue, []
+        if unspooled:
+            self.drop(len(unspooled), "store_unavailable_at_stop")
+        left = self._spool.rows(self.table)
+        if not left:
+            return
+        if self._spool.directory is not None:
+            log.warning("%d %s rows wait in the spool %s for the store", left, self.table, self._spool.directory)
+            return
+        for segment in self._spool.pending(self.table):
+            self._spool.ack(segment)
+        self.drop(left, "store_unavailable_at_stop")
 
-    def _drop(self, count: int, reason: str) -> None:
+    def drop(self, count: int, reason: str) -> None:
+        """Count and log (rate-limited) rows this table gives up."""
         self._metrics.rows_dropped.labels(self.table, reason).inc(count)
         self._drop_log.warning(f"{self.table}:{reason}", "dropped %d %s rows: %s", count, self.table, reason)
 
     def _run(self) -> None:
         backoff = 0.0
+        next_try = 0.0
         while True:
             with self._cond:
                 if not self._stopping and len(self._queue) < self._batch_rows:
-                    self._cond.wait(max(self._flush_interval_s, backoff))
-                batch = [self._queue[i] for i in range(min(self._batch_rows, len(self._queue)))]
+                    wait = self._flush_interval_s
+                    if self._spool.rows(self.table):  # segments wait for a retry: wake for it
+                        wait = min(wait, max(0.0, next_try - time.monotonic()))
+                    self._cond.wait(wait)
+                rows, self._queue = self._queue, []
                 stopping = self._stopping
-            if batch and self._write(batch):
-                backoff = 0.0
-                with self._cond:
-                    for _ in batch:
-                        self._queue.popleft()
-                    self._depth.set(len(self._queue))
-                continue
-            if batch:
+            self._spool_rows(rows)
+            while time.monotonic() >= next_try and (segment := self._spool.claim(self.table)) is not None:
+                if self._insert(segment):
+                    backoff = 0.0
+                    continue
                 backoff = min(self._retry_max_s, max(0.5, backoff * 2))
+                next_try = time.monotonic() + backoff
+            self._depth.set(self.depth())
             if stopping:
-                if not batch or time.monotonic() > self._drain_deadline:
+                if not self._spool.rows(self.table) or time.monotonic() > self._drain_deadline:
                     return
-                time.sleep(min(backoff, 1.0))
+                time.sleep(min(max(0.0, next_try - time.monotonic()), 0.2))
 
-    def _write(self, batch: list[Sequence[Any]]) -> bool:
+    def _spool_rows(self, rows: list[Sequence[Any]]) -> None:
+        for start in range(0, len(rows), self._batch_rows):
+            chunk = rows[start:start + self._batch_rows]
+            try:
+                self._spool.append(self.table, self.columns, chunk)
+            except (OSError, ValueError) as exc:  # a full or failing disk: the rows cannot be kept
+                self.drop(len(chunk), "spool_write_failed")
+                self._drop_log.warning(f"{self.table}:spool", "cannot spool %d %s rows: %s", len(chunk), self.table,
+                                     exc)
+
+    def _insert(self, segment: Segment) -> bool:
+        """Insert one segment; True when it left the spool (written, or rejected as unwritable)."""
+        rows = self._spool.load(segment)
+        if rows is None:
+            return True  # unreadable: the spool dropped and counted it
         started = time.perf_counter()
         try:
-            self._sink.insert(self.table, batch, self.columns)
+            self._sink.insert(self.table, rows, segment.columns, self._spool.token(segment))
+        except _REJECTED as exc:
+            self._spool.ack(segment)
+            self.drop(segment.rows, "rejected")
+            self._drop_log.warning(f"{self.table}:rejected", "the %s batch cannot be written and was dropped: %s",
+                                 self.table, " ".join(str(exc).split())[:200])
+            return True
         except Exception as exc:  # the store's failures are many (transport, server, engine); all retried
+            self._spool.release(segment)
             self._metrics.write_errors.labels(self.table).inc()
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
             self._drop_log.warning(
-                f"{self.table}:write", "cannot write %d rows to %s (will retry): %s",
-                len(batch), self.table, " ".join(str(exc).split())[:200],
+                f"{self.table}:write", "cannot write %d rows to %s (%d rows wait in the spool; will retry): %s",
+                segment.rows, self.table, self._spool.rows(self.table), " ".join(str(exc).split())[:200],
             )
             return False
+        self._spool.ack(segment)
         self._metrics.write_seconds.labels(self.table).observe(time.perf_counter() - started)
-        self._written.inc(len(batch))
+        self._written.inc(segment.rows)
         if self._failing_since is not None:
             log.info("store accepts %s rows again after %.1f s", self.table, time.monotonic() - self._failing_since)
             self._failing_since = None
@@ -152,12 +203,21 @@ class TableWriter:
 class Writers:
     """One TableWriter per table; routes typed rows to theirs, writing each request once."""
 
-    def __init__(self, sink: Sink, metrics: SelfMetrics, *, recent: RecentRequests | None = None,
+    def __init__(self, sink: Sink, metrics: SelfMetrics, *, spool_dir: str | None = None,
+                 spool_max_bytes: int = MEMORY_SPOOL_BYTES, recent: RecentRequests | None = None,
                  **writer_options: Any) -> None:
+        """Without `spool_dir`, batches wait in memory: bounded, but lost by a restart.
+
+        Raises SpoolError when the spool directory cannot be used.
+        """
+        self._metrics = metrics
+        self._writers: dict[str, TableWriter] = {}
+        self.spool = Spool(self._drop, max_bytes=spool_max_bytes, directory=spool_dir)
         self._writers = {
-            table.name: TableWriter(table.name, sink, metrics, **writer_options) for table in schema.TABLES
+            table.name: TableWriter(table.name, sink, metrics, self.spool, **writer_options) for table in schema.TABLES
         }
         self._recent = recent or RecentRequests()
+        self.remember_requests(self._spooled_requests())
         self._duplicates = metrics.requests_deduplicated
 
     def start(self) -> None:
@@ -176,6 +236,26 @@ class Writers:
 
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
+
+    def remember_requests(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Requests already written (or waiting in the spool): a later report of one is a duplicate."""
+        for engine, request_id in pairs:
+            self._recent.first_time(engine, request_id)
+
+    def _spooled_requests(self) -> Iterator[tuple[str, str]]:
+        for segment in self.spool.pending("requests"):
+            rows = self.spool.load(segment)
+            if rows is None or "engine" not in segment.columns or "request_id" not in segment.columns:
+                continue
+            engine, request_id = segment.columns.index("engine"), segment.columns.index("request_id")
+            yield from ((str(row[engine]), str(row[request_id])) for row in rows)
+
+    def _drop(self, table: str, rows: int, reason: str) -> None:
+        writer = self._writers.get(table)
+        if writer is not None:
+            writer.drop(rows, reason)
+        else:  # a segment found unreadable while the spool opens, before the writers exist
+            self._metrics.rows_dropped.labels(table, reason).inc(rows)
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Drain every table at once, then count what could not be written."""

@@ -25,7 +25,8 @@ def _events(n: int, start: int = 0) -> list[Event]:
 
 def _request(request_id: str, source: str) -> Request:
     now = int(time.time() * 1e6)
-    return Request(now, "h", "e", 0, "m", request_id, source, "stop", now - 1000, *([0.1] * 7), 10, 0, 5, 16, 0)
+    return Request(now, "h", "e", 0, "m", request_id, source, "stop", now - 1000, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1,
+                   10, 0, 5, 16, 0)
 
 
 def _dropped(metrics: SelfMetrics, reason: str, table: str = "events") -> float:

@@ -152,6 +152,7 @@ class TableWriter:
                 backoff = min(self._retry_max_s, max(0.5, backoff * 2))
                 next_try = time.monotonic() + backoff
             self._depth.set(self.depth())
+            self._metrics.spool_bytes.set(self._spool.size_bytes())
             if stopping:
                 if not self._spool.rows(self.table) or time.monotonic() > self._drain_deadline:
                     return
@@ -213,6 +214,8 @@ class Writers:
         self._metrics = metrics
         self._writers: dict[str, TableWriter] = {}
         self.spool = Spool(self._drop, max_bytes=spool_max_bytes, directory=spool_dir)
+        metrics.spool_limit.set(spool_max_bytes)
+        metrics.spool_bytes.set(self.spool.size_bytes())
         self._writers = {
             table.name: TableWriter(table.name, sink, metrics, self.spool, **writer_options) for table in schema.TABLES
         }

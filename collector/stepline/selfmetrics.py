@@ -53,6 +53,11 @@ class SelfMetrics:
         self.source_rows = Counter(
             "stepline_source_rows", "Rows the source produced.", ["source"], registry=r
         )
+        self.clock_skew = Gauge(
+            "stepline_source_clock_skew_max_seconds", "Largest row ts minus the collector's clock in the source's "
+            "latest batch (positive: its clock runs ahead; rows over 300 s ahead are dropped).", ["source"],
+            registry=r,
+        )
         self.engine_up = Gauge(
             "stepline_engine_up", "1 when the engine's /metrics answered with a valid exposition.", ["engine"],
             registry=r,
@@ -66,6 +71,10 @@ class SelfMetrics:
             registry=r,
         )
         self._watchdog_metrics(r)
+        self.spool_bytes = Gauge("stepline_spool_bytes", "Bytes of batches waiting in the spool for the store.",
+                                 registry=r)
+        self.spool_limit = Gauge("stepline_spool_limit_bytes", "The spool's bound; past it the oldest batches go.",
+                                 registry=r)
 
     def _watchdog_metrics(self, r: CollectorRegistry) -> None:
         """The progress watchdog's view of each engine and its GPUs (names shared with the alert rules)."""

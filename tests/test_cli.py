@@ -44,7 +44,10 @@ def test_schema_prints_cluster_ddl() -> None:
     [
         (("query", "SELECT 1", "--store", "mysql://x/y"), "stepline: store URL 'mysql://x/y' has scheme 'mysql'"),
         (("status", "--store", "chdb:///nonexistent/stepline"), "stepline: no store at /nonexistent/stepline"),
-        (("collect", "--store", "http://127.0.0.1:9/x"), "stepline: cannot reach the store at http://127.0.0.1:9/x"),
+        (("query", "SELECT 1", "--store", "http://127.0.0.1:9/x"),
+         "stepline: cannot reach the store at http://127.0.0.1:9/x"),
+        (("collect", "--store", "chdb://store", "--spool-dir", "/proc/version/spool"),
+         "stepline: cannot use the spool directory /proc/version/spool: Not a directory"),
         (("collect", "--engine", "localhost:8000"), "stepline: engine 'localhost:8000' must be http(s)://"),
     ],
 )

@@ -118,3 +118,29 @@ def test_rows_wait_in_the_spool_through_a_store_outage_and_land_exactly_once(
     assert dropped == []
     if fault == "refusing":
         assert remote.refused >= 2
+
+
+def test_a_collector_started_while_its_store_is_down_collects_into_the_spool(
+        remote: StoreServer, sock_dir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    database = f"d_{uuid.uuid4().hex[:12]}"
+    remote.stop()  # the port stays known, nothing listens on it
+    settings = Settings.from_env(
+        {}, store=remote.store_url(database), metrics_port=0, query_port=0, otlp_port=0,
+        plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1, spool_dir=str(tmp_path / "spool"),
+        disabled_sources=frozenset({"vllm_metrics", "gpu", "host", "otlp"}),
+    )
+    collector = Collector(settings)
+    collector.start()
+    try:
+        assert collector.store is None
+        assert any("collecting into the spool until it answers" in r.getMessage() for r in caplog.records)
+        assert collector.writers is not None
+        collector.writers.write(_direct_rows(1, 30))
+        wait_until(lambda: collector.writers is not None and collector.writers.spool.rows() >= 120, timeout_s=10)
+        remote.start()
+        wait_until(lambda: collector.writers is not None and not any(collector.writers.depth().values()), timeout_s=60)
+        assert collector.store is not None  # opened, with its schema, by the first insert that got through
+    finally:
+        collector.stop()
+    assert _counts(remote, database) == {"steps": 0, "requests": 0, "engine_samples": 30, "gpu_samples": 30,
+                                         "host_samples": 30, "events": 30}

@@ -8,9 +8,9 @@ import pytest
 
 from stepline.rows import Event
 from stepline.selfmetrics import SelfMetrics
+from stepline.spool import Spool
 from stepline.store import Store
 from stepline.testing import MemorySink, wait_until
-from stepline.spool import Spool
 from stepline.writer import TableWriter, Writers
 
 
@@ -129,7 +129,7 @@ def test_a_batch_the_client_cannot_serialise_is_dropped_and_the_rest_flow() -> N
             raise TypeError("cannot serialise a value of column message")
         bad(table, rows, columns, token)  # type: ignore[arg-type]
 
-    sink.insert = insert  # type: ignore[method-assign]
+    sink.insert = insert  # type: ignore[method-assign,assignment]
     writer = _writer(sink, metrics, max_rows=100, batch_rows=1, flush_interval_s=0.01)
     writer.start()
     writer.put([_event(1), _event(2)._replace(message="poison"), _event(3)])

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
 from stepline import sources as source_registry
 from stepline.clock import Clock, SystemClock
 from stepline.dedup import RecentRequests
@@ -19,7 +21,15 @@ from stepline.runner import Runner, Scheduled
 from stepline.selfmetrics import MetricsServer, SelfMetrics
 from stepline.settings import Settings
 from stepline.sources.base import Source, SourceContext
-from stepline.store import CollectorInfo, Store, remove_collector_info, write_collector_info
+from stepline.store import (
+    CollectorInfo,
+    LazyStore,
+    Store,
+    StoreUnreachable,
+    remove_collector_info,
+    write_collector_info,
+)
+from stepline.storeurl import parse_store_url
 from stepline.watchdog import Watchdog
 from stepline.writer import MEMORY_SPOOL_BYTES, Writers
 
@@ -53,30 +63,39 @@ class Collector:
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
         if self._extra is not None:
             scheduled += self._extra(ctx)
-        store = Store.open(s.store)
-        self.store = store
+        url = parse_store_url(s.store)
+        sink: Store | LazyStore
+        if url.embedded:
+            sink = self.store = Store.open(url)
+        else:  # a server: if it is down now, collect into the spool until it answers
+            sink = LazyStore(url, s.retention_days, self._store_opened)
+            try:
+                sink.get()
+            except StoreUnreachable as exc:
+                log.warning("%s: collecting into the spool until it answers", exc)
         try:
-            store.ensure_schema(s.retention_days)
+            if isinstance(sink, Store):
+                sink.ensure_schema(s.retention_days)
             spool_dir = s.spool_path() if s.spool_max_bytes else None
-            self.writers = Writers(store, self.metrics, spool_dir=spool_dir,
+            self.writers = Writers(sink, self.metrics, spool_dir=spool_dir,
                                    spool_max_bytes=s.spool_max_bytes or MEMORY_SPOOL_BYTES,
                                    max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
                                    flush_interval_s=s.flush_interval_s)
-            # A request written before a restart must not be written again when its other report arrives.
-            self.writers.remember_requests(store.recent_requests(s.host_name, RecentRequests.WINDOW_S))
+            if self.store is not None:
+                self._remember_written_requests(self.store)
             self.writers.start()
             self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
-                                     reader_factory=store.reader)
+                                     reader_factory=sink.reader)
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
-            if store.url.embedded:
-                self.query_endpoint = QueryEndpoint(store.reader(), host=s.listen, port=s.query_port,
-                                                    password=s.query_password, database=store.database,
+            if isinstance(sink, Store):
+                self.query_endpoint = QueryEndpoint(sink.reader(), host=s.listen, port=s.query_port,
+                                                    password=s.query_password, database=sink.database,
                                                     metrics=self.metrics)
                 self.query_endpoint.start()
                 metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
-                write_collector_info(store.url.path, CollectorInfo(os.getpid(), self.query_endpoint.url,
+                write_collector_info(url.path, CollectorInfo(os.getpid(), self.query_endpoint.url,
                                                                    metrics_url, s.query_password is not None))
         except BaseException:
             self._close()
@@ -84,12 +103,27 @@ class Collector:
         self.sources = [item.source for item in scheduled]
         self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe)
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
-                   f"{store.url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
+                   f"{url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
                                                 "retention_days": str(s.retention_days)})
         self.runner.start()
         log.info("collecting from %d source(s) into %s; self-metrics on http://%s:%d/metrics%s",
-                 len(scheduled), store.url.redacted(), s.listen, self.metrics_server.port,
+                 len(scheduled), url.redacted(), s.listen, self.metrics_server.port,
                  f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
+
+    def _store_opened(self, store: Store) -> None:
+        """The store answered (at start, or later for a store that was down): remember what it holds."""
+        self.store = store
+        if self.writers is not None:
+            self._remember_written_requests(store)
+
+    def _remember_written_requests(self, store: Store) -> None:
+        # A request written before a restart must not be written again when its other report arrives.
+        assert self.writers is not None
+        try:
+            self.writers.remember_requests(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S))
+        except ClickHouseError as exc:
+            log.warning("cannot read the requests written before this start (a restart may write some twice): %s",
+                        " ".join(str(exc).split())[:200])
 
     def event(self, kind: str, severity: str, message: str, attributes: dict[str, str] | None = None) -> None:
         """Put one of the collector's own events on the timeline."""

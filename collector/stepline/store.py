@@ -9,14 +9,15 @@ import json
 import logging
 import os
 import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
-from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 from clickhouse_connect.driver.query import QueryResult
 
 from stepline import schema
@@ -30,6 +31,10 @@ COLLECTOR_FILE = "stepline-collector.json"
 
 class StoreError(RuntimeError):
     """The store cannot be used; the message is one line naming the problem."""
+
+
+class StoreUnreachable(StoreError):
+    """The store's server does not answer (refused, timed out, name unknown): it may later."""
 
 
 class StoreLocked(StoreError):
@@ -152,7 +157,9 @@ class Store:
                     autogenerate_session_id=False,
                 )
             except Exception as exc:  # any transport or server failure reads the same to the user
-                raise StoreError(f"cannot reach the store at {parsed.redacted()}: {_one_line(exc)}") from None
+                # A transport failure may pass; a server that answers with an error (credentials) will not.
+                kind = StoreUnreachable if isinstance(exc, (OperationalError, OSError)) else StoreError
+                raise kind(f"cannot reach the store at {parsed.redacted()}: {_one_line(exc)}") from None
         return cls(parsed, client)
 
     def ensure_schema(self, retention_days: int) -> None:
@@ -280,6 +287,43 @@ class Store:
 
     def close(self) -> None:
         self.client.close()
+
+
+class LazyStore:
+    """A server store opened on first use, so that a collector started while its store is down still collects.
+
+    Until the store answers, every insert raises StoreUnreachable: the writers keep their batches in the
+    spool and retry with backoff. The first insert that reaches the store creates the schema, then goes in.
+    """
+
+    def __init__(self, url: StoreUrl, retention_days: int, on_open: Callable[[Store], None]) -> None:
+        self.url = url
+        self._retention_days = retention_days
+        self._on_open = on_open
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Store:
+        """The open store; raises StoreError while it cannot be reached or set up."""
+        with self._lock:
+            if self._store is None:
+                store = Store.open(self.url)
+                try:
+                    store.ensure_schema(self._retention_days)
+                except BaseException:
+                    store.close()
+                    raise
+                log.info("the store at %s answers: its schema is in place", self.url.redacted())
+                self._store = store
+                self._on_open(store)
+            return self._store
+
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
+               dedup_token: str | None = None) -> None:
+        self.get().insert(table, rows, column_names, dedup_token)
+
+    def reader(self) -> Client:
+        return self.get().reader()
 
 
 def _open_embedded(url: StoreUrl) -> Client:

@@ -221,6 +221,31 @@ def scenarios() -> list[dict[str, object]]:
                 }]},
             ],
         },
+        {   # The store refuses writes: the spool fills (warning), then nears its bound (critical); then it drains.
+            "name": "store unavailable while the spool fills",
+            "input_series": [
+                series("stepline_writer_write_errors_total", 'table="steps"', "0+2x24 48x16"),
+                series("stepline_spool_bytes", "", "0+40000000x24 0x16"),
+                series("stepline_spool_limit_bytes", "", "1073741824x40"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "CollectorStoreUnavailable", "exp_alerts": []},
+                {"eval_time": "7m", "alertname": "CollectorStoreUnavailable", "exp_alerts": [{
+                    "exp_labels": labels(severity="warning"),
+                    "exp_annotations": expected("CollectorStoreUnavailable", "warning", instance="c1:9464",
+                                                value_rate="560M"),
+                }]},
+                {"eval_time": "11m30s", "alertname": "CollectorStoreUnavailable", "exp_alerts": [
+                    {"exp_labels": labels(severity="warning"),
+                     "exp_annotations": expected("CollectorStoreUnavailable", "warning", instance="c1:9464",
+                                                 value_rate="920M")},
+                    {"exp_labels": labels(severity="critical"),
+                     "exp_annotations": expected("CollectorStoreUnavailable", "critical", instance="c1:9464",
+                                                 value_ratio="85.68%")},
+                ]},
+                {"eval_time": "19m", "alertname": "CollectorStoreUnavailable", "exp_alerts": []},
+            ],
+        },
         {   # A GPU machine whose NVML breaks: gpu_present drops to 0 too, but the source must still alert.
             "name": "gpu source down on a machine with GPUs",
             "input_series": [

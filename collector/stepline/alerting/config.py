@@ -61,6 +61,9 @@ class AlertConfig:
     drop_for: str = "5m"
     drop_critical_rows_per_second: float = 100.0
     dropped_source_counters: tuple[str, ...] = ("plugin_dropped_records", "lost_datagrams")
+    store_unavailable_for: str = "5m"
+    spool_critical_ratio: float = 0.8
+    """Past this share of its bound the spool is about to drop the oldest batches."""
     source_down_for: str = "10m"
     gpu_present_lookback: str = "1d"
     """The gpu source being down is expected only where no GPU was seen over this window."""

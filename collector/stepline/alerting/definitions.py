@@ -214,6 +214,25 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "(stepline_writer_queue_rows) and the store.",
         ),
         Alert(
+            "CollectorStoreUnavailable", "warning",
+            f"stepline_spool_bytes{s()} > 0\n"
+            f"  and ignoring (table) increase(stepline_writer_write_errors_total{s()}[{cfg.drop_window}]) > 0",
+            cfg.store_unavailable_for,
+            "The stepline collector [instance] cannot write to its store.",
+            f"Collector [instance] has failed inserts for {cfg.store_unavailable_for}; batches wait in its spool "
+            "([value_rate]B) and are replayed when the store accepts them. Nothing is lost until the spool is "
+            "full. Check the store (reachable, disk, too many parts) and the collector's log.",
+        ),
+        Alert(
+            "CollectorStoreUnavailable", "critical",
+            f"stepline_spool_bytes{s()} / stepline_spool_limit_bytes{s()} > {cfg.spool_critical_ratio:g}",
+            "0m",
+            "The stepline collector [instance]'s spool is [value_ratio] full.",
+            "Collector [instance] cannot write to its store and its spool is [value_ratio] of its bound: past it, "
+            "the oldest batches are dropped (reason spool_full). Bring the store back, or give the spool room "
+            "(--spool-max-bytes, and the volume under --spool-dir).",
+        ),
+        Alert(
             "CollectorSourceDown", "warning",
             f'(stepline_source_up{other_sources} == 0)\n'
             f'  unless (stepline_source_up{gpu_source} == 0'

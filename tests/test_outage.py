@@ -18,6 +18,7 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.replay import replay
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import make_workload
+from stepline.store import Store
 from stepline.storeserver import StoreServer
 from stepline.testing import wait_until
 
@@ -45,6 +46,10 @@ def _direct_rows(phase: int, n: int) -> list[Row]:
                                0, 0, 0, {"eth0": 1}, {"eth0": 1}, {}, 0, 0))
         rows.append(Event(ts, "h", "eng", "test", "injected", "info", f"phase {phase} #{i}", {}))
     return rows
+
+
+def _opened(collector: Collector) -> Store | None:
+    return collector.store
 
 
 def _counts(server: StoreServer, database: str) -> dict[str, int]:
@@ -132,14 +137,14 @@ def test_a_collector_started_while_its_store_is_down_collects_into_the_spool(
     collector = Collector(settings)
     collector.start()
     try:
-        assert collector.store is None
+        assert _opened(collector) is None, "the store was down: nothing to open yet"
         assert any("collecting into the spool until it answers" in r.getMessage() for r in caplog.records)
         assert collector.writers is not None
         collector.writers.write(_direct_rows(1, 30))
         wait_until(lambda: collector.writers is not None and collector.writers.spool.rows() >= 120, timeout_s=10)
         remote.start()
         wait_until(lambda: collector.writers is not None and not any(collector.writers.depth().values()), timeout_s=60)
-        assert collector.store is not None  # opened, with its schema, by the first insert that got through
+        assert _opened(collector) is not None  # opened, with its schema, by the first insert that got through
     finally:
         collector.stop()
     assert _counts(remote, database) == {"steps": 0, "requests": 0, "engine_samples": 30, "gpu_samples": 30,

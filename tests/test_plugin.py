@@ -17,13 +17,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stepline import sources
 from stepline.clock import ManualClock
 from stepline.plugin import standins, wire
-from stepline.plugin.config import describe_config
+from stepline.plugin.config import describe_config, token_from_env
 from stepline.plugin.core import PluginCore, engine_name_from_env
 from stepline.rows import Event, Request, Row, Step, micros
+from stepline.runner import Runner
+from stepline.selfmetrics import SelfMetrics
+from stepline.settings import Settings
+from stepline.sim.config import EngineConfig
+from stepline.sim.telemetry import Telemetry
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
+from stepline.testing import MemorySink
+from stepline.writer import Writers
 
 NOW = 1_790_000_000.25
 
@@ -125,10 +133,15 @@ def test_sidecar_arriving_later_gets_the_new_steps(sock_dir: str) -> None:
         core.flush()
         rows = _poll(late)
         assert [r.step for r in rows if isinstance(r, Step)] == [2]
-        # The receiver hears of the earlier drop through the header of the next datagram from that sender.
+        # What the plugin dropped before this sidecar listened reaches the timeline with its first datagram.
+        (event,) = [r for r in rows if isinstance(r, Event)]
+        assert event.kind == "plugin_data_lost" and event.attributes["dropped_records"] == "2"
+        assert late.stats()["plugin_dropped_records"] == 2
         core.record(*_step_stats(3))
         core.flush()
-        assert late.stats()["plugin_dropped_records"] == 0  # first datagram seen sets the baseline
+        rows = _poll(late)
+        assert [r.step for r in rows if isinstance(r, Step)] == [3]
+        assert not [r for r in rows if isinstance(r, Event)] and late.stats()["plugin_dropped_records"] == 2
     finally:
         late.stop()
 
@@ -144,8 +157,7 @@ def test_a_slow_sidecar_bounds_the_buffer_and_counts(sock_dir: str) -> None:
         core.flush()
         assert core.datagrams_sent >= 1
         assert core.dropped.get("buffer_full", 0) > 0
-        assert core.records_sent + core.dropped_total + core._pending_records + sum(
-            n for _, n in core._queue) == 6000
+        assert core.records_sent + core.dropped_total + core.records_held == 6000
     finally:
         server.close()
 
@@ -253,6 +265,44 @@ def test_lost_and_dropped_data_reaches_the_timeline(receiver: PluginReceiver) ->
     assert event.kind == "plugin_data_lost" and event.attributes["dropped_records"] == "120"
 
 
+def test_loss_within_the_minute_is_told_with_the_next_event_or_at_stop(sock_dir: str) -> None:
+    clock = ManualClock(NOW)
+    receiver = PluginReceiver(SourceContext("node-1", clock), os.path.join(sock_dir, "loss.sock"), window_s=0.05)
+    receiver.start()
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.connect(receiver.socket_path)
+
+    def losses(*headers: tuple[int, int]) -> list[tuple[str, str]]:
+        for sequence, dropped in headers:
+            sender.send(wire.encode_header(b"e", 5, 9, sequence, dropped))
+        return [(r.attributes["dropped_records"], r.attributes["lost_datagrams"]) for r in _poll(receiver)
+                if isinstance(r, Event)]
+
+    try:
+        assert losses((0, 0), (1, 10)) == [("10", "0")]  # told at once
+        assert losses((2, 25), (5, 25)) == []  # within the minute: counted, not yet told
+        clock.advance(61)
+        assert losses((6, 25)) == [("15", "2")]  # the minute's loss, with the next datagram after it
+        assert losses((7, 30)) == []
+    finally:
+        sender.close()
+        receiver.stop()
+    assert [(r.attributes["dropped_records"], r.kind) for r in _poll(receiver) if isinstance(r, Event)] == [
+        ("5", "plugin_data_lost")]  # nothing counted is left off the timeline
+    assert receiver.stats()["plugin_dropped_records"] == 30 and receiver.stats()["lost_datagrams"] == 2
+
+
+def test_a_stopping_receiver_refuses_new_datagrams_so_the_plugin_counts_them(receiver: PluginReceiver) -> None:
+    core = PluginCore("e", receiver.socket_path)
+    core.record(*_step_stats(1))
+    core.flush()  # connected, one datagram queued in the kernel
+    receiver.stop()
+    core.record(*_step_stats(2))
+    core.flush()  # refused at once (EPIPE or ECONNREFUSED), never silently queued and discarded
+    assert core.dropped == {"no_sidecar": 2} and core.records_sent == 2
+    assert [r.step for r in _poll(receiver) if isinstance(r, Step)] == [1]
+
+
 def test_stop_keeps_what_was_queued(receiver: PluginReceiver) -> None:
     core = PluginCore("e", receiver.socket_path)
     core.record(*_step_stats())
@@ -323,3 +373,139 @@ def test_the_entry_point_is_declared_and_loads_a_real_stat_logger_subclass(tmp_p
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "stepline.plugin.vllm_logger:SteplineStatLogger"
+
+
+# -- the datagram token -----------------------------------------------------------------------------------------
+
+TOKEN = "tok-9f2c1e7a-not-a-real-secret"
+
+
+def _token_receiver(sock_dir: str, token: str | None) -> PluginReceiver:
+    r = PluginReceiver(SourceContext("node-1", ManualClock(NOW)), os.path.join(sock_dir, "auth.sock"), token=token,
+                       window_s=0.05)
+    r.start()
+    return r
+
+
+def _send_one(path: str, token: str | None, engine: str = "e") -> PluginCore:
+    core = PluginCore(engine, path, token=token)
+    core.record(*_step_stats())
+    core.flush()
+    assert core.datagrams_sent == 1 and core.dropped_total == 0
+    return core
+
+
+def test_a_datagram_with_the_right_token_is_accepted(sock_dir: str) -> None:
+    receiver = _token_receiver(sock_dir, TOKEN)
+    try:
+        _send_one(receiver.socket_path, TOKEN)
+        rows = _poll(receiver)
+    finally:
+        receiver.stop()
+    assert len([r for r in rows if isinstance(r, Step)]) == 1 and len([r for r in rows if isinstance(r, Request)]) == 1
+    assert receiver.stats()["unauthorized"] == 0 and receiver.stats()["steps"] == 1
+
+
+def test_wrong_or_missing_token_is_rejected_counted_and_logged_without_the_token(
+        sock_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    receiver = _token_receiver(sock_dir, TOKEN)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            _send_one(receiver.socket_path, "another-token")
+            _send_one(receiver.socket_path, None)  # a plugin without a token (or from before tokens): version 1
+            _send_one(receiver.socket_path, TOKEN[:-1])
+            rows = _poll(receiver)
+            _send_one(receiver.socket_path, TOKEN)  # the right one still gets through afterwards
+            accepted = _poll(receiver)
+    finally:
+        receiver.stop()
+    assert rows == [] and receiver.stats()["unauthorized"] == 3
+    assert receiver.stats()["steps"] == 1 and len([r for r in accepted if isinstance(r, Step)]) == 1
+    # Nothing of a rejected datagram counts: not its steps, not its sender's sequence or drops.
+    assert receiver.stats()["plugin_dropped_records"] == 0 and receiver.stats()["malformed"] == 0
+    rejections = [r for r in caplog.records if "rejected a plugin datagram" in r.getMessage()]
+    assert len(rejections) == 1  # rate-limited: one line for three rejections
+    assert "no credential" not in rejections[0].getMessage()  # the first one carried another token's credential
+    for secret in (TOKEN, TOKEN[:-1], "another-token", wire.credential_for(TOKEN).hex(),
+                   wire.credential_for("another-token").hex()):
+        assert secret not in caplog.text
+
+
+def test_a_tokenless_collector_accepts_plugins_with_and_without_a_token(receiver: PluginReceiver) -> None:
+    _send_one(receiver.socket_path, TOKEN, engine="with")
+    _send_one(receiver.socket_path, None, engine="without")
+    rows = _poll(receiver)
+    assert sorted(r.engine for r in rows if isinstance(r, Step)) == ["with", "without"]
+    assert receiver.stats()["unauthorized"] == 0
+
+
+def test_versions_a_plugin_writes_the_lowest_that_says_what_it_sends() -> None:
+    credential = wire.credential_for(TOKEN)
+    plain, signed = wire.encode_header(b"e", 1, 2, 3, 4), wire.encode_header(b"e", 1, 2, 3, 4, credential)
+    assert (plain[4], plain[5]) == (1, 0)  # byte-for-byte what a collector from before tokens reads
+    assert (signed[4], signed[5]) == (2, wire.FLAG_CREDENTIAL) and signed.endswith(b"e" + credential)
+    assert TOKEN.encode() not in signed
+    header, offset = wire.decode_header(signed)
+    assert header.credential == credential and header.version == 2 and offset == len(signed)
+    assert wire.decode_header(plain)[0].credential == b""
+    assert len(credential) == wire.CREDENTIAL_SIZE and credential != wire.credential_for(TOKEN + "x")
+    for bad, fragment in ((bytes([*signed[:5], 0x03, *signed[6:]]), "unknown flags"),
+                          (bytes([*plain[:5], wire.FLAG_CREDENTIAL, *plain[6:]]), "unknown flags"),
+                          (signed[:-1], "credential does not fit")):
+        with pytest.raises(wire.WireError, match=fragment):
+            wire.decode_header(bad)
+    with pytest.raises(ValueError, match="16 bytes"):
+        wire.encode_header(b"e", 1, 2, 3, 4, b"short")
+
+
+def test_the_collector_settings_token_reaches_the_receiver_and_its_count_is_exported(sock_dir: str) -> None:
+    settings = Settings(plugin_socket=os.path.join(sock_dir, "c.sock"), plugin_token=TOKEN)
+    (spec,) = [s for s in sources.REGISTRY if s.name == "plugin"]
+    (receiver,) = spec.build(settings, SourceContext("node-1", ManualClock(NOW)))
+    assert isinstance(receiver, PluginReceiver)
+    metrics = SelfMetrics()
+    runner = Runner([], Writers(MemorySink(), metrics), metrics, "node-1")
+    receiver.start()
+    try:
+        _send_one(receiver.socket_path, "wrong")
+        _send_one(receiver.socket_path, TOKEN)
+        runner.poll_once(receiver)
+    finally:
+        receiver.stop()
+    assert metrics.registry.get_sample_value(
+        "stepline_source_counts_total", {"source": "plugin", "counter": "unauthorized"}) == 1
+    assert metrics.registry.get_sample_value(
+        "stepline_source_counts_total", {"source": "plugin", "counter": "steps"}) == 1
+
+
+def test_the_plugin_reads_the_token_as_the_collector_does(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    secret = tmp_path / "token"
+    secret.write_text(f"{TOKEN}\n")
+    assert token_from_env({}) is None
+    assert token_from_env({"STEPLINE_PLUGIN_TOKEN": "direct", "STEPLINE_PLUGIN_TOKEN_FILE": str(secret)}) == "direct"
+    assert token_from_env({"STEPLINE_PLUGIN_TOKEN_FILE": str(secret)}) == TOKEN
+    assert Settings.from_env({"STEPLINE_PLUGIN_TOKEN_FILE": str(secret)}).plugin_token == TOKEN
+    # A file the engine cannot read must not stop vLLM: no token, one clear line, and never the secret.
+    unreadable = tmp_path / "missing"
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with caplog.at_level(logging.ERROR, logger="stepline.plugin"):
+        assert token_from_env({"STEPLINE_PLUGIN_TOKEN_FILE": str(unreadable)}) is None
+        assert token_from_env({"STEPLINE_PLUGIN_TOKEN_FILE": str(empty)}) is None
+    assert "cannot read STEPLINE_PLUGIN_TOKEN_FILE" in caplog.text and "is empty" in caplog.text
+    assert TOKEN not in caplog.text
+
+
+def test_the_simulator_sends_the_token_of_its_environment(sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver = _token_receiver(sock_dir, TOKEN)
+    try:
+        monkeypatch.setenv("STEPLINE_PLUGIN_TOKEN", TOKEN)
+        from_env = Telemetry("sim-env", EngineConfig(), plugin_socket=receiver.socket_path)
+        given = Telemetry("sim-given", EngineConfig(), plugin_socket=receiver.socket_path, plugin_token="wrong")
+        from_env.close()
+        given.close()
+        rows = _poll(receiver)
+    finally:
+        receiver.stop()
+    assert {r.engine for r in rows if isinstance(r, Event) and r.kind == "engine_config"} == {"sim-env"}
+    assert receiver.stats()["unauthorized"] == 1

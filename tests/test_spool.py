@@ -6,10 +6,10 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from stepline import native
 from stepline.rows import Event, Request
 from stepline.selfmetrics import SelfMetrics
 from stepline.spool import Spool, SpoolError
@@ -62,12 +62,12 @@ def test_a_segment_replayed_after_it_was_written_is_stored_once(store: Store, tm
     dropped: list[tuple[str, int, str]] = []
     spool = Spool(lambda *d: dropped.append(d), max_bytes=1 << 20, directory=spool_dir)
     columns = Event._fields
-    first = spool.append("events", columns, _events(40))
-    second = spool.append("events", columns, _events(60, start=40))
-    store.insert("events", _events(40), columns, spool.token(first))  # written; then the collector died
+    first = spool.append("events", columns, native.encode("events", _events(40)), 40)
+    second = spool.append("events", columns, native.encode("events", _events(60, start=40)), 60)
+    store.insert_native("events", columns, native.encode("events", _events(40)), first.token)  # then kill -9
 
     writers = Writers(store, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
-    assert writers.spool.token(first) == spool.token(first) and writers.spool.rows("events") == 100
+    assert writers.spool.pending("events")[0].token == first.token and writers.spool.rows("events") == 100
     writers.start()
     wait_until(lambda: writers.spool.rows("events") == 0)
     writers.stop()
@@ -79,9 +79,9 @@ def test_an_insert_whose_reply_was_lost_is_retried_and_stored_once(store: Store)
     lost = {"replies": 2}
 
     class LosingReplies:
-        def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
-                   dedup_token: str | None = None) -> None:
-            store.insert(table, rows, column_names, dedup_token)
+        def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                          dedup_token: str | None = None) -> None:
+            store.insert_native(table, column_names, data, dedup_token)
             if lost["replies"]:
                 lost["replies"] -= 1
                 raise ConnectionError("connection reset before the reply")
@@ -99,11 +99,11 @@ def test_an_insert_whose_reply_was_lost_is_retried_and_stored_once(store: Store)
 def test_damaged_segments_are_counted_and_torn_ones_removed(tmp_path: Path) -> None:
     spool_dir = tmp_path / "spool"
     spool = Spool(lambda *d: None, max_bytes=1 << 20, directory=str(spool_dir))
-    good = spool.append("events", Event._fields, _events(5))
-    bad = spool.append("events", Event._fields, _events(7))
+    good = spool.append("events", Event._fields, native.encode("events", _events(5)), 5)
+    bad = spool.append("events", Event._fields, native.encode("events", _events(7)), 7)
     path = spool_dir / f"{bad.seq:016d}.events.seg"
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF  # a flipped bit in the rows
+    data[-3] ^= 0xFF  # a flipped bit in the rows (the checksum catches it)
     path.write_bytes(bytes(data))
     (spool_dir / "0000000000000099.events.seg").write_bytes(b"not a segment at all")
     (spool_dir / ".0000000000000100.events.seg.tmp").write_bytes(b"half a segm")
@@ -120,13 +120,19 @@ def test_damaged_segments_are_counted_and_torn_ones_removed(tmp_path: Path) -> N
     assert good.seq < bad.seq
 
 
-def test_the_spool_id_survives_a_restart_and_a_wiped_spool_gets_a_new_one(tmp_path: Path) -> None:
-    spool_dir = tmp_path / "spool"
-    first = Spool(lambda *d: None, max_bytes=1 << 20, directory=str(spool_dir))
-    assert Spool(lambda *d: None, max_bytes=1 << 20, directory=str(spool_dir)).id == first.id
-    for name in os.listdir(spool_dir):
-        os.unlink(spool_dir / name)
-    assert Spool(lambda *d: None, max_bytes=1 << 20, directory=str(spool_dir)).id != first.id
+def test_a_restarted_collector_never_reuses_a_token_even_with_an_empty_spool(store: Store, tmp_path: Path) -> None:
+    """Tokens name a segment for good: a new run's first batch must not look like the last run's first batch."""
+    spool_dir = str(tmp_path / "spool")
+    tokens: list[str] = []
+    for run in range(3):
+        writers = Writers(store, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
+        writers.start()
+        writers.write(_events(10, start=run * 10))
+        wait_until(lambda w=writers: w.depth()["events"] == 0)  # type: ignore[misc]
+        tokens.append(f"stepline-{writers.spool.run_id}-1")
+        writers.stop()
+    assert len(set(tokens)) == 3
+    assert store.query("SELECT count(), uniqExact(message) FROM events").result_rows[0] == (30, 30)
 
 
 def test_a_request_waiting_in_the_spool_is_not_written_again_after_a_restart(tmp_path: Path) -> None:

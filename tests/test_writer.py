@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -120,20 +121,14 @@ def test_rows_the_store_will_not_take_at_stop_are_counted_not_silently_lost() ->
     assert _value(metrics, "stepline_writer_rows_dropped_total", table="events", reason="stopped") == 1
 
 
-def test_a_batch_the_client_cannot_serialise_is_dropped_and_the_rest_flow() -> None:
+def test_a_row_that_does_not_fit_its_table_is_dropped_alone_and_the_rest_flow() -> None:
     sink, metrics = MemorySink(), SelfMetrics()
-    bad = sink.insert
-
-    def insert(table: str, rows: object, columns: object, token: str | None = None) -> None:
-        if any(r[6] == "poison" for r in rows):  # type: ignore[attr-defined]
-            raise TypeError("cannot serialise a value of column message")
-        bad(table, rows, columns, token)  # type: ignore[arg-type]
-
-    sink.insert = insert  # type: ignore[method-assign,assignment]
-    writer = _writer(sink, metrics, max_rows=100, batch_rows=1, flush_interval_s=0.01)
+    writer = _writer(sink, metrics, max_rows=100, batch_rows=50, flush_interval_s=0.01)
     writer.start()
-    writer.put([_event(1), _event(2)._replace(message="poison"), _event(3)])
+    bad = _event(2)._replace(ts="not a time")  # type: ignore[arg-type]
+    writer.put([_event(1), bad, _event(3)])
     wait_until(lambda: len(sink.rows("events")) == 2)
+    assert [r.message for r in sink.rows("events")] == ["m1", "m3"]
     assert _value(metrics, "stepline_writer_rows_dropped_total", table="events", reason="rejected") == 1
     writer.stop()
 
@@ -151,3 +146,25 @@ def test_writers_drain_into_the_real_store_on_stop(store: Store) -> None:
     writers.stop()
     assert store.query("SELECT count(), uniqExact(message) FROM events").result_rows[0] == (1234, 1234)
     assert _value(metrics, "stepline_writer_rows_written_total", table="events") == 1234
+
+
+def test_a_batch_the_store_refuses_as_bad_data_is_dropped_not_retried_forever() -> None:
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    class Refusing(MemorySink):
+        def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                          dedup_token: str | None = None) -> None:
+            if self.attempts == 0:
+                self.attempts += 1
+                error = DatabaseError("Code: 53. DB::Exception: Type mismatch")
+                error.code = 53
+                raise error
+            super().insert_native(table, column_names, data, dedup_token)
+
+    sink, metrics = Refusing(), SelfMetrics()
+    writer = _writer(sink, metrics, max_rows=100, batch_rows=2, flush_interval_s=0.01)
+    writer.put([_event(i) for i in range(4)])
+    writer.start()
+    wait_until(lambda: len(sink.rows("events")) == 2)
+    assert _value(metrics, "stepline_writer_rows_dropped_total", table="events", reason="rejected") == 2
+    writer.stop()

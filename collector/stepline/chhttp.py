@@ -5,12 +5,14 @@ from __future__ import annotations
 import bisect
 import importlib
 import re
-import struct
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from email import policy
 from email.parser import BytesParser
+
+from stepline.chnative import BLOCK_INFO as BLOCK_INFO  # re-exported: clients of this module frame with it
+from stepline.chnative import UnsupportedColumn, reframe
 
 READONLY = 164
 SYNTAX_ERROR = 62
@@ -55,7 +57,6 @@ class Token:
 
 
 _QUOTED = r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|`(?:[^`\\]|\\.|``)*`"  # backslash escapes, doubled quote
-_QUOTED_RE = re.compile(_QUOTED, re.S)
 # ClickHouse's lexer, as far as the guard needs it: what is code, a literal, a quoted identifier or a comment.
 _LEXEME = re.compile(
     r"(?P<skip>[ \t\n\r\f\v]+|[^\x00-\x7f]+|--[^\n]*|#[ !][^\n]*)"  # it skips Unicode spaces: `file\u200b(` calls
@@ -184,17 +185,18 @@ def decompress(encoding: str, body: bytes, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     modules = {"lz4": "lz4.frame", "zstd": "backports.zstd"}  # clickhouse-connect's dependencies
+    if encoding not in modules and encoding not in ("gzip", "x-gzip", "deflate"):
+        raise SqlRefused(f"Unknown Content-Encoding of HTTP request: {encoding[:40]}", 48, "NOT_IMPLEMENTED")
     try:
-        if encoding in ("gzip", "x-gzip", "deflate"):  # 32+: zlib or gzip framing, whichever the header says
-            out: bytes = zlib.decompressobj(32 + zlib.MAX_WBITS).decompress(body, limit + 1)
-        elif encoding in modules:
+        if encoding in modules:
             module = importlib.import_module(modules[encoding])
             stream = module.LZ4FrameDecompressor() if encoding == "lz4" else module.ZstdDecompressor()
-            out = stream.decompress(body, limit + 1)
-        else:
-            raise SqlRefused(f"Unknown Content-Encoding of HTTP request: {encoding}", 48, "NOT_IMPLEMENTED")
-    except (zlib.error, RuntimeError, OSError, ImportError) as ex:
-        raise SqlRefused(f"cannot decompress the {encoding} request body: {ex}", 271, "CANNOT_DECOMPRESS") from None
+            out: bytes = stream.decompress(body, limit + 1)
+        else:  # 32+: zlib or gzip framing, whichever the header says
+            out = zlib.decompressobj(32 + zlib.MAX_WBITS).decompress(body, limit + 1)
+    except Exception as ex:  # untrusted bytes: every decompressor failure (zlib.error, ZstdError, ...) is the body's
+        detail = " ".join(str(ex).split())[:160] or type(ex).__name__
+        raise SqlRefused(f"cannot decompress the {encoding} request body: {detail}", 271, "CANNOT_DECOMPRESS") from None
     if len(out) > limit:
         raise too_large(len(out), limit)
     return out
@@ -203,13 +205,20 @@ def decompress(encoding: str, body: bytes, limit: int) -> bytes:
 def form_fields(content_type: str, body: bytes) -> dict[str, str]:
     """Fields of a multipart/form-data body (clickhouse-connect sends long bind parameters that way)."""
     fields: dict[str, str] = {}
-    message = BytesParser(policy=policy.HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if part.get_filename() is not None or not isinstance(name, str):
-            raise SqlRefused("external data tables are not supported", NOT_IMPLEMENTED, "NOT_IMPLEMENTED")
-        payload = part.get_payload(decode=True)
-        fields[name] = payload.decode() if isinstance(payload, bytes) else ""
+    try:
+        head = f"Content-Type: {content_type}\r\n\r\n".encode("utf-8", errors="replace")
+        parts = list(BytesParser(policy=policy.HTTP).parsebytes(head + body).iter_parts())
+        for part in parts:
+            name = part.get_param("name", header="content-disposition")
+            if part.get_filename() is not None or not isinstance(name, str):
+                raise SqlRefused("external data tables are not supported", NOT_IMPLEMENTED, "NOT_IMPLEMENTED")
+            payload = part.get_payload(decode=True)
+            fields[name] = payload.decode() if isinstance(payload, bytes) else ""
+    except SqlRefused:
+        raise
+    except Exception as ex:  # untrusted bytes: the email parser's failures and undecodable fields are the body's
+        detail = " ".join(str(ex).split())[:160] or type(ex).__name__
+        raise SqlRefused(f"cannot read the multipart/form-data body: {detail}", 36, "BAD_ARGUMENTS") from None
     return fields
 
 
@@ -238,151 +247,15 @@ def query_settings(params: Mapping[str, str], base: Mapping[str, str], caps: Map
     return chosen
 
 
-# ---- Native format: add the framing that client_protocol_version asks for -------------------------------
-
-BLOCK_INFO = b"\x01\x00\x02\xff\xff\xff\xff\x00"  # is_overflows=0, bucket_num=-1, end of fields
-REVISION_WITH_CUSTOM_SERIALIZATION = 54454
-_FIXED_WIDTH = {
-    "UInt8": 1, "Int8": 1, "Bool": 1, "Enum8": 1, "Nothing": 1, "UInt16": 2, "Int16": 2, "Date": 2,
-    "Enum16": 2, "BFloat16": 2, "UInt32": 4, "Int32": 4, "Float32": 4, "Date32": 4, "DateTime": 4, "IPv4": 4,
-    "Decimal32": 4, "Time": 4, "UInt64": 8, "Int64": 8, "Float64": 8, "DateTime64": 8, "Decimal64": 8,
-    "Time64": 8, "UInt128": 16, "Int128": 16, "UUID": 16, "IPv6": 16, "Decimal128": 16, "UInt256": 32,
-    "Int256": 32, "Decimal256": 32,
-}
-_ALIASES = {
-    "Point": "Tuple(Float64, Float64)", "Ring": "Array(Point)", "LineString": "Array(Point)",
-    "Polygon": "Array(Ring)", "MultiLineString": "Array(LineString)", "MultiPolygon": "Array(Polygon)",
-}
-_U64 = struct.Struct("<Q")
-_KEY_WIDTH = (1, 2, 4, 8)
-_HAS_ADDITIONAL_KEYS = 1 << 9
-
-
-def _split_args(inner: str) -> list[str]:
-    args, depth, start, i = [], 0, 0, 0
-    while i < len(inner):
-        c = inner[i]
-        if quoted := _QUOTED_RE.match(inner, i):
-            i = quoted.end()
-            continue
-        depth += 1 if c == "(" else -1 if c == ")" else 0
-        if c == "," and depth == 0:
-            args.append(inner[start:i].strip())
-            start = i + 1
-        i += 1
-    args.append(inner[start:].strip())
-    return args
-
-
-def _parse_type(text: str) -> tuple[str, list[str]]:
-    text = _ALIASES.get(text.strip(), text.strip())
-    paren = text.find("(")
-    if paren < 0:
-        return text, []
-    return text[:paren].strip(), _split_args(text[paren + 1 : text.rindex(")")])
-
-
-def _element_type(arg: str) -> str:
-    """Type of a Tuple element, dropping its name (`a UInt8`, `` `a b` String``) when it has one."""
-    if arg[:1] in "`\"" and (quoted := _QUOTED_RE.match(arg)):
-        return arg[quoted.end() :].strip()
-    head = arg.split("(", 1)[0]
-    return arg.split(None, 1)[1] if len(head.split()) > 1 else arg
-
-
-def _children(name: str, args: list[str]) -> list[str]:
-    if name in ("Array", "Nullable", "LowCardinality"):
-        return args[:1]
-    if name == "SimpleAggregateFunction":
-        return args[-1:]
-    if name == "Map":
-        return args
-    if name in ("Tuple", "Nested"):
-        return [_element_type(a) for a in args]
-    return []
-
-
-def _prefix_count(type_name: str) -> int:
-    """LowCardinality columns write an 8-byte state prefix before any data, in type-tree order."""
-    name, args = _parse_type(type_name)
-    return (name == "LowCardinality") + sum(_prefix_count(a) for a in _children(name, args))
-
-
-def _skip(buf: bytes, pos: int, type_name: str, rows: int) -> int:
-    """Position after `rows` values of `type_name` in Native bulk layout starting at `pos`."""
-    if rows == 0:
-        return pos
-    name, args = _parse_type(type_name)
-    if name in _FIXED_WIDTH or name.startswith("Interval"):
-        return pos + _FIXED_WIDTH.get(name, 8) * rows
-    if name == "Decimal":
-        precision = int(args[0])
-        return pos + (4 if precision <= 9 else 8 if precision <= 18 else 16 if precision <= 38 else 32) * rows
-    if name == "FixedString":
-        return pos + int(args[0]) * rows
-    if name == "String":
-        for _ in range(rows):
-            length, pos = _varint(buf, pos)
-            pos += length
-        return pos
-    if name == "Nullable":
-        return _skip(buf, pos + rows, args[0], rows)
-    if name == "SimpleAggregateFunction":
-        return _skip(buf, pos, args[-1], rows)
-    if name in ("Array", "Map", "Nested"):
-        nested: int = _U64.unpack_from(buf, pos + 8 * (rows - 1))[0]
-        pos += 8 * rows
-        inner = args[0] if name == "Array" else f"Tuple({', '.join(args)})"
-        return _skip(buf, pos, inner, nested)
-    if name == "Tuple":
-        for element in _children(name, args):
-            pos = _skip(buf, pos, element, rows)
-        return pos
-    if name == "LowCardinality":
-        index_type: int = _U64.unpack_from(buf, pos)[0]
-        pos += 8
-        if index_type & _HAS_ADDITIONAL_KEYS:
-            keys: int = _U64.unpack_from(buf, pos)[0]
-            dictionary = _parse_type(args[0])
-            pos = _skip(buf, pos + 8, dictionary[1][0] if dictionary[0] == "Nullable" else args[0], keys)
-        indexes: int = _U64.unpack_from(buf, pos)[0]
-        return pos + 8 + _KEY_WIDTH[index_type & 0xFF] * indexes
-    raise SqlRefused(f"column type {type_name} cannot be sent in Native format to a client_protocol_version client; "
-                     "cast it or use another format", NOT_IMPLEMENTED, "NOT_IMPLEMENTED")
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while buf[pos] & 0x80:
-        value, shift, pos = value | (buf[pos] & 0x7F) << shift, shift + 7, pos + 1
-    return value | buf[pos] << shift, pos + 1
+# ---- Native format: the framing that client_protocol_version asks for (stepline.chnative) ----------------
 
 
 def native_for_revision(data: bytes, revision: int) -> bytes:
     """Re-frame revision-0 Native blocks (what chDB writes) as ClickHouse does for `client_protocol_version`."""
-    if revision <= 0 or not data:
-        return data
-    out, pos, n = bytearray(), 0, len(data)
-    while pos < n:
-        out += BLOCK_INFO
-        start = pos
-        columns, pos = _varint(data, pos)
-        rows, pos = _varint(data, pos)
-        out += data[start:pos]
-        for _ in range(columns):
-            start = pos
-            name_length, pos = _varint(data, pos)
-            type_length, pos = _varint(data, pos + name_length)
-            type_name = data[pos : pos + type_length].decode()
-            pos += type_length
-            out += data[start:pos]
-            if revision >= REVISION_WITH_CUSTOM_SERIALIZATION:
-                out.append(0)  # no custom (sparse) serialization
-            start = pos
-            if rows:
-                pos = _skip(data, pos + 8 * _prefix_count(type_name), type_name, rows)
-            out += data[start:pos]
-    return bytes(out)
+    try:
+        return reframe(data, revision)
+    except UnsupportedColumn as ex:
+        raise SqlRefused(str(ex), NOT_IMPLEMENTED, "NOT_IMPLEMENTED") from None
 
 
 # ---- errors and content types ---------------------------------------------------------------------------
@@ -397,6 +270,11 @@ _CONTENT_TYPES = (
 )
 
 
+# `Code: N. DB::Exception: <the same exception again>. (NAME)`, as the driver re-wraps an engine error.
+_NESTED = re.compile(r"Code: (\d+)\. DB::Exception: (Code: \1\. DB::Exception: .*?)(?: \(version [^()]*\))?\. "
+                     r"\([A-Z0-9_]+\)\Z")
+
+
 def http_status(code: int) -> int:
     """The HTTP status ClickHouse answers an exception code with (500 for most)."""
     return _HTTP_STATUS.get(code, 500)
@@ -404,9 +282,13 @@ def http_status(code: int) -> int:
 
 def exception_text(code: int, name: str, message: str) -> str:
     """A ClickHouse-style exception line: `Code: N. DB::Exception: message. (NAME)`."""
-    if message.startswith("Code: "):
-        return message.rstrip() + "\n"  # already ClickHouse-formatted (chDB passes the engine's text through)
-    return f"Code: {code}. DB::Exception: {message.rstrip('.')}. ({name})\n"
+    text = " ".join(message.split())  # one line: the engine's messages can quote a multi-line query
+    if text.startswith("Code: "):
+        # Already ClickHouse-formatted (chDB passes the engine's text through), at times wrapped in itself again.
+        while (nested := _NESTED.match(text)) is not None:
+            text = nested.group(2)
+        return text + "\n"
+    return f"Code: {code}. DB::Exception: {text.rstrip('.')}. ({name})\n"
 
 
 def content_type(fmt: str) -> str:

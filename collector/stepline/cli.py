@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -104,14 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         "requests", help="the slowest finished requests, with the steps that slowed them",
         description="Join each of the slowest requests with the engine steps around it: time it queued while "
                     "prefill ran, tokens it decoded beside a long prefill chunk, and its step-time tail.")
-    requests_p.add_argument("--slowest", type=int, default=20, metavar="N", help="how many requests (default 20)")
+    requests_p.add_argument("--slowest", type=_count, default=20, metavar="N", help="how many requests (default 20)")
     requests_p.add_argument("--by", choices=("e2e", "ttft", "tpot", "queue"), default="e2e",
                             help="what 'slowest' means: end-to-end, time to first token, time per output "
                                  "token, or queue time (default e2e)")
     requests_p.add_argument("--since", default="1h", metavar="DURATION",
                             help="how far back, e.g. 30m, 2h, 1d (default 1h)")
     requests_p.add_argument("--engine", default="", help="only this engine (default: all)")
-    requests_p.add_argument("--long-prefill", type=int, default=2048, metavar="TOKENS",
+    requests_p.add_argument("--long-prefill", type=_count, default=2048, metavar="TOKENS",
                             help="a step carrying at least this many prefill tokens counts as a long prefill "
                                  "(default 2048)")
     requests_p.add_argument("--store", help=STORE_HELP)
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _collect(args: argparse.Namespace) -> int:
+    from stepline import gctune
     from stepline.collector import Collector
 
     settings = Settings.from_env(
@@ -199,6 +201,7 @@ def _collect(args: argparse.Namespace) -> int:
         collector.start()
     except OSError as exc:
         raise SettingsError(f"cannot listen on {settings.listen}: {exc.strerror}") from None
+    gctune.tune()
     if not settings.engines:
         log.warning("no --engine given: no /metrics is scraped; the plugin, OTLP, GPU and host sources still run")
     collector.run_until_signalled()
@@ -206,8 +209,14 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
+    from stepline.chhttp import SqlRefused, read_only_statement
     from stepline.reader import open_reader, render_table
 
+    try:  # read-only whichever way the store is reached (an embedded store opened directly is writable)
+        read_only_statement(args.sql)
+    except SqlRefused as exc:
+        print(f"stepline: query refused: {exc}", file=sys.stderr)
+        return 1
     reader = open_reader(args.store or default_store_url())
     try:
         fmt = args.format.lower()
@@ -230,7 +239,7 @@ def _requests(args: argparse.Namespace) -> int:
     from stepline import perrequest
     from stepline.reader import open_reader
 
-    since = time.time() - parse_duration(args.since)
+    since = max(0.0, time.time() - parse_duration(args.since))
     reader = open_reader(args.store or default_store_url())
     try:
         found = perrequest.slowest(reader.client, since=since, limit=args.slowest, by=args.by, engine=args.engine,
@@ -267,9 +276,20 @@ def parse_duration(text: str) -> float:
         seconds = float(value) * units[unit]
     except ValueError:
         raise SettingsError(f"duration {text!r} is not like 90s, 30m, 2h or 1d") from None
-    if not seconds > 0:
-        raise SettingsError(f"duration {text!r} must be positive")
+    if not 0 < seconds < math.inf:  # nan and inf too: the duration becomes a bound Int64 of microseconds
+        raise SettingsError(f"duration {text!r} must be positive and finite")
     return seconds
+
+
+def _count(text: str) -> int:
+    """A whole number 1..2^32-1: it is bound to a UInt32 query parameter."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value < 1 << 32:
+        raise argparse.ArgumentTypeError(f"{value} is not between 1 and {(1 << 32) - 1}")
+    return value
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -101,7 +101,8 @@ class Collector:
             self._close()
             raise
         self.sources = [item.source for item in scheduled]
-        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe)
+        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe,
+                             retention_days=s.retention_days, clock=self.clock)
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
                    f"{url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
                                                 "retention_days": str(s.retention_days)})

@@ -24,23 +24,32 @@ class RecentRequests:
         self._max_entries = max_entries
         self._monotonic = monotonic
         self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._oldest_at = monotonic()  # when the oldest entry was seen: nothing to forget before window_s after it
         self._lock = threading.Lock()
 
     def first_time(self, engine: str, request_id: str) -> bool:
         """True the first time a request is seen (and remember it); False for a repeat."""
-        now = self._monotonic()
         key = (engine, request_id)
         with self._lock:
             seen = self._seen
-            while seen:
-                oldest_key, at = next(iter(seen.items()))
-                if now - at <= self._window_s and len(seen) < self._max_entries:
-                    break
-                del seen[oldest_key]
             if key in seen:
                 return False
+            now = self._monotonic()
             seen[key] = now
+            if len(seen) > self._max_entries or now - self._oldest_at > self._window_s:
+                self._forget(now)
             return True
+
+    def _forget(self, now: float) -> None:
+        """Under the lock: drop entries past the window or beyond the bound, oldest first."""
+        seen = self._seen
+        while seen:
+            oldest_key, at = next(iter(seen.items()))
+            if now - at <= self._window_s and len(seen) <= self._max_entries:
+                self._oldest_at = at
+                return
+            del seen[oldest_key]
+        self._oldest_at = now
 
     def __len__(self) -> int:
         return len(self._seen)

@@ -242,7 +242,8 @@ def store_results(store_url: str, rows: Sequence[Event]) -> str:
     """Insert the events into the store; the returned line says where they went. Raises StoreError."""
     store = Store.open(store_url)
     try:
-        exists = store.query(f"EXISTS TABLE `{store.database}`.`events`").result_rows
+        exists = store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'events'",
+                             parameters={"db": store.database}).result_rows
         if not exists or not exists[0][0]:
             store.ensure_schema(NEW_STORE_RETENTION_DAYS)
         store.insert("events", rows, Event._fields)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import hmac
 import json
 import logging
@@ -16,121 +15,28 @@ from dataclasses import dataclass, field
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
-import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 from clickhouse_connect.driver.exceptions import Error as DriverError
 
 from stepline import chhttp
 from stepline.chhttp import SqlRefused
+from stepline.querysessions import Sessions
 from stepline.selfmetrics import SelfMetrics
 from stepline.serving import ServerThread
 
 logger = logging.getLogger(__name__)
 
-Settings = tuple[tuple[str, str], ...]
-
 _QUERY_ID = re.compile(r"[\x21-\x7e]{1,128}\Z")  # echoed in a header, so no spaces or control characters
-_PLACEHOLDER = re.compile(r"\{\w+:[^}]+\}")
-_SESSION_WAIT_S = 30.0
+_TIMEZONE = re.compile(r"[A-Za-z0-9_+\-/]{1,64}\Z")  # echoed in a header too: an IANA name or nothing
+_REVISION = re.compile(r"[0-9]{1,9}\Z")  # ASCII only: str.isdigit() also takes "²", which int() refuses
+_LENGTH = re.compile(rb"[0-9]{1,18}\Z")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?\r?\n\Z")
+_MAX_TRAILERS = 64
 _DRAIN_CAP_BYTES = 64 << 20
 _TEXT = "text/plain; charset=UTF-8"
-
-
-class _Verbatim:
-    """A bind value clickhouse-connect passes on as is: HTTP `param_` values are already ClickHouse escaped text."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def _bindings(sql: str, params: Mapping[str, str]) -> dict[str, Any] | None:
-    # Without a {name:Type} placeholder clickhouse-connect would %-format the query client-side instead.
-    if not params or not _PLACEHOLDER.search(sql):
-        return None
-    return {k: _Verbatim(v) for k, v in params.items() if not (k.startswith("$") and k.endswith("$"))}
-
-
-class _Sessions:
-    """Read-only chDB sessions on the store's path, pooled by settings; each runs one query at a time.
-
-    A session applies its settings, then readonly=1, when it opens: nothing it runs later (a query's own SETTINGS,
-    a second statement) can change a setting or write. Per-call settings would not do: clickhouse-connect's chDB
-    backend applies them with SET and restores them after, and readonly=1 would make them stick.
-    """
-
-    def __init__(self, path: str, max_sessions: int) -> None:
-        self._path = path
-        self._max = max_sessions
-        self._idle: dict[Settings, list[Client]] = {}
-        self._count = 0
-        self._closed = False
-        self._cond = threading.Condition()
-
-    def run(self, settings: Settings, database: str, sql: str, params: Mapping[str, str]) -> bytes:
-        session = self._acquire(settings)
-        keep = False
-        try:
-            session.database = database
-            data = session.raw_query(sql, parameters=_bindings(sql, params))
-            keep = True
-            return data
-        except DatabaseError:
-            keep = True  # an engine error leaves the session usable
-            raise
-        finally:
-            self._release(settings, session, keep)
-
-    def _acquire(self, key: Settings) -> Client:
-        deadline = time.monotonic() + _SESSION_WAIT_S
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise SqlRefused("the query endpoint is stopping", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
-                if self._idle.get(key):
-                    return self._idle[key].pop()
-                spare = next((k for k, v in self._idle.items() if v), None)
-                if self._count >= self._max and spare is not None:
-                    self._idle[spare].pop().close()  # idle, so closing it cannot block
-                    self._count -= 1
-                if self._count < self._max:
-                    self._count += 1
-                    break
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise SqlRefused(f"all {self._max} query sessions are busy", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
-        try:  # readonly last: every SET before it is still allowed, none after it is
-            settings = {**dict(key), "readonly": 1}
-            return clickhouse_connect.get_client(interface="chdb", path=self._path, settings=settings)
-        except BaseException:
-            self._release(key, None, keep=False)
-            raise
-
-    def _release(self, key: Settings, session: Client | None, keep: bool) -> None:
-        with self._cond:
-            self._cond.notify()
-            if keep and session is not None and not self._closed:
-                self._idle.setdefault(key, []).append(session)
-                return
-            self._count -= 1
-        if session is not None:
-            session.close()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            idle = [s for sessions in self._idle.values() for s in sessions]
-            self._idle.clear()
-            self._count -= len(idle)
-            self._cond.notify_all()
-        for session in idle:
-            session.close()
 
 
 @dataclass
@@ -173,7 +79,7 @@ class QueryEndpoint:
             if value < 1:
                 raise ValueError(f"query endpoint: {name} must be at least 1, got {value}")
         self._client = client
-        self._sessions = _Sessions(uri[len("chdb://") :], max_sessions)
+        self._sessions = Sessions(uri[len("chdb://") :], max_sessions)
         self.host, self._port, self.database, self.max_body_bytes = host, port, database, max_body_bytes
         self._password = password.encode() if password is not None else None
         self._base_settings = {"session_timezone": "UTC", "result_overflow_mode": "throw"}
@@ -225,11 +131,17 @@ class QueryEndpoint:
 
     def answer(self, method: str, target: str, headers: Message, body: bytes, peer: str) -> _Reply:
         """Turn one HTTP request into a reply; never raises."""
-        url = urlsplit(target)
-        params = dict(parse_qsl(url.query, keep_blank_values=True))
-        if url.path in ("/ping", "/replicas_status") or (url.path == "/" and method != "POST" and not params):
+        try:
+            url: SplitResult | None = urlsplit(target)
+        except ValueError:  # e.g. "//[x": an unclosed IPv6 bracket where urlsplit expects a host
+            url = None
+        params = dict(parse_qsl(url.query, keep_blank_values=True)) if url is not None else {}
+        if url is not None and (url.path in ("/ping", "/replicas_status")
+                                or (url.path == "/" and method != "POST" and not params)):
             return _Reply(200, b"Ok.\n", "ping", {"Content-Type": _TEXT})
         try:
+            if url is None:
+                raise SqlRefused(f"cannot parse the request target {target[:100]!r}", 36, "BAD_ARGUMENTS", status=400)
             if url.path != "/":
                 raise SqlRefused(f"There is no handle {url.path}: use / or /ping", 0, "NO_HANDLE", status=404)
             self._authenticate(headers, params)
@@ -246,12 +158,19 @@ class QueryEndpoint:
         if reply.outcome != "served":
             line = reply.body.decode(errors="replace").strip().split("\n")[0][:300]
             logger.warning("query endpoint: %s (HTTP %d) for %s: %s", reply.outcome, reply.status, peer, line)
-        query_id = params.get("query_id", "")
+        query_id, timezone = params.get("query_id", ""), params.get("session_timezone", "")
         reply.headers.update({
             "X-ClickHouse-Query-Id": query_id if _QUERY_ID.match(query_id) else str(uuid.uuid4()),
             "X-ClickHouse-Server-Display-Name": "stepline",
-            "X-ClickHouse-Timezone": params.get("session_timezone") or "UTC",
+            "X-ClickHouse-Timezone": timezone if _TIMEZONE.match(timezone) else "UTC",
         })
+        return reply
+
+    def unreadable(self, message: str) -> _Reply:
+        """The reply to a request whose framing is broken (Content-Length, chunks): the connection closes after."""
+        logger.warning("query endpoint: unreadable request: %s", message)
+        reply = self._error(36, "BAD_ARGUMENTS", f"cannot read the request: {message}", 400)
+        reply.headers["Connection"] = "close"
         return reply
 
     def too_large(self, size: int) -> _Reply:
@@ -277,7 +196,7 @@ class QueryEndpoint:
         if supplied is None and basic[:6].lower() == "basic ":
             try:
                 supplied = base64.b64decode(basic[6:].strip(), validate=True).decode().partition(":")[2]
-            except (binascii.Error, UnicodeDecodeError):
+            except ValueError:  # binascii.Error, UnicodeDecodeError, or non-ASCII text in the header
                 supplied = ""
         supplied = params.get("password") if supplied is None else str(supplied)
         if supplied is None or not hmac.compare_digest(supplied.encode(), self._password):
@@ -308,7 +227,7 @@ class QueryEndpoint:
         started = time.monotonic_ns()
         data = self._sessions.run(tuple(sorted(settings.items())), database, sql, binds)
         revision = params.get("client_protocol_version", "0")
-        if fmt.lower() == "native" and revision.isdigit():
+        if fmt.lower() == "native" and _REVISION.match(revision):
             data = chhttp.native_for_revision(data, int(revision))
         summary = dict.fromkeys(("read_rows", "read_bytes", "written_rows", "written_bytes", "total_rows_to_read",
                                  "result_rows"), "0")  # chDB does not report these through clickhouse-connect
@@ -357,7 +276,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(endpoint.too_large(ex.size), head)
             self._discard(min(ex.declared, _DRAIN_CAP_BYTES))
             return
-        except (ValueError, OSError) as ex:  # broken framing or a dropped connection: nothing sensible to answer
+        except ValueError as ex:  # broken framing: say so, then close (the rest of the stream cannot be trusted)
+            endpoint.count("failed")
+            self._send(endpoint.unreadable(f"{ex} (from {self.client_address[0]})"), head)
+            self.close_connection = True
+            return
+        except OSError as ex:  # a dropped or stalled connection: nobody to answer
             logger.warning("query endpoint: unreadable request from %s: %s", self.client_address[0], ex)
             endpoint.count("failed")
             self.close_connection = True
@@ -367,24 +291,45 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(reply, head)
 
     def _read_body(self, limit: int) -> bytes:
+        """The request body; ValueError for broken framing, OSError when the client goes away mid-body."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():  # clickhouse-connect's inserts
             parts: list[bytes] = []
             total = 0
-            while size := int(self.rfile.readline(1024).split(b";")[0].strip() or b"x", 16):
+            while True:
+                line = self.rfile.readline(1024)
+                if (size_line := _CHUNK_SIZE.match(line)) is None:
+                    raise ValueError(f"bad chunk size line {line[:40]!r}")
+                if not (size := int(size_line.group(1), 16)):
+                    break
                 total += size
-                if total > limit:
-                    raise _TooLarge(total, 0)
-                parts.append(self.rfile.read(size))
-                self.rfile.readline(8)
-            while self.rfile.readline(1024).strip():
-                pass  # trailers
-            return b"".join(parts)
-        declared = int(self.headers.get("Content-Length") or 0)
-        if declared < 0:
-            raise ValueError("negative Content-Length")
+                if total > limit:  # how much is still coming is unknown: drain up to the cap before closing
+                    raise _TooLarge(total, _DRAIN_CAP_BYTES)
+                parts.append(self._read_exactly(size))
+                if self.rfile.readline(8) not in (b"\r\n", b"\n"):
+                    raise ValueError("a chunk is not followed by CRLF")
+            for _ in range(_MAX_TRAILERS):
+                if not self.rfile.readline(1024).strip():
+                    return b"".join(parts)
+            raise ValueError(f"more than {_MAX_TRAILERS} trailer lines")
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length", [])}
+        if len(lengths) > 1 or not all(_LENGTH.match(value.encode()) for value in lengths):
+            raise ValueError(f"Content-Length {', '.join(sorted(lengths))[:60]!r} is not one byte count")
+        declared = int(lengths.pop()) if lengths else 0
         if declared > limit:
             raise _TooLarge(declared, declared)
-        return self.rfile.read(declared)
+        return self._read_exactly(declared)
+
+    def _read_exactly(self, size: int) -> bytes:
+        data = self.rfile.read(size)
+        if len(data) < size:  # the client closed or stalled past the timeout: never run a truncated query
+            raise OSError(f"the body ended after {len(data)} of {size} bytes")
+        return data
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The server's own refusals (a malformed request line or header, an unknown method) are counted too."""
+        self.server.endpoint.count("failed")
+        logger.warning("query endpoint: HTTP %d for %s: %s", code, self.client_address[0], message or "")
+        super().send_error(code, message, explain)
 
     def _discard(self, size: int) -> None:
         # Read what the client is still sending, so closing does not reset the connection before it reads the reply.

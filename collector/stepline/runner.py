@@ -1,20 +1,37 @@
-"""The runner: polls every source on its interval, times it, and never lets one failure spread."""
+"""The runner: polls every source on its interval, times it, and never lets one failure spread.
+
+The clock rule. Every row a source emits passes through the runner, and the runner alone judges its `ts`
+against the collector's clock: a row more than MAX_AHEAD_S (5 minutes) ahead of it, or older than the
+retention window (`retention_days`), is dropped and counted in
+`stepline_writer_rows_dropped_total{table, reason="ts_out_of_range"}`, with one rate-limited log line naming the
+source, the table and the skew. A row from the future would sit past every dashboard's "now" and skew the
+watchdog; one older than the retention would land in a part its TTL drops at once. The largest skew of each
+source's latest batch (row ts minus the collector's clock, positive when the source runs ahead) is exported as
+`stepline_source_clock_skew_max_seconds{source}`. Rows in range are accepted in whatever order they arrive:
+the store sorts by each table's ORDER BY, and nothing downstream assumes arrival order.
+"""
 
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from stepline.clock import Clock, SystemClock
 from stepline.ratelimit import RateLimitedLog
-from stepline.rows import Event, Row, micros
+from stepline.rows import TABLE_OF, Event, Row, micros
 from stepline.selfmetrics import SelfMetrics
 from stepline.sources.base import Counting, Listener, Source, SourceError
 from stepline.writer import Writers
 
 log = logging.getLogger(__name__)
+
+MAX_AHEAD_S = 300.0  # a source's clock may run this far ahead of the collector's before its rows are dropped
+_DAY_US = 86_400_000_000
+_TS = operator.itemgetter(0)
 
 
 @dataclass(frozen=True)
@@ -29,9 +46,17 @@ class Runner:
     """One thread per source: poll, record timing and success, sleep until the next tick."""
 
     def __init__(self, scheduled: Iterable[Scheduled], writers: Writers, metrics: SelfMetrics, host: str, *,
-                 observer: Callable[[Sequence[Row]], None] | None = None) -> None:
-        """`observer` sees every batch the sources emit (the watchdog's tap); it must be cheap and never raise."""
+                 observer: Callable[[Sequence[Row]], None] | None = None, retention_days: int = 30,
+                 clock: Clock | None = None) -> None:
+        """`observer` sees every batch of rows in range (the watchdog's tap); it must be cheap and never raise.
+
+        Rows are judged against `clock` (the collector's) by the clock rule in this module's docstring.
+        """
+        if retention_days < 1:
+            raise ValueError(f"runner: retention must be at least 1 day, got {retention_days}")
         self._scheduled = list(scheduled)
+        self._clock = clock or SystemClock()
+        self._retention_us = retention_days * _DAY_US
         self._observer = observer
         self._writers = writers
         self._metrics = metrics
@@ -39,6 +64,7 @@ class Runner:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._error_log = RateLimitedLog(log, interval_s=30.0)
+        self._skew_log = RateLimitedLog(log, interval_s=60.0)
         self._last_error: dict[str, str] = {}
         self._last_counts: dict[str, dict[str, int]] = {}
 
@@ -74,15 +100,18 @@ class Runner:
         """Poll one source now; returns whether the poll succeeded."""
         name = source.name
         rows = 0
+        skew: int | None = None  # the largest ts - now of this poll's rows, microseconds
 
         def emit(batch: Iterable[Row]) -> None:
-            nonlocal rows
-            if self._observer is None:
-                rows += self._writers.write(batch)
-                return
+            nonlocal rows, skew
             listed = batch if isinstance(batch, list) else list(batch)  # a generator could be read only once
+            if not listed:
+                return
+            listed, newest = self._in_range(name, listed)
+            skew = newest if skew is None else max(skew, newest)
             rows += self._writers.write(listed)
-            self._observer(listed)
+            if self._observer is not None and listed:
+                self._observer(listed)
 
         started = time.perf_counter()
         ok = False
@@ -96,12 +125,36 @@ class Runner:
         self._metrics.source_seconds.labels(name).set(time.perf_counter() - started)
         self._metrics.source_up.labels(name).set(1 if ok else 0)
         self._metrics.source_rows.labels(name).inc(rows)
+        if skew is not None:
+            self._metrics.clock_skew.labels(name).set(skew / 1e6)
         if isinstance(source, Counting):
             self._publish_counts(name, source.stats())
         if ok and name in self._last_error:
             log.info("source %s recovered", name)
             del self._last_error[name]
         return ok
+
+    def _in_range(self, name: str, rows: list[Row]) -> tuple[list[Row], int]:
+        """The rows whose ts obeys the clock rule, and the largest ts - now among all of them (microseconds)."""
+        now = micros(self._clock.time())
+        earliest, latest = now - self._retention_us, now + int(MAX_AHEAD_S * 1e6)
+        stamps = list(map(_TS, rows))  # every row type's first field is its ts
+        oldest, newest = min(stamps), max(stamps)
+        if earliest <= oldest and newest <= latest:
+            return rows, newest - now  # the usual case: three passes in C, the rows not copied
+        kept = [row for row in rows if earliest <= row.ts <= latest]
+        dropped: dict[str, list[int]] = {}
+        for row in rows:
+            if not earliest <= row.ts <= latest:
+                dropped.setdefault(TABLE_OF[type(row)], []).append(row.ts - now)
+        for table, skews in dropped.items():
+            self._metrics.rows_dropped.labels(table, "ts_out_of_range").inc(len(skews))
+            worst = max(skews, key=abs) / 1e6
+            self._skew_log.warning(
+                f"{name}:{table}", "dropped %d %s rows from source %s: ts %+.1f s from the collector's clock (rows may "
+                "be at most %.0f s ahead and %d days old)", len(skews), table, name, worst, MAX_AHEAD_S,
+                self._retention_us // _DAY_US)
+        return kept, newest - now
 
     def _publish_counts(self, name: str, counts: Mapping[str, int]) -> None:
         last = self._last_counts.setdefault(name, {})

@@ -20,7 +20,7 @@ class SettingsError(ValueError):
 class Settings:
     """Everything the collector is configured with."""
 
-    store: str = field(default_factory=default_store_url)
+    store: str = field(default_factory=default_store_url, repr=False)  # a server URL may carry a password
     retention_days: int = 30
     engines: tuple[str, ...] = ()
     host_name: str = field(default_factory=socket.gethostname)

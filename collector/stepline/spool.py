@@ -1,9 +1,11 @@
 """Where batches wait for the store: on disk (the default) or in memory, oldest dropped first when full.
 
-Every batch a writer cuts becomes a segment before it is inserted, and the segment goes only once the
-store has taken it. A segment is inserted with `insert_deduplication_token` = `token(segment)`, stable
-across retries and restarts, and the tables keep a deduplication window: an insert whose reply was lost,
-or a segment replayed after a kill -9 that had in fact been written, is stored once.
+Every batch a writer cuts becomes a segment — its rows in ClickHouse's Native format, exactly what the
+store is sent — before it is inserted, and the segment goes only once the store has taken it. A segment
+is inserted with its `token` as `insert_deduplication_token`, the same on every retry and after a restart
+(it is kept in the segment), and the tables keep a deduplication window: an insert whose reply was lost,
+or a segment replayed after a kill -9 that had in fact been written, is stored once. Tokens carry a
+random id drawn each time a spool opens, so a new segment never repeats an old one's token.
 
 On disk a segment is one file, `<seq>.<table>.seg`, written to a temporary name, fsynced and renamed,
 so a crash leaves whole segments or none. What a kill -9 can lose is what had not yet been cut into a
@@ -15,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import marshal
 import os
 import secrets
 import struct
@@ -30,10 +31,9 @@ from stepline.store import StoreError
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STEPLINE-SPOOL-1"
+MAGIC = b"STEPLINE-SPOOL-2"  # 2: the payload is Native bytes
 _HEAD = struct.Struct("<16sIIQ")  # magic, header length, payload crc32, payload length
-_ID_FILE = "spool-id"
-CACHE_ROWS = 200_000  # rows kept in memory beside their segment files, so a healthy store never reads them back
+CACHE_BYTES = 64 << 20  # batches kept in memory beside their files, so a healthy store never reads them back
 
 # Called with (table, rows, reason) for every row the spool gives up.
 OnDrop = Callable[[str, int, str], None]
@@ -52,6 +52,8 @@ class Segment:
     columns: tuple[str, ...]
     rows: int
     size: int
+    token: str
+    requests: tuple[tuple[str, str], ...] = ()  # (engine, request id) of a requests segment
 
 
 class Spool:
@@ -67,34 +69,33 @@ class Spool:
         self._lock = threading.Lock()
         self._pending: dict[str, list[Segment]] = {}
         self._claimed: set[int] = set()
-        self._cache: dict[int, list[tuple[Any, ...]]] = {}
-        self._cached_rows = 0
+        self._cache: dict[int, bytes] = {}
+        self._cached_bytes = 0
         self._bytes = 0
         self._next = 1
         self._log = RateLimitedLog(log, interval_s=10.0)
-        if directory is None:
-            self.id = secrets.token_hex(8)
-        else:
-            self.id = self._open(directory)
+        self.run_id = secrets.token_hex(8)
+        if directory is not None:
+            self._open(directory)
 
     # -- what the writers call ---------------------------------------------------------------------------
 
-    def append(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Segment:
-        """Keep one batch; on disk it is durable when this returns. Makes room by dropping the oldest."""
-        plain = [tuple(row) for row in rows]  # NamedTuples to tuples: what marshal and the client both take
-        payload = marshal.dumps(plain)
+    def append(self, table: str, columns: Sequence[str], data: bytes, rows: int,
+               requests: Sequence[tuple[str, str]] = ()) -> Segment:
+        """Keep one batch (Native bytes); on disk it is durable when this returns. Makes room by dropping the oldest."""
         with self._lock:
             seq = self._next
             self._next += 1
-        segment = Segment(seq, table, tuple(columns), len(plain), len(payload))
+        segment = Segment(seq, table, tuple(columns), rows, len(data), f"stepline-{self.run_id}-{seq}",
+                          tuple(requests))
         if self.directory is not None:
-            self._write(segment, payload)
+            self._write(segment, data)
         with self._lock:
             self._pending.setdefault(table, []).append(segment)
             self._bytes += segment.size
-            if self.directory is None or self._cached_rows + segment.rows <= CACHE_ROWS:
-                self._cache[seq] = plain
-                self._cached_rows += segment.rows
+            if self.directory is None or self._cached_bytes + segment.size <= CACHE_BYTES:
+                self._cache[seq] = data
+                self._cached_bytes += segment.size
             dropped = self._make_room()
         for victim in dropped:
             self._discard(victim, "spool_full")
@@ -114,12 +115,12 @@ class Spool:
         with self._lock:
             self._claimed.discard(segment.seq)
 
-    def load(self, segment: Segment) -> list[tuple[Any, ...]] | None:
-        """The segment's rows; None when its file is unreadable (then it is dropped, counted)."""
+    def load(self, segment: Segment) -> bytes | None:
+        """The segment's Native bytes; None when its file is unreadable (then it is dropped, counted)."""
         with self._lock:
-            rows = self._cache.get(segment.seq)
-        if rows is not None:
-            return rows
+            data = self._cache.get(segment.seq)
+        if data is not None:
+            return data
         try:
             _, loaded = _read(self._path(segment))
         except (OSError, ValueError, EOFError, TypeError, struct.error) as exc:
@@ -140,14 +141,10 @@ class Spool:
             pending.remove(segment)
             self._bytes -= segment.size
             if self._cache.pop(segment.seq, None) is not None:
-                self._cached_rows -= segment.rows
+                self._cached_bytes -= segment.size
         if self.directory is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(segment))
-
-    def token(self, segment: Segment) -> str:
-        """The insert deduplication token: the same for every try of this segment, before and after a restart."""
-        return f"stepline-{self.id}-{segment.seq}"
 
     def rows(self, table: str | None = None) -> int:
         """Rows waiting, for one table or all."""
@@ -165,19 +162,9 @@ class Spool:
 
     # -- on disk -----------------------------------------------------------------------------------------
 
-    def _open(self, directory: str) -> str:
+    def _open(self, directory: str) -> None:
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
-            id_path = os.path.join(directory, _ID_FILE)
-            try:
-                with open(id_path, encoding="ascii") as fh:
-                    spool_id = fh.read().strip()
-            except FileNotFoundError:
-                spool_id = ""
-            if not (len(spool_id) == 16 and all(c in "0123456789abcdef" for c in spool_id)):
-                # A new id for a new (or wiped) spool: its sequence numbers restart, its tokens must not repeat.
-                spool_id = secrets.token_hex(8)
-                _write_atomically(id_path, spool_id.encode())
             names = sorted(os.listdir(directory))
         except OSError as exc:
             raise SpoolError(f"cannot use the spool directory {directory}: {exc.strerror}") from None
@@ -192,9 +179,10 @@ class Spool:
                 seq_text, table, _ = name.split(".")
                 header = _read_header(path)
                 segment = Segment(int(seq_text), table, tuple(header["columns"]), int(header["rows"]),
-                                  os.path.getsize(path))
+                                  os.path.getsize(path), str(header["token"]),
+                                  tuple((str(e), str(r)) for e, r in header.get("requests", ())))
             except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-                log.error("spool segment %s is unreadable, dropping it: %s", path, exc)
+                log.warning("spool segment %s is unreadable, dropping it: %s", path, exc)
                 os.unlink(path)
                 self._on_drop(name.split(".")[1] if name.count(".") == 2 else "unknown", 0, "spool_corrupt")
                 continue
@@ -204,14 +192,14 @@ class Spool:
         waiting = sum(s.rows for segments in self._pending.values() for s in segments)
         if waiting:
             log.info("spool %s: %d rows from before the restart wait for the store", directory, waiting)
-        return spool_id
 
     def _path(self, segment: Segment) -> str:
         assert self.directory is not None
         return os.path.join(self.directory, f"{segment.seq:016d}.{segment.table}.seg")
 
     def _write(self, segment: Segment, payload: bytes) -> None:
-        header = json.dumps({"table": segment.table, "columns": segment.columns, "rows": segment.rows}).encode()
+        header = json.dumps({"table": segment.table, "columns": segment.columns, "rows": segment.rows,
+                             "token": segment.token, "requests": segment.requests}).encode()
         head = _HEAD.pack(MAGIC, len(header), zlib.crc32(payload), len(payload))
         _write_atomically(self._path(segment), head + header + payload)
 
@@ -226,7 +214,7 @@ class Spool:
             self._pending[victim.table].remove(victim)
             self._bytes -= victim.size
             if self._cache.pop(victim.seq, None) is not None:
-                self._cached_rows -= victim.rows
+                self._cached_bytes -= victim.size
             dropped.append(victim)
         return dropped
 
@@ -265,7 +253,7 @@ def _read_header(path: str) -> dict[str, Any]:
     return header
 
 
-def _read(path: str) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
+def _read(path: str) -> tuple[dict[str, Any], bytes]:
     with open(path, "rb") as fh:
         data = fh.read()
     magic, header_len, crc, payload_len = _HEAD.unpack_from(data)
@@ -275,7 +263,4 @@ def _read(path: str) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
     payload = data[start:start + payload_len]
     if len(payload) != payload_len or zlib.crc32(payload) != crc:
         raise ValueError("checksum mismatch (a torn or altered segment)")
-    rows = marshal.loads(payload)
-    if not isinstance(rows, list):
-        raise ValueError("segment payload is not a list of rows")
-    return json.loads(data[_HEAD.size:start]), rows
+    return json.loads(data[_HEAD.size:start]), payload

@@ -259,6 +259,13 @@ class Store:
         settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
         self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names), settings=settings)
 
+    def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                      dedup_token: str | None = None) -> None:
+        """Insert one batch already in Native format (see `stepline.native`); raises on failure."""
+        settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+        self.client.raw_insert(f"`{self.database}`.`{table}`", list(column_names), data, settings=settings,
+                               fmt="Native")
+
     def recent_requests(self, host: str, window_s: float) -> list[tuple[str, str]]:
         """(engine, request id) of the requests this host finished within the last `window_s` seconds."""
         return [(str(engine), str(request_id)) for engine, request_id in self.client.query(
@@ -318,9 +325,9 @@ class LazyStore:
                 self._on_open(store)
             return self._store
 
-    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
-               dedup_token: str | None = None) -> None:
-        self.get().insert(table, rows, column_names, dedup_token)
+    def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                      dedup_token: str | None = None) -> None:
+        self.get().insert_native(table, column_names, data, dedup_token)
 
     def reader(self) -> Client:
         return self.get().reader()

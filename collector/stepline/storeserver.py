@@ -122,7 +122,7 @@ class StoreServer:
                         sql = f"{sql}\nFORMAT {fmt}"
                     out = self._client.raw_query(sql, parameters=binds or None, settings=settings)
                     revision = params.get("client_protocol_version", "0")
-                    if fmt.lower() == "native" and revision.isdigit():
+                    if fmt.lower() == "native" and revision.isascii() and revision.isdigit() and len(revision) < 10:
                         out = chhttp.native_for_revision(out, int(revision))
                     return 200, out, {"Content-Type": chhttp.content_type(fmt), "X-ClickHouse-Format": fmt}
                 self._client.command(sql, parameters=binds or None, settings=settings)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote, urlsplit
 
 DEFAULT_DATABASE = "stepline"
@@ -24,7 +25,7 @@ class StoreUrl:
     host: str = ""
     port: int = 0
     username: str = "default"
-    password: str = ""
+    password: str = field(default="", repr=False)
 
     @property
     def embedded(self) -> bool:
@@ -43,9 +44,19 @@ def default_store_url() -> str:
     return os.environ.get("STEPLINE_STORE") or f"chdb://{os.path.abspath(DEFAULT_STORE_DIR)}"
 
 
+# user:password@ at the start of a URL's authority; error messages show the URL without the password.
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^/@:]*):[^/]*@")
+
+
 def parse_store_url(text: str) -> StoreUrl:
-    """Parse a store URL, or raise StoreUrlError naming what is wrong with it."""
-    text = text.strip()
+    """Parse a store URL, or raise StoreUrlError naming what is wrong with it (never with its password)."""
+    try:
+        return _parse(text.strip())
+    except StoreUrlError as exc:
+        raise StoreUrlError(str(exc).replace(text.strip(), _USERINFO.sub(r"\1:***@", text.strip()))) from None
+
+
+def _parse(text: str) -> StoreUrl:
     scheme, sep, rest = text.partition("://")
     if not sep:
         raise StoreUrlError(

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from stepline import native
 from stepline.rows import TABLE_OF
 
 
@@ -23,6 +24,11 @@ class MemorySink:
         self.attempts = 0
         self._seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+
+    def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                      dedup_token: str | None = None) -> None:
+        _, rows = native.decode(data)
+        self.insert(table, rows, column_names, dedup_token)
 
     def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
                dedup_token: str | None = None) -> None:

@@ -9,6 +9,7 @@ from stepline.schema import timeline_sql
 from stepline.settings import SettingsError
 from stepline.summary import Reads
 
+MAX_WINDOW_S = 7 * 86400.0  # a week each side: a larger window is a query, not a timeline
 # The GPU side is read from a little before the window so the first steps find their sample.
 _BOUNDS_STEPS = (" AND s.ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
                  " AND s.ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
@@ -22,7 +23,7 @@ def parse_moment(text: str, now: datetime | None = None) -> datetime:
     text = text.strip()
     try:
         return datetime.fromtimestamp(float(text), UTC)
-    except ValueError:
+    except (ValueError, OverflowError, OSError):  # not a number, or one no date has (nan, inf, 1e20)
         pass
     for layout in ("%H:%M:%S", "%H:%M"):
         try:
@@ -40,10 +41,17 @@ def parse_moment(text: str, now: datetime | None = None) -> datetime:
 def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 30.0, engine: str = "",
            bucket_s: float = 1.0) -> str:
     """The timeline from window_s before to window_s after `moment`, per bucket_s (0: every step)."""
-    lo, hi = moment - timedelta(seconds=window_s), moment + timedelta(seconds=window_s)
+    if not 0 < window_s <= MAX_WINDOW_S:
+        raise SettingsError(f"window {window_s} s must be more than 0 and at most {MAX_WINDOW_S:.0f} s")
+    if not 0 <= bucket_s <= 2 * window_s:
+        raise SettingsError(f"bucket {bucket_s} s must be 0 (every step) or at most twice the window")
+    try:
+        lo, hi = moment - timedelta(seconds=window_s), moment + timedelta(seconds=window_s)
+    except OverflowError:
+        raise SettingsError(f"{window_s} s around {moment:%Y-%m-%d %H:%M:%S} leaves the calendar") from None
     inner = timeline_sql(database, _BOUNDS_STEPS, _BOUNDS_GPU)
     if bucket_s > 0:
-        sql = (f"SELECT toStartOfInterval(ts, toIntervalMillisecond({round(bucket_s * 1000)})) AS t, engine, gpu_index,"
+        sql = ("SELECT toStartOfInterval(ts, toIntervalMillisecond({bucket_ms:UInt64})) AS t, engine, gpu_index,"
                " count() AS steps, max(elapsed_ms) AS step_max_ms, sum(prefill_tokens) AS prefill,"
                " round(avg(decoding)) AS decoding, avg(sm_clock_mhz) AS sm_mhz, avg(power_w) AS power,"
                " avg(dram_bw_util_pct) AS dram, avg(tensor_active_pct) AS tensor,"
@@ -54,7 +62,8 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
                " decoding, sm_clock_mhz AS sm_mhz, power_w AS power, dram_bw_util_pct AS dram,"
                " tensor_active_pct AS tensor, arrayStringConcat(clock_event_flags, ',') AS flags"
                f" FROM ({inner}) ORDER BY t, engine, gpu_index")
-    rows = reader.query(sql, parameters={"from_us": _us(lo), "to_us": _us(hi), "engine": engine}).result_rows
+    parameters = {"from_us": _us(lo), "to_us": _us(hi), "engine": engine, "bucket_ms": max(1, round(bucket_s * 1000))}
+    rows = reader.query(sql, parameters=parameters).result_rows
     if not rows:
         return (f"no engine steps with GPU samples between {lo:%H:%M:%S} and {hi:%H:%M:%S} UTC"
                 + (f" for engine {engine}" if engine else "") + " (steps come from the plugin, GPUs from NVML)")

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from clickhouse_connect.driver.exceptions import DataError
+from clickhouse_connect.driver.exceptions import DatabaseError
+from prometheus_client import Counter
 
-from stepline import schema
+from stepline import native, schema
 from stepline.dedup import RecentRequests
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import TABLE_OF, Request, Row
@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 class Sink(Protocol):
     """Where batches go: the Store, or an in-memory stand-in in tests."""
 
-    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
-               dedup_token: str | None = None) -> None: ...
+    def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
+                      dedup_token: str | None = None) -> None:
+        """Insert one batch of Native bytes; raises on any failure (the batch is then retried)."""
 
 
-# Failures of the batch itself, raised before it leaves this process: retrying cannot help.
-_REJECTED = (TypeError, ValueError, OverflowError, struct.error, DataError)
+# ClickHouse errors that condemn the batch itself (its bytes, its values): retrying it cannot succeed. Anything else
+# (unreachable, too many parts, memory, a missing column an operator may add) is retried.
+DATA_ERRORS = frozenset({6, 27, 32, 33, 38, 41, 53, 69, 70, 117, 131, 321, 349})
 MEMORY_SPOOL_BYTES = 256 << 20  # the bound when the collector runs without a spool directory
 
 
@@ -161,37 +163,38 @@ class TableWriter:
     def _spool_rows(self, rows: list[Sequence[Any]]) -> None:
         for start in range(0, len(rows), self._batch_rows):
             chunk = rows[start:start + self._batch_rows]
+            data, kept, error = native.encode_valid(self.table, chunk)
+            if kept < len(chunk):
+                self.drop(len(chunk) - kept, "rejected")
+                self._drop_log.warning(f"{self.table}:rejected", "%d %s rows do not fit the table: %s",
+                                       len(chunk) - kept, self.table, error)
+            if not kept:
+                continue
+            requests = [(str(r[2]), str(r[5])) for r in chunk] if self.table == "requests" else []
             try:
-                self._spool.append(self.table, self.columns, chunk)
-            except (OSError, ValueError) as exc:  # a full or failing disk: the rows cannot be kept
-                self.drop(len(chunk), "spool_write_failed")
-                self._drop_log.warning(f"{self.table}:spool", "cannot spool %d %s rows: %s", len(chunk), self.table,
-                                     exc)
+                self._spool.append(self.table, self.columns, data, kept, requests)
+            except OSError as exc:  # a full or failing disk: the rows cannot be kept
+                self.drop(kept, "spool_write_failed")
+                self._drop_log.warning(f"{self.table}:spool", "cannot spool %d %s rows: %s", kept, self.table, exc)
 
     def _insert(self, segment: Segment) -> bool:
-        """Insert one segment; True when it left the spool (written, or rejected as unwritable)."""
-        rows = self._spool.load(segment)
-        if rows is None:
+        """Insert one segment; True when it left the spool (written, or unreadable and dropped)."""
+        data = self._spool.load(segment)
+        if data is None:
             return True  # unreadable: the spool dropped and counted it
         started = time.perf_counter()
         try:
-            self._sink.insert(self.table, rows, segment.columns, self._spool.token(segment))
-        except _REJECTED as exc:
+            self._sink.insert_native(self.table, segment.columns, data, segment.token)
+        except DatabaseError as exc:
+            if getattr(exc, "code", None) not in DATA_ERRORS:
+                return self._failed(segment, exc)
             self._spool.ack(segment)
             self.drop(segment.rows, "rejected")
-            self._drop_log.warning(f"{self.table}:rejected", "the %s batch cannot be written and was dropped: %s",
-                                 self.table, " ".join(str(exc).split())[:200])
+            self._drop_log.warning(f"{self.table}:refused", "the store refuses a %s batch of %d rows as bad data, "
+                                   "dropped: %s", self.table, segment.rows, " ".join(str(exc).split())[:200])
             return True
-        except Exception as exc:  # the store's failures are many (transport, server, engine); all retried
-            self._spool.release(segment)
-            self._metrics.write_errors.labels(self.table).inc()
-            if self._failing_since is None:
-                self._failing_since = time.monotonic()
-            self._drop_log.warning(
-                f"{self.table}:write", "cannot write %d rows to %s (%d rows wait in the spool; will retry): %s",
-                segment.rows, self.table, self._spool.rows(self.table), " ".join(str(exc).split())[:200],
-            )
-            return False
+        except Exception as exc:  # the store's failures are many (transport, server, engine): all retried
+            return self._failed(segment, exc)
         self._spool.ack(segment)
         self._metrics.write_seconds.labels(self.table).observe(time.perf_counter() - started)
         self._written.inc(segment.rows)
@@ -199,6 +202,17 @@ class TableWriter:
             log.info("store accepts %s rows again after %.1f s", self.table, time.monotonic() - self._failing_since)
             self._failing_since = None
         return True
+
+    def _failed(self, segment: Segment, exc: Exception) -> bool:
+        self._spool.release(segment)
+        self._metrics.write_errors.labels(self.table).inc()
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+        self._drop_log.warning(
+            f"{self.table}:write", "cannot write %d rows to %s (%d rows wait in the spool; will retry): %s",
+            segment.rows, self.table, self._spool.rows(self.table), " ".join(str(exc).split())[:200],
+        )
+        return False
 
 
 class Writers:
@@ -221,7 +235,7 @@ class Writers:
         }
         self._recent = recent or RecentRequests()
         self.remember_requests(self._spooled_requests())
-        self._duplicates = metrics.requests_deduplicated
+        self._duplicates: dict[str, Counter] = {}
 
     def start(self) -> None:
         for writer in self._writers.values():
@@ -230,12 +244,26 @@ class Writers:
     def write(self, rows: Iterable[Row]) -> int:
         """Queue typed rows for their tables; returns how many were accepted."""
         by_table: dict[str, list[Row]] = {}
+        first_time, table_of = self._recent.first_time, TABLE_OF
         for row in rows:
-            if isinstance(row, Request) and not self._recent.first_time(row.engine, row.request_id):
-                self._duplicates.labels(row.source).inc()
-                continue
-            by_table.setdefault(TABLE_OF[type(row)], []).append(row)
+            kind = type(row)
+            if kind is Request:
+                request = cast(Request, row)
+                if not first_time(request.engine, request.request_id):
+                    self._duplicate(request.source)
+                    continue
+            batch = by_table.get(table_of[kind])
+            if batch is None:
+                by_table[table_of[kind]] = [row]
+            else:
+                batch.append(row)
         return sum(self._writers[table].put(batch) for table, batch in by_table.items())
+
+    def _duplicate(self, source: str) -> None:
+        counter = self._duplicates.get(source)
+        if counter is None:
+            counter = self._duplicates[source] = self._metrics.requests_deduplicated.labels(source)
+        counter.inc()
 
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
@@ -247,11 +275,7 @@ class Writers:
 
     def _spooled_requests(self) -> Iterator[tuple[str, str]]:
         for segment in self.spool.pending("requests"):
-            rows = self.spool.load(segment)
-            if rows is None or "engine" not in segment.columns or "request_id" not in segment.columns:
-                continue
-            engine, request_id = segment.columns.index("engine"), segment.columns.index("request_id")
-            yield from ((str(row[engine]), str(row[request_id])) for row in rows)
+            yield from segment.requests
 
     def _drop(self, table: str, rows: int, reason: str) -> None:
         writer = self._writers.get(table)

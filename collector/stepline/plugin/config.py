@@ -1,8 +1,16 @@
-"""What of vLLM's configuration the timeline needs, read defensively (fields move between versions)."""
+"""What of vLLM's configuration the timeline needs, read defensively (fields move between versions); and the
+plugin's own settings from the environment."""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from typing import Any
+
+log = logging.getLogger("stepline.plugin")
+
+TOKEN_VAR = "STEPLINE_PLUGIN_TOKEN"
 
 # (section of VllmConfig, attribute, name on the timeline)
 FIELDS = (
@@ -38,3 +46,31 @@ def describe_config(vllm_config: Any, engine_index: int = 0) -> dict[str, Any]:
         described[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     described["speculative_decoding"] = getattr(vllm_config, "speculative_config", None) is not None
     return described
+
+
+def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The datagram token, read as the collector reads it: STEPLINE_PLUGIN_TOKEN, else the content of the file
+    STEPLINE_PLUGIN_TOKEN_FILE names (without surrounding whitespace); None when neither is set.
+
+    Never raises: an unreadable or empty file is logged (never its content) and means no token, so the
+    collector rejects and counts this engine's datagrams, and the engine still starts.
+    """
+    env = os.environ if environ is None else environ
+    token = env.get(TOKEN_VAR)
+    if token:
+        return token
+    path = env.get(f"{TOKEN_VAR}_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.error("stepline plugin: cannot read %s_FILE=%s (%s): sending without a credential; a collector with a "
+                  "token will reject this engine's data", TOKEN_VAR, path, getattr(exc, "strerror", None) or
+                  type(exc).__name__)
+        return None
+    if not token:
+        log.error("stepline plugin: %s_FILE=%s is empty: sending without a credential", TOKEN_VAR, path)
+        return None
+    return token

@@ -6,6 +6,9 @@ would drop silently in both cases, and a plugin that cannot count its drops hide
 stepline exists to show. Records are batched into datagrams of up to 60 KB and sent at most every
 `flush_interval_s` (and on vLLM's periodic `log()`), which keeps `record()` to an encode and an append
 on most calls and makes the kernel's short datagram queue (net.unix.max_dgram_qlen) hold many steps.
+
+With a token (STEPLINE_PLUGIN_TOKEN, the collector's too), every datagram carries the credential derived
+from it (see wire.py); the credential is computed once here, so `record()` costs the same with or without.
 """
 
 from __future__ import annotations
@@ -54,13 +57,15 @@ class PluginCore:
         flush_interval_s: float = 0.05,
         reconnect_interval_s: float = 5.0,
         log_interval_s: float = 60.0,
+        token: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
         self.socket_path = socket_path
         self._engine_bytes = engine.encode("utf-8", errors="replace")[: wire.MAX_ENGINE_NAME]
-        self._body_limit = wire.MAX_DATAGRAM - wire.HEADER.size - len(self._engine_bytes)
+        self._credential = wire.credential_for(token) if token else b""  # the token itself is not kept
+        self._body_limit = wire.MAX_DATAGRAM - wire.HEADER.size - len(self._engine_bytes) - len(self._credential)
         self._max_buffer_bytes = max_buffer_bytes
         self._flush_interval_s = flush_interval_s
         self._reconnect_interval_s = reconnect_interval_s
@@ -90,6 +95,11 @@ class PluginCore:
     @property
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
+
+    @property
+    def records_held(self) -> int:
+        """Records encoded but neither sent nor dropped yet: the open batch and batches waiting for the socket."""
+        return self._pending_records + sum(n for _, n in self._queue)
 
     # -- what vLLM calls ---------------------------------------------------------------------------
 
@@ -227,13 +237,13 @@ class PluginCore:
         while self._queue:
             body, count = self._queue[0]
             header = wire.encode_header(self._engine_bytes, self._pid, self._instance, self._sequence,
-                                        self.dropped_total)
+                                        self.dropped_total, self._credential)
             try:
                 sock.send(header + body)
             except BlockingIOError:
                 return  # the sidecar's queue is full: keep the batch, try on the next flush
             except OSError:
-                # The sidecar went away (ECONNREFUSED, ENOENT after a restart): reconnect later.
+                # The sidecar went away (ECONNREFUSED; EPIPE while it stops; ENOENT after a restart): reconnect later.
                 sock.close()
                 self._sock = None
                 self._next_connect = now + self._reconnect_interval_s

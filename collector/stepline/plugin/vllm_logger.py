@@ -3,7 +3,8 @@
 Supported: vLLM 0.33 (v1 engine). Enable with `pip install stepline` in the vLLM image, then start
 vLLM with `--enable-logging-iteration-details` (per-step batch composition and timing) and, when
 VLLM_PLUGINS is set, include `stepline` in it. STEPLINE_PLUGIN_SOCKET points at the sidecar's socket
-(default /tmp/stepline-plugin.sock), STEPLINE_ENGINE names the engine (default OTEL_SERVICE_NAME or "vllm").
+(default /tmp/stepline-plugin.sock), STEPLINE_ENGINE names the engine (default OTEL_SERVICE_NAME or "vllm"),
+STEPLINE_PLUGIN_TOKEN (or STEPLINE_PLUGIN_TOKEN_FILE) gives the token the collector was started with.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from stepline.plugin.config import describe_config
+from stepline.plugin.config import describe_config, token_from_env
 from stepline.plugin.core import DEFAULT_SOCKET, PluginCore, engine_name_from_env
 
 
@@ -23,7 +24,8 @@ class SteplineStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not i
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self._config = describe_config(vllm_config, engine_index)
-        self._core = PluginCore(engine_name_from_env(), os.environ.get("STEPLINE_PLUGIN_SOCKET", DEFAULT_SOCKET))
+        self._core = PluginCore(engine_name_from_env(), os.environ.get("STEPLINE_PLUGIN_SOCKET", DEFAULT_SOCKET),
+                                token=token_from_env())
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:

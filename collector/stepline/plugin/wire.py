@@ -4,24 +4,45 @@ A datagram is a header, then records. Every number is little-endian.
 
     header  magic "STPL", version u8, flags u8, engine-name length u16, pid u32, instance u32,
             sequence u64 (per plugin instance, +1 per datagram), dropped u64 (records the plugin
-            has dropped so far), then the engine name (UTF-8)
+            has dropped so far), then the engine name (UTF-8), then (version 2, flag CREDENTIAL)
+            a 16-byte credential
     record  type u8, payload length u16, payload
 
 Step payloads are fixed fields then float32 TTFT and ITL samples; request payloads are fixed fields
 then the request id; the configuration payload is JSON (sent once, size does not matter).
+
+Versions. A plugin writes the lowest version that says what it sends: version 1 (no flags) when it has
+no token, version 2 when it carries a credential. A collector reads both. So an engine without a token
+talks to every collector, and a collector that predates the credential refuses a version-2 datagram by
+its version (upgrade collectors before giving engines a token), rather than misreading the credential
+as a record. A version-2 flag this collector does not know is refused, never skipped.
+
+The credential is the first 16 bytes of SHA-256 over a fixed context string and the shared token
+(STEPLINE_PLUGIN_TOKEN on both sides): the token itself never goes on the wire, and the plugin computes
+the credential once, so `record()` costs the same with or without it. It is a bearer secret: it keeps
+out whoever can write to the socket but does not know the token (another container or user sharing the
+socket's directory); it does not sign the datagram.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
+import sys
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 MAGIC = b"STPL"
-VERSION = 1
+VERSION = 2  # the newest version this stepline writes
+VERSIONS = (1, 2)  # the versions this stepline reads
+FLAG_CREDENTIAL = 1  # version 2: a credential follows the engine name
+KNOWN_FLAGS = {1: 0, 2: FLAG_CREDENTIAL}  # per version, the flags a reader understands
+CREDENTIAL_SIZE = 16
+_CREDENTIAL_CONTEXT = b"stepline plugin datagram credential v2\x00"
 MAX_DATAGRAM = 60_000  # under the 64 KiB a Unix datagram socket takes with default buffers
 MAX_ENGINE_NAME = 200
 MAX_REQUEST_ID = 512
@@ -40,21 +61,23 @@ STEP_DUMMY, STEP_HAS_DETAILS = 1, 2
 FINISH_REASONS = ("", "stop", "length", "abort", "error", "repetition")
 FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
 U32 = 0xFFFFFFFF
+MAX_TS = 2.0**63 / 1e6  # seconds: past this a timestamp does not fit the store's microseconds (and is no time)
 
 
 class WireError(ValueError):
     """A datagram that is not a valid stepline datagram; the message says what is wrong."""
 
 
-@dataclass(frozen=True)
-class Header:
-    """Who sent a datagram, and where it stands in that sender's sequence."""
+class Header(NamedTuple):
+    """Who sent a datagram, where it stands in that sender's sequence, and the credential it carries (or b"")."""
 
     engine: str
     pid: int
     instance: int
     sequence: int
     dropped: int
+    version: int = 1
+    credential: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -120,8 +143,20 @@ class Datagram:
     records: list[StepRecord | RequestRecord | ConfigRecord] = field(default_factory=list)
 
 
-def encode_header(engine: bytes, pid: int, instance: int, sequence: int, dropped: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, len(engine), pid, instance, sequence, dropped) + engine
+def credential_for(token: str) -> bytes:
+    """The 16-byte credential a datagram carries for `token` (never the token itself)."""
+    return hashlib.sha256(_CREDENTIAL_CONTEXT + token.encode("utf-8")).digest()[:CREDENTIAL_SIZE]
+
+
+def encode_header(engine: bytes, pid: int, instance: int, sequence: int, dropped: int,
+                  credential: bytes = b"") -> bytes:
+    """A header: version 1 without a credential, version 2 with one (see the module docstring)."""
+    if credential:
+        if len(credential) != CREDENTIAL_SIZE:
+            raise ValueError(f"a credential is {CREDENTIAL_SIZE} bytes, got {len(credential)}")
+        fixed = HEADER.pack(MAGIC, 2, FLAG_CREDENTIAL, len(engine), pid, instance, sequence, dropped)
+        return fixed + engine + credential
+    return HEADER.pack(MAGIC, 1, 0, len(engine), pid, instance, sequence, dropped) + engine
 
 
 _LIMITS = {"B": 0xFF, "H": 0xFFFF, "I": U32, "Q": (1 << 64) - 1}
@@ -189,15 +224,33 @@ def encode_config(config: dict[str, Any]) -> bytes:
 
 def decode(data: bytes) -> Datagram:
     """Decode and validate one datagram; raise WireError naming the first problem."""
+    header, offset = decode_header(data)
+    datagram = Datagram(header)
+    records = datagram.records
+    for kind, fields, first, second in iter_records(data, offset):
+        if kind == STEP_RECORD:
+            records.append(_step_record(fields, first, second))
+        elif kind == REQUEST_RECORD:
+            records.append(_request_record(fields, first))
+        else:
+            records.append(ConfigRecord(first))
+    return datagram
+
+
+def decode_header(data: bytes) -> tuple[Header, int]:
+    """Validate a datagram's header; returns it and the offset of the first record. Raises WireError."""
     if len(data) > MAX_DATAGRAM:
         raise WireError(f"datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
     if len(data) < HEADER.size:
         raise WireError(f"datagram of {len(data)} bytes is shorter than a header")
-    magic, version, _flags, name_len, pid, instance, sequence, dropped = HEADER.unpack_from(data)
+    magic, version, flags, name_len, pid, instance, sequence, dropped = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("not a stepline datagram (bad magic)")
-    if version != VERSION:
-        raise WireError(f"datagram version {version}, this collector reads version {VERSION}: upgrade stepline")
+    if version not in KNOWN_FLAGS:
+        raise WireError(f"datagram version {version}, this collector reads versions {VERSIONS[0]}-{VERSIONS[-1]}: "
+                        "upgrade stepline")
+    if flags & ~KNOWN_FLAGS[version]:
+        raise WireError(f"datagram version {version} with unknown flags {flags:#04x}: upgrade stepline")
     offset = HEADER.size + name_len
     if name_len > MAX_ENGINE_NAME or offset > len(data):
         raise WireError(f"engine name of {name_len} bytes does not fit")
@@ -205,67 +258,102 @@ def decode(data: bytes) -> Datagram:
         engine = data[HEADER.size:offset].decode("utf-8")
     except UnicodeDecodeError:
         raise WireError("engine name is not UTF-8") from None
-    datagram = Datagram(Header(engine, pid, instance, sequence, dropped))
-    while offset < len(data):
-        if offset + RECORD.size > len(data):
-            raise WireError(f"truncated record header at byte {offset}")
-        kind, length = RECORD.unpack_from(data, offset)
-        start, offset = offset + RECORD.size, offset + RECORD.size + length
+    given = b""
+    if flags & FLAG_CREDENTIAL:
+        given = data[offset:offset + CREDENTIAL_SIZE]
+        offset += CREDENTIAL_SIZE
         if offset > len(data):
+            raise WireError("credential does not fit")
+    return Header(engine, pid, instance, sequence, dropped, version, given), offset
+
+
+# The collector's hot path: one struct call per record's fixed fields, samples straight from the buffer.
+_STEP_SIZE, _REQUEST_SIZE, _RECORD_SIZE = STEP.size, REQUEST.size, RECORD.size
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_N_REASONS = len(FINISH_REASONS)
+
+
+def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, tuple[Any, ...], Any, Any]]:
+    """The records from `offset` on, validated, as plain values (for code that builds its own rows):
+
+        (STEP_RECORD, STEP's fields, TTFT samples list, ITL samples list)
+        (REQUEST_RECORD, REQUEST's fields, request id, None)
+        (CONFIG_RECORD, (), configuration dict, None)
+
+    Raises WireError at the first bad record (records before it were yielded: discard them).
+    """
+    end = len(data)
+    view = memoryview(data)
+    unpack_record, unpack_step, unpack_request = RECORD.unpack_from, STEP.unpack_from, REQUEST.unpack_from
+    max_ts = MAX_TS  # a local: this loop is the collector's hot path
+    while offset < end:
+        if offset + _RECORD_SIZE > end:
+            raise WireError(f"truncated record header at byte {offset}")
+        kind, length = unpack_record(data, offset)
+        start = offset + _RECORD_SIZE
+        offset = start + length
+        if offset > end:
             raise WireError(f"record of {length} bytes at byte {start} runs past the datagram")
-        payload = data[start:offset]
         if kind == STEP_RECORD:
-            datagram.records.append(_decode_step(payload))
+            if length < _STEP_SIZE:
+                raise WireError(f"step record of {length} bytes, need {_STEP_SIZE}")
+            fields = unpack_step(data, start)
+            n_ttft, n_itl = fields[19], fields[20]
+            if length != _STEP_SIZE + 4 * (n_ttft + n_itl):
+                raise WireError(f"step record of {length} bytes does not hold {n_ttft} TTFT and {n_itl} ITL samples")
+            if not -max_ts < fields[0] < max_ts:  # NaN fails too
+                raise WireError(f"step timestamp {fields[0]} is not a time")
+            split = start + _STEP_SIZE + 4 * n_ttft
+            if _LITTLE_ENDIAN:
+                ttft = view[start + _STEP_SIZE:split].cast("f").tolist()
+                itl = view[split:offset].cast("f").tolist()
+            else:
+                ttft = list(struct.unpack_from(f"<{n_ttft}f", data, start + _STEP_SIZE))
+                itl = list(struct.unpack_from(f"<{n_itl}f", data, split))
+            yield STEP_RECORD, fields, ttft, itl
         elif kind == REQUEST_RECORD:
-            datagram.records.append(_decode_request(payload))
+            if length < _REQUEST_SIZE:
+                raise WireError(f"request record of {length} bytes, need {_REQUEST_SIZE}")
+            fields = unpack_request(data, start)
+            if length != _REQUEST_SIZE + fields[14]:
+                raise WireError(f"request record of {length} bytes does not hold a {fields[14]}-byte request id")
+            if not -max_ts < fields[0] < max_ts:  # NaN fails too
+                raise WireError(f"request timestamp {fields[0]} is not a time")
+            if fields[13] >= _N_REASONS:
+                raise WireError(f"unknown finish reason code {fields[13]}")
+            try:
+                request_id = data[start + _REQUEST_SIZE:offset].decode("utf-8")
+            except UnicodeDecodeError:
+                raise WireError("request id is not UTF-8") from None
+            yield REQUEST_RECORD, fields, request_id, None
         elif kind == CONFIG_RECORD:
-            datagram.records.append(_decode_config(payload))
+            yield CONFIG_RECORD, (), _decode_config(data[start:offset]), None
         else:
             raise WireError(f"unknown record type {kind}")
-    return datagram
 
 
-def _decode_step(payload: bytes) -> StepRecord:
-    if len(payload) < STEP.size:
-        raise WireError(f"step record of {len(payload)} bytes, need {STEP.size}")
+def _step_record(fields: tuple[Any, ...], ttft: list[float], itl: list[float]) -> StepRecord:
     (ts, iteration, engine_index, elapsed, ctx_reqs, ctx_tokens, gen_reqs, gen_tokens, running, waiting, skipped,
-     kv, queries, hits, preempted, drafts, draft_tokens, accepted, flags, n_ttft, n_itl) = STEP.unpack_from(payload)
-    if len(payload) != STEP.size + 4 * (n_ttft + n_itl):
-        raise WireError(f"step record of {len(payload)} bytes does not hold {n_ttft} TTFT and {n_itl} ITL samples")
-    if not math.isfinite(ts):
-        raise WireError("step timestamp is not finite")
-    samples = struct.unpack_from(f"<{n_ttft + n_itl}f", payload, STEP.size)
+     kv, queries, hits, preempted, drafts, draft_tokens, accepted, flags, _n_ttft, _n_itl) = fields
     return StepRecord(
         ts, iteration, engine_index, elapsed if flags & STEP_HAS_DETAILS else math.nan, ctx_reqs, ctx_tokens,
         gen_reqs, gen_tokens, running, waiting, skipped, kv, queries, hits, preempted, drafts, draft_tokens, accepted,
-        bool(flags & STEP_DUMMY), samples[:n_ttft], samples[n_ttft:],
+        bool(flags & STEP_DUMMY), tuple(ttft), tuple(itl),
     )
 
 
-def _decode_request(payload: bytes) -> RequestRecord:
-    if len(payload) < REQUEST.size:
-        raise WireError(f"request record of {len(payload)} bytes, need {REQUEST.size}")
+def _request_record(fields: tuple[Any, ...], request_id: str) -> RequestRecord:
     (ts, engine_index, e2e, queued, prefill, inference, decode_s, tpot, prompt, generated, max_tokens, cached,
-     preemptions, reason, id_len) = REQUEST.unpack_from(payload)
-    if len(payload) != REQUEST.size + id_len:
-        raise WireError(f"request record of {len(payload)} bytes does not hold a {id_len}-byte request id")
-    if not math.isfinite(ts):
-        raise WireError("request timestamp is not finite")
-    if reason >= len(FINISH_REASONS):
-        raise WireError(f"unknown finish reason code {reason}")
-    try:
-        request_id = payload[REQUEST.size:].decode("utf-8")
-    except UnicodeDecodeError:
-        raise WireError("request id is not UTF-8") from None
+     preemptions, reason, _id_len) = fields
     return RequestRecord(ts, engine_index, request_id, FINISH_REASONS[reason], e2e, queued, prefill, inference,
                          decode_s, tpot, prompt, generated, max_tokens, cached, preemptions)
 
 
-def _decode_config(payload: bytes) -> ConfigRecord:
+def _decode_config(payload: bytes) -> dict[str, Any]:
     try:
         config = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"configuration record is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested past the parser's depth
+        raise WireError(f"configuration record is not JSON: {type(exc).__name__}") from None
     if not isinstance(config, dict):
         raise WireError("configuration record is not a JSON object")
-    return ConfigRecord(config)
+    return config

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from stepline.plugin import standins
+from stepline.plugin.config import token_from_env
 from stepline.plugin.core import PluginCore
 from stepline.sim.config import EngineConfig
 from stepline.sim.records import FinishedRequest, StepRecord
@@ -95,8 +96,11 @@ class Telemetry:
     """Sends each simulated step through the plugin and each finished request as an OTLP span."""
 
     def __init__(self, engine: str, config: EngineConfig, *, plugin_socket: str | None = None,
-                 otlp_endpoint: str | None = None) -> None:
-        self.plugin = PluginCore(engine, plugin_socket) if plugin_socket else None
+                 otlp_endpoint: str | None = None, plugin_token: str | None = None) -> None:
+        """`plugin_token` defaults to STEPLINE_PLUGIN_TOKEN (or _FILE), as a collector started from the same
+        environment reads it, so the demo's and the scenarios' collectors accept the simulated engine's data."""
+        token = plugin_token if plugin_token is not None else token_from_env()
+        self.plugin = PluginCore(engine, plugin_socket, token=token) if plugin_socket else None
         self._engine_index = int(config.engine)
         self._provider: TracerProvider | None = None
         if otlp_endpoint:

@@ -30,7 +30,7 @@ def _vllm_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
 
 
 def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
-    return [PluginReceiver(ctx, settings.plugin_socket)]
+    return [PluginReceiver(ctx, settings.plugin_socket, token=settings.plugin_token)]
 
 
 def _gpu(settings: Settings, ctx: SourceContext) -> list[Source]:

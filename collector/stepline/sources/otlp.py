@@ -160,8 +160,11 @@ class OtlpReceiver:
 
     def refuse_early(self, method: str, target: str, headers: Message) -> _Reply | None:
         """The reply to a request that fails before its body is read (path, method, auth, framing, size), or None."""
-        path = urlsplit(target).path
         media_type = _media_type(headers)
+        try:
+            path = urlsplit(target).path
+        except ValueError:  # e.g. "//[x": an unclosed IPv6 bracket where urlsplit expects a host
+            return self._refuse(400, f"cannot parse the request target {target[:100]!r}", media_type, read=False)
         if path != TRACES_PATH:
             return self._refuse(404, f"no handler for {path[:100]!r}: OTLP traces go to POST {TRACES_PATH}",
                                 media_type, read=False)
@@ -234,6 +237,13 @@ class OtlpReceiver:
             self._counts["requests_accepted"] += 1
         return True
 
+    def protocol_error(self, status: int, message: str) -> None:
+        """Count (and log, rate limited) a request the HTTP server refused before the receiver saw it."""
+        counter = _COUNTER.get(status, "requests_too_large" if status in (414, 431) else "requests_unsupported")
+        with self._lock:
+            self._counts[counter] += 1
+        self._log.warning(f"refused:{status}", "otlp receiver: refused a request (HTTP %d): %s", status, message)
+
     def _busy(self, media_type: str) -> _Reply:
         message = f"{self.max_pending_rows} rows are waiting for the collector: retry later"
         return self._refuse(503, message, media_type)
@@ -291,6 +301,11 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Silenced: the receiver logs refusals itself, rate limited."""
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The server's own refusals (a malformed request line or header, an unknown method) are counted too."""
+        self.server.receiver.protocol_error(code, message or "")
+        super().send_error(code, message, explain)
+
     def _serve(self) -> None:
         receiver = self.server.receiver
         reply = receiver.refuse_early(self.command, self.path, self.headers)
@@ -301,6 +316,7 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 body = b""
             if len(body) < length:  # the client went away or stalled past the timeout: nobody to answer
+                receiver.protocol_error(400, f"the body ended after {len(body)} of {length} bytes")
                 self.close_connection = True
                 return
             reply = receiver.answer(self.headers, body)

@@ -1,11 +1,20 @@
-"""Source: the stat-logger plugin's datagrams, one `steps` row per iteration, one `requests` row per request."""
+"""Source: the stat-logger plugin's datagrams, one `steps` row per iteration, one `requests` row per request.
+
+With a token (STEPLINE_PLUGIN_TOKEN), only datagrams carrying its credential are read; the rest are counted
+(`unauthorized`) and logged at most once a minute, never with the token. Data an engine's plugin dropped, or
+datagrams lost on the way, go on the timeline as `plugin_data_lost` events: at once, then at most once a
+minute per engine with the counts of the minute in between, and whatever is still untold when the receiver
+stops; what a plugin dropped before this receiver first heard from it is told at that first datagram.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import math
 import os
+import select
 import socket
 import stat
 import threading
@@ -20,6 +29,12 @@ from stepline.sources.base import Emit, SourceContext
 log = logging.getLogger(__name__)
 
 EMIT_BATCH_ROWS = 5_000
+LOSS_EVENT_INTERVAL_S = 60.0  # per engine, at most one plugin_data_lost event in this long
+
+_STEP, _REQUEST, _HAS_DETAILS, _DUMMY = wire.STEP_RECORD, wire.REQUEST_RECORD, wire.STEP_HAS_DETAILS, wire.STEP_DUMMY
+_REASONS = wire.FINISH_REASONS
+_new_step = Step._make
+_new_request = Request._make
 
 
 @dataclass
@@ -30,15 +45,26 @@ class _Sender:
     dropped: int
 
 
+@dataclass
+class _Untold:
+    """Loss counted for an engine and not yet on the timeline."""
+
+    dropped: int = 0
+    lost: int = 0
+    pid: int = 0
+
+
 class PluginReceiver:
     """Listens on a Unix datagram socket; each poll reads for up to `window_s` and emits rows."""
 
     name = "plugin"
 
-    def __init__(self, ctx: SourceContext, socket_path: str, *, window_s: float = 0.2,
+    def __init__(self, ctx: SourceContext, socket_path: str, *, token: str | None = None, window_s: float = 0.2,
                  receive_buffer_bytes: int = 4 << 20) -> None:
         self._ctx = ctx
         self.socket_path = socket_path
+        # Only the credential is kept: the token itself stays out of this object, its repr and its logs.
+        self._credential = wire.credential_for(token) if token else None
         self._window_s = window_s
         self._receive_buffer_bytes = receive_buffer_bytes
         self._sock: socket.socket | None = None
@@ -47,9 +73,11 @@ class PluginReceiver:
         self._senders: dict[tuple[str, int, int], _Sender] = {}
         self._models: dict[str, str] = {}
         self._bad_log = RateLimitedLog(log, interval_s=30.0)
-        self._drop_events_at: dict[str, float] = {}
-        self.counts = {"datagrams": 0, "malformed": 0, "steps": 0, "requests": 0, "lost_datagrams": 0,
-                       "plugin_dropped_records": 0}
+        self._auth_log = RateLimitedLog(log, interval_s=60.0)
+        self._told_at: dict[str, float] = {}
+        self._untold: dict[str, _Untold] = {}
+        self.counts = {"datagrams": 0, "malformed": 0, "unauthorized": 0, "steps": 0, "requests": 0,
+                       "lost_datagrams": 0, "plugin_dropped_records": 0}
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
@@ -74,24 +102,32 @@ class PluginReceiver:
             sock.bind(path)
             # Whoever can write the socket can put rows on the timeline: owner and group only.
             os.chmod(path, 0o660)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
         self._sock = sock
 
     def stop(self) -> None:
-        """Read what is already queued, then close; the next poll emits it."""
+        """Refuse new datagrams, read what is already queued, then close; the next poll emits it."""
         sock, self._sock = self._sock, None
         if sock is None:
             return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        # From here a plugin's send fails at once (EPIPE): it counts those records as dropped itself, instead of
+        # handing them to a queue that close() would discard without anyone counting them.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
         rows: list[Row] = []
         sock.setblocking(False)
         with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
-                rows.extend(self._rows(sock.recv(wire.MAX_DATAGRAM + 1)))
+            while data := sock.recv(wire.MAX_DATAGRAM + 1):  # after SHUT_RD, b"" is the end of the queue
+                rows.extend(self.rows(data))
         sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        now = self._ctx.clock.time()
+        for engine in list(self._untold):
+            rows.extend(self._tell(engine, now))
         with self._lock:
             self._leftover.extend(rows)
 
@@ -100,68 +136,127 @@ class PluginReceiver:
         with self._lock:
             rows, self._leftover = self._leftover, []
         sock = self._sock
-        deadline = time.monotonic() + self._window_s
-        while sock is not None and self._sock is sock:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            sock.settimeout(remaining)
+        if sock is None:
+            emit(rows)
+            return
+        # The socket is non-blocking: a queued datagram costs one recv; only an empty queue waits, in poll(2).
+        waiter = select.poll()
+        waiter.register(sock, select.POLLIN)
+        recv, size, monotonic = sock.recv, wire.MAX_DATAGRAM + 1, time.monotonic
+        deadline = monotonic() + self._window_s
+        while self._sock is sock:
             try:
-                data = sock.recv(wire.MAX_DATAGRAM + 1)
-            except TimeoutError:
-                break
+                data = recv(size)
+            except BlockingIOError:
+                remaining = deadline - monotonic()
+                if remaining <= 0 or not waiter.poll(remaining * 1000):
+                    break
+                continue
             except OSError:
                 break  # closed by stop(): what it read is emitted by the next poll
-            rows.extend(self._rows(data))
+            if not data:
+                if self._sock is not sock:
+                    break  # shut down by stop()
+                self.counts["datagrams"] += 1
+                self.counts["malformed"] += 1  # an empty datagram: no header, nothing to decode
+                continue
+            rows.extend(self.rows(data))
             if len(rows) >= EMIT_BATCH_ROWS:
                 emit(rows)
                 rows = []
+            if monotonic() >= deadline:
+                break
         emit(rows)
 
-    def _rows(self, data: bytes) -> list[Row]:
-        self.counts["datagrams"] += 1
+    def rows(self, data: bytes) -> list[Row]:
+        """The rows of one datagram, as a poll emits them; a malformed or unauthorized one is counted and gives none."""
+        counts = self.counts
+        counts["datagrams"] += 1
         try:
-            datagram = wire.decode(data)
+            header, offset = wire.decode_header(data)
+            if self._credential is not None and not hmac.compare_digest(header.credential, self._credential):
+                self._unauthorized(header)
+                return []
+            rows, steps, requests = self._records(data, offset, header.engine)
         except wire.WireError as exc:
-            self.counts["malformed"] += 1
+            counts["malformed"] += 1
             self._bad_log.warning("malformed", "dropped a malformed plugin datagram: %s", exc)
             return []
-        header = datagram.header
-        rows: list[Row] = self._account(header)
-        host, engine = self._ctx.host, header.engine
-        for record in datagram.records:
-            if isinstance(record, wire.StepRecord):
-                self.counts["steps"] += 1
-                rows.append(_step_row(record, host, engine, self._models.get(engine, "")))
-            elif isinstance(record, wire.RequestRecord):
-                self.counts["requests"] += 1
-                rows.append(_request_row(record, host, engine, self._models.get(engine, "")))
-            else:
-                self._models[engine] = str(record.config.get("model", ""))
-                rows.append(_config_event(record.config, host, engine, self._ctx.clock.time()))
+        counts["steps"] += steps
+        counts["requests"] += requests
+        rows.extend(self._account(header))
         return rows
+
+    def _records(self, data: bytes, offset: int, engine: str) -> tuple[list[Row], int, int]:
+        """Rows built straight from the wire's fields (the collector's hot path); and how many steps and requests."""
+        host = self._ctx.host
+        model = self._models.get(engine, "")
+        rows: list[Row] = []
+        append = rows.append
+        steps = requests = 0
+        nan = math.nan
+        for kind, f, first, second in wire.iter_records(data, offset):
+            if kind == _STEP:
+                # Step's columns follow the wire's field order from elapsed_ms to spec_num_accepted_tokens.
+                flags = f[18]
+                append(_new_step((round(f[0] * 1_000_000), host, engine, f[2], model, f[1],
+                                  f[3] if flags & _HAS_DETAILS else nan, *f[4:18], first, second,
+                                  bool(flags & _DUMMY))))
+                steps += 1
+            elif kind == _REQUEST:
+                ts, e2e, decode = f[0], f[2], f[6]
+                # vLLM gives no per-request TTFT here; e2e less decode is arrival to first token, as its
+                # histogram measures. An e2e that is not a duration within the epoch leaves arrival at ts.
+                arrival = round((ts - e2e if 0 <= e2e <= ts else ts) * 1_000_000)
+                append(_new_request((round(ts * 1_000_000), host, engine, f[1], model, first, "plugin",
+                                     _REASONS[f[13]], arrival, f[3], f[4], decode, f[5], e2e, e2e - decode, f[7],
+                                     f[8], f[11], f[9], f[10], f[12])))
+                requests += 1
+            else:
+                model = str(first.get("model", ""))
+                self._models[engine] = model
+                append(_config_event(first, host, engine, self._ctx.clock.time()))
+        return rows, steps, requests
+
+    def _unauthorized(self, header: wire.Header) -> None:
+        self.counts["unauthorized"] += 1
+        why = ("carries no credential (its plugin has no STEPLINE_PLUGIN_TOKEN, or predates the token)"
+               if not header.credential else "carries the credential of another token")
+        self._auth_log.warning("unauthorized", "rejected a plugin datagram from engine %r (pid %d): it %s; give the "
+                               "engine the collector's STEPLINE_PLUGIN_TOKEN (or _FILE)", header.engine[:64],
+                               header.pid, why)
 
     def _account(self, header: wire.Header) -> list[Row]:
         """Track each sender's sequence and drop counter; say so on the timeline when data was lost."""
         key = (header.engine, header.pid, header.instance)
         sender = self._senders.get(key)
         self._senders[key] = _Sender(header.sequence, header.dropped)
-        if sender is None:
-            return []
-        lost = max(0, header.sequence - sender.sequence - 1)
-        dropped = max(0, header.dropped - sender.dropped)
-        self.counts["lost_datagrams"] += lost
-        self.counts["plugin_dropped_records"] += dropped
-        if not (lost or dropped):
+        # At the first datagram of a plugin instance, what it dropped so far (while no sidecar listened) is news.
+        lost = 0 if sender is None else max(0, header.sequence - sender.sequence - 1)
+        dropped = header.dropped if sender is None else max(0, header.dropped - sender.dropped)
+        engine = header.engine
+        if lost or dropped:
+            self.counts["lost_datagrams"] += lost
+            self.counts["plugin_dropped_records"] += dropped
+            untold = self._untold.setdefault(engine, _Untold())
+            untold.dropped += dropped
+            untold.lost += lost
+            untold.pid = header.pid
+        elif engine not in self._untold:
             return []
         now = self._ctx.clock.time()
-        if now - self._drop_events_at.get(header.engine, -math.inf) < 60:
-            return []  # counted always; put on the timeline at most once a minute per engine
-        self._drop_events_at[header.engine] = now
-        return [Event(micros(now), self._ctx.host, header.engine, "plugin", "plugin_data_lost", "warning",
-                      f"engine {header.engine}: the plugin dropped {dropped} records and {lost} datagrams were lost "
-                      "(sidecar absent or too slow)", {"dropped_records": str(dropped), "lost_datagrams": str(lost),
-                                                        "pid": str(header.pid)})]
+        if now - self._told_at.get(engine, -math.inf) < LOSS_EVENT_INTERVAL_S:
+            return []  # counted already; on the timeline with the next event for this engine
+        return self._tell(engine, now)
+
+    def _tell(self, engine: str, now: float) -> list[Row]:
+        untold = self._untold.pop(engine)
+        self._told_at[engine] = now
+        return [Event(micros(now), self._ctx.host, engine, "plugin", "plugin_data_lost", "warning",
+                      f"engine {engine}: the plugin dropped {untold.dropped} records and {untold.lost} datagrams were "
+                      "lost (sidecar absent or too slow)",
+                      {"dropped_records": str(untold.dropped), "lost_datagrams": str(untold.lost),
+                       "pid": str(untold.pid)})]
 
 
 def _listening(path: str) -> bool:
@@ -173,24 +268,6 @@ def _listening(path: str) -> bool:
     finally:
         probe.close()
     return True
-
-
-def _step_row(r: wire.StepRecord, host: str, engine: str, model: str) -> Step:
-    return Step(micros(r.ts), host, engine, r.engine_index, model, r.iteration, r.elapsed_ms, r.num_ctx_requests,
-                r.num_ctx_tokens, r.num_generation_requests, r.num_generation_tokens, r.running, r.waiting,
-                r.skipped_waiting, r.kv_cache_usage, r.prefix_cache_queries, r.prefix_cache_hits, r.preempted,
-                r.spec_num_drafts, r.spec_num_draft_tokens, r.spec_num_accepted_tokens, list(r.ttft_seconds),
-                list(r.itl_seconds), r.is_dummy)
-
-
-def _request_row(r: wire.RequestRecord, host: str, engine: str, model: str) -> Request:
-    # vLLM gives no per-request TTFT here; e2e less decode is arrival to first token, as its histogram measures.
-    ttft = r.e2e_seconds - r.decode_seconds
-    return Request(micros(r.ts), host, engine, r.engine_index, model, r.request_id, "plugin", r.finish_reason,
-                   micros(r.ts - r.e2e_seconds) if math.isfinite(r.e2e_seconds) else micros(r.ts),
-                   r.queued_seconds, r.prefill_seconds, r.decode_seconds, r.inference_seconds, r.e2e_seconds, ttft,
-                   r.mean_tpot_seconds, r.prompt_tokens, r.cached_tokens, r.generation_tokens, r.max_tokens,
-                   r.preemptions)
 
 
 def _config_event(config: dict[str, object], host: str, engine: str, now: float) -> Event:

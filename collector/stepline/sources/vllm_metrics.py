@@ -60,15 +60,17 @@ def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
     try:
         for family in text_string_to_metric_families(text):
             families += 1
-            if family.name == "process_start_time_seconds" and family.samples:
-                start_time = family.samples[0].value
+            # NaN != NaN: a non-finite start time would read as a restart on every scrape.
+            if family.name == "process_start_time_seconds" and family.samples and math.isfinite(
+                    started := _float(family.samples[0].value)):
+                start_time = started
             if not family.name.startswith(PREFIX):
                 continue
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue
                 samples.append(ParsedSample(sample.name, _kind(family.type, sample.name), dict(sample.labels),
-                                            float(sample.value)))
+                                            _float(sample.value)))
     except ValueError as exc:
         raise ExpositionError(f"not a Prometheus exposition ({' '.join(str(exc).split())[:120]})") from None
     if not samples:
@@ -76,6 +78,14 @@ def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
             f"no {PREFIX} metrics among {families} families: is this a vLLM server's /metrics?"
         )
     return samples, start_time
+
+
+def _float(value: float) -> float:
+    """The sample's value as a float: the parser keeps integers exact, and one past 1e308 is infinite, not an error."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _kind(family_type: str, sample_name: str) -> str:
@@ -148,7 +158,8 @@ class VllmMetricsSource:
         restarted = start_time is not None and state.start_time is not None and start_time != state.start_time
         if not restarted and last:
             restarted = any(
-                s.kind in COUNTER_KINDS and s.value < last.get(_key(s), -math.inf) for s in samples
+                s.kind in COUNTER_KINDS and math.isfinite(s.value) and s.value < last.get(_key(s), -math.inf)
+                for s in samples
             )
         if restarted:
             emit([self._event(ts, "engine_restart", "warning",
@@ -165,11 +176,13 @@ class VllmMetricsSource:
             key = _key(s)
             current[key] = s.value
             delta = 0.0
-            if s.kind in COUNTER_KINDS:
+            # A NaN or infinite counter (or one following such a sample) has no meaningful increase: 0, so that sums
+            # over deltas stay finite.
+            if s.kind in COUNTER_KINDS and math.isfinite(s.value):
                 previous = None if restarted else last.get(key)
                 if previous is None:
                     delta = s.value if (born_between or restarted) else 0.0
-                else:
+                elif math.isfinite(previous):
                     delta = s.value - previous if s.value >= previous else s.value
             labels = {k: v for k, v in s.labels.items() if k not in IDENTITY_LABELS}
             rows.append(EngineSample(stamp, host, engine, s.labels.get("engine", ""), s.labels.get("model_name", model),

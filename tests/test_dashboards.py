@@ -41,7 +41,8 @@ for q in job["queries"]:
         first = [v if isinstance(v, (int, float, str)) and not (isinstance(v, float) and not math.isfinite(v))
                  else str(v) for v in (r.result_rows[0] if r.result_rows else [])]
         out.append({"columns": list(r.column_names), "types": [t.name for t in r.column_types],
-                    "rows": len(r.result_rows), "first": first, "error": None})
+                    "rows": len(r.result_rows), "first": first, "error": None,
+                    "lines": [str(row[0]) for row in r.result_rows] if q.startswith("EXPLAIN") else []})
     except Exception as exc:
         out.append({"error": str(exc)[:2000]})
 print(json.dumps(out))
@@ -131,15 +132,38 @@ def test_cli_builds_into_the_given_folder(tmp_path: Path, capsys: pytest.Capture
     assert capsys.readouterr().out.count("\n") == len(DASHBOARDS)
 
 
+# Grafana's interval picks what a per-interval query reads: every row, whole seconds or whole minutes.
+INTERVALS_MS = (200, 1000, 60_000)
+
+
+@pytest.mark.parametrize("interval_ms", INTERVALS_MS)
 @pytest.mark.parametrize("scope", ["one engine", "all engines"])
-def test_every_sql_query_runs_on_a_demo_store(demo: Demo, scope: str) -> None:
+def test_every_sql_query_runs_on_a_demo_store(demo: Demo, scope: str, interval_ms: int) -> None:
     variables: dict[str, str | list[str]] = (
         {"host": ALL, "engine": [demo.engine], "gpu": ALL} if scope == "one engine"
         else {"host": [demo.host], "engine": ALL, "gpu": ["0", "1"]})
-    ctx = QueryContext(demo.from_ms, demo.to_ms, 1000, variables)
+    ctx = QueryContext(demo.from_ms, demo.to_ms, interval_ms, variables)
     queries = _sql_queries()
     results = _run(demo.url, [expand(q.sql, ctx) for q in queries])
     problems = [problem for q, r in zip(queries, results, strict=True) if (problem := _check(q, r))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(("interval_ms", "bucket"), [(1000, "toStartOfSecond(ts)"), (60_000, "toStartOfMinute(ts)")])
+def test_long_ranges_read_the_projections(demo: Demo, interval_ms: int, bucket: str) -> None:
+    """Every per-interval query has a per-minute level (steps also per-second), and at its interval it reads that
+    level's projection rather than the rows."""
+    per_interval = [q for q in _sql_queries() if "AS bucket" in q.sql]
+    assert all("WITH toStartOfMinute(ts) AS bucket" in q.sql for q in per_interval)
+    queries = [q for q in per_interval if f"WITH {bucket} AS bucket" in q.sql]
+    assert len(queries) == (8 if interval_ms == 1000 else 20)
+    ctx = QueryContext(demo.from_ms, demo.to_ms, interval_ms, {"host": ALL, "engine": ALL, "gpu": ALL})
+    plans = _run(demo.url, ["EXPLAIN projections=1 " + expand(q.sql, ctx) for q in queries])
+    problems = []
+    for q, plan in zip(queries, plans, strict=True):
+        reads = " ".join(line.strip() for line in plan.get("lines", []) if "ReadFromMergeTree" in line)
+        if plan["error"] or not any(name in reads for name in ("steps_per_", "gpu_samples_per_")):
+            problems.append(f"{q.dashboard} / {q.title}: {plan['error'] or reads}")
     assert not problems, "\n".join(problems)
 
 
@@ -172,6 +196,7 @@ def test_macros_expand_as_the_datasource_does() -> None:
     assert expand("$__timeInterval_ms(ts)", ctx) == (
         "toStartOfInterval(toDateTime64(ts, 3), INTERVAL 2500 millisecond)")
     assert expand("$__interval_s", ctx) == "2"
+    assert expand("$__interval_ms", ctx) == "2500"
     assert expand("$__conditionalAll(engine IN (${engine:singlequote}), $engine)", ctx) == "engine IN ('a','b')"
     assert expand("$__conditionalAll(host IN (${host:singlequote}), $host) AND 1", ctx) == "1=1 AND 1"
     assert expand("x = '$engine'", QueryContext(0, 0, 1000, {"engine": "e"})) == "x = 'e'"

@@ -187,6 +187,7 @@ class Store:
                 if statement not in views:
                     self.client.command(statement)
             self._add_missing_columns()
+            self._add_missing_projections()
             for statement in views:  # over the tables as they now are
                 self.client.command(statement)
             self._apply_retention(retention_days)
@@ -232,6 +233,18 @@ class Store:
                     self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
                                         f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
                 previous = name
+
+    def _add_missing_projections(self) -> None:
+        """Projections added since the store was created are added, then built for the parts already there."""
+        present = {(str(t), str(n)) for t, n in self.client.query(
+            "SELECT table, name FROM system.projections WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        for table in schema.TABLES:
+            for projection in table.projections:
+                if (table.name, projection.name) not in present:
+                    log.info("adding projection %s.%s", table.name, projection.name)
+                    for statement in schema.add_projection_sql(self.database, table, projection):
+                        self.client.command(statement)
 
     def _apply_retention(self, retention_days: int) -> None:
         rows = self.client.query(

@@ -5,29 +5,33 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 
 from stepline.alerting.config import AlertConfig
+from stepline.dashboards.buckets import GATE, MINUTE, RAW, per_interval
 from stepline.dashboards.panels import WHERE, right_axis, series, timeline_base
 from stepline.dashboards.query import ClickHouseQuery
 
 UID = "stepline-engine-timeline"
 SLUG = "stepline-engine-timeline"
 
-STEPS = f"FROM steps WHERE $__timeFilter_ms(ts) AND {WHERE}"
-GPUS = f"FROM gpu_samples WHERE $__timeFilter_ms(ts) AND {WHERE}"
+STEPS = f"FROM steps WHERE {GATE} AND $__timeFilter_ms(bucket) AND {WHERE}"
+GPUS = f"FROM gpu_samples WHERE {GATE} AND $__timeFilter_ms(bucket) AND {WHERE}"
 GPU_SERIES = "concat(engine, '/gpu', toString(gpu_index)) AS gpu"
+# Written with the aggregates the steps projections hold (schema.STEP_AGGREGATES), so long ranges read those.
+ITL = ("quantilesBFloat16Array(0.5, 0.99)(itl_seconds)[1] AS p50, "
+       "quantilesBFloat16Array(0.5, 0.99)(itl_seconds)[2] AS p99")
 
 
-def _steps(columns: str) -> ClickHouseQuery:
-    return ClickHouseQuery(f"""
-        SELECT $__timeInterval_ms(ts) AS time, engine, {columns}
+def _steps(columns: str, having: str = "") -> ClickHouseQuery:
+    return ClickHouseQuery(per_interval(f"""
+        SELECT $__timeInterval_ms(bucket) AS time, engine, {columns}
         {STEPS}
-        GROUP BY time, engine ORDER BY time""")
+        GROUP BY time, engine{having}"""))
 
 
 def _gpus(columns: str) -> ClickHouseQuery:
-    return ClickHouseQuery(f"""
-        SELECT $__timeInterval_ms(ts) AS time, {GPU_SERIES}, {columns}
+    return ClickHouseQuery(per_interval(f"""
+        SELECT $__timeInterval_ms(bucket) AS time, {GPU_SERIES}, {columns}
         {GPUS}
-        GROUP BY time, gpu ORDER BY time""")
+        GROUP BY time, gpu""", levels=(RAW, MINUTE)))
 
 
 def _spec_delta(metric: str) -> str:
@@ -42,10 +46,11 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
                       ["engine"])
     d = d.with_panel(series(
         "Step duration", "How long each engine iteration takes (mean and worst per interval).", "ms",
-        _steps("avg(elapsed_ms) AS mean, max(elapsed_ms) AS max")))
+        _steps("sum(elapsed_ms) / count() AS mean, max(elapsed_ms) AS max")))
     d = d.with_panel(series(
         "Prefill vs decode tokens per step", "What each step spends its token budget on: prompt chunks or decode.",
-        "short", _steps("avg(num_ctx_tokens) AS prefill, avg(num_generation_tokens) AS decode"), stacked=True))
+        "short", _steps("sum(num_ctx_tokens) / count() AS prefill, sum(num_generation_tokens) / count() AS decode"),
+        stacked=True))
     d = d.with_panel(series(
         "Running and waiting", "How many requests are in the batch and how many queue behind it.", "short",
         _steps("max(running) AS running, max(waiting) AS waiting")))
@@ -56,12 +61,7 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
         "preempted.*", "short"))
     d = d.with_panel(series(
         "Inter-token latency", "How long decoding streams wait between tokens (p50, p99, max) against the SLO.", "s",
-        ClickHouseQuery(f"""
-            SELECT $__timeInterval_ms(ts) AS time, engine, quantile(0.5)(itl) AS p50, quantile(0.99)(itl) AS p99,
-                   max(itl) AS max
-            FROM steps ARRAY JOIN itl_seconds AS itl
-            WHERE $__timeFilter_ms(ts) AND {WHERE}
-            GROUP BY time, engine ORDER BY time"""),
+        _steps(f"{ITL}, maxArray(itl_seconds) AS max", " HAVING isFinite(p50)"),
         lines=[(slo.itl_p99_seconds, "orange"), (slo.itl_p99_critical_seconds, "red")]))
     d = d.with_panel(series(
         "Prefix-cache hit rate", "What share of prompt tokens the prefix cache served.", "percentunit",

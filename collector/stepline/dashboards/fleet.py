@@ -5,6 +5,8 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 
 from stepline.alerting.config import AlertConfig
+from stepline.dashboards.buckets import GATE, per_interval
+from stepline.dashboards.engine import ITL
 from stepline.dashboards.panels import (
     ENGINE,
     HOST,
@@ -49,10 +51,11 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
     d = d.with_panel(series(
         "Generation throughput", "How many output tokens per second each engine produces (from steps).",
         "suffix: tok/s",
-        ClickHouseQuery(f"""
-            SELECT $__timeInterval(ts) AS time, engine, sum(num_generation_tokens) / $__interval_s AS tokens_per_s
-            FROM steps WHERE $__timeFilter(ts) AND {WHERE} AND NOT is_dummy
-            GROUP BY time, engine ORDER BY time""")))
+        ClickHouseQuery(per_interval(f"""
+            SELECT $__timeInterval_ms(bucket) AS time, engine,
+                   sumIf(num_generation_tokens, NOT is_dummy) / ($__interval_ms / 1000) AS tokens_per_s
+            FROM steps WHERE {GATE} AND $__timeFilter_ms(bucket) AND {WHERE}
+            GROUP BY time, engine"""))))
     d = d.with_panel(grid(
         "Decode rate per request, by prompt band",
         "What decode speed a request sees, as a range per prompt-size band (never one number for all).",
@@ -79,11 +82,10 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
     d = d.with_panel(series(
         "Inter-token latency", "How smoothly streams decode (ITL p50, p99), against the warning and critical SLO.",
         "s",
-        ClickHouseQuery(f"""
-            SELECT $__timeInterval(ts) AS time, engine, quantile(0.5)(itl) AS p50, quantile(0.99)(itl) AS p99
-            FROM steps ARRAY JOIN itl_seconds AS itl
-            WHERE $__timeFilter(ts) AND {WHERE}
-            GROUP BY time, engine ORDER BY time"""),
+        ClickHouseQuery(per_interval(f"""
+            SELECT $__timeInterval_ms(bucket) AS time, engine, {ITL}
+            FROM steps WHERE {GATE} AND $__timeFilter_ms(bucket) AND {WHERE}
+            GROUP BY time, engine HAVING isFinite(p50)""")),
         lines=[(slo.itl_p99_seconds, "orange"), (slo.itl_p99_critical_seconds, "red")]))
     d = d.with_panel(series(
         "Queue depth", "How many requests wait for admission on each engine.", "short",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 
 from stepline.alerting.config import AlertConfig
+from stepline.dashboards.buckets import GATE, MINUTE, RAW, per_interval
 from stepline.dashboards.panels import ENGINE, GPU, HOST, grid, series, timeline_base
 from stepline.dashboards.query import ClickHouseQuery, Format
 
@@ -12,14 +13,16 @@ UID = "stepline-gpu"
 
 # gpu_samples.engine is '' for a GPU no engine was seen on: such GPUs show under "All" engines only.
 GPU_WHERE = f"$__timeFilter_ms(ts) AND {HOST} AND {ENGINE} AND {GPU}"
+PER_INTERVAL_WHERE = f"{GATE} AND $__timeFilter_ms(bucket) AND {HOST} AND {ENGINE} AND {GPU}"
 GPU_SERIES = "concat(host, '/gpu', toString(gpu_index)) AS gpu"
 
 
-def _per_gpu(columns: str, extra: str = "") -> ClickHouseQuery:
-    return ClickHouseQuery(f"""
-        SELECT $__timeInterval_ms(ts) AS time, {GPU_SERIES}, {columns}
-        FROM gpu_samples WHERE {GPU_WHERE}{extra}
-        GROUP BY time, gpu ORDER BY time""")
+def _per_gpu(columns: str) -> ClickHouseQuery:
+    """Per GPU and interval: rows below a minute, the per-minute projection (schema.GPU_AGGREGATES) above."""
+    return ClickHouseQuery(per_interval(f"""
+        SELECT $__timeInterval_ms(bucket) AS time, {GPU_SERIES}, {columns}
+        FROM gpu_samples WHERE {PER_INTERVAL_WHERE}
+        GROUP BY time, gpu""", levels=(RAW, MINUTE)))
 
 
 def dashboard(config: AlertConfig) -> db.Dashboard:
@@ -32,11 +35,11 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
     d = d.with_panel(series("Power", "How much power each GPU drew.", "watt", _per_gpu("avg(power_w) AS power")))
     d = d.with_panel(grid(
         "Energy used in range", "How much energy each GPU used over the selected time range.",
-        ClickHouseQuery(f"""
+        ClickHouseQuery(per_interval(f"""
             SELECT {GPU_SERIES}, any(gpu_name) AS model, (max(energy_mj) - min(energy_mj)) / 1000 AS energy_j,
                    avg(power_w) AS mean_power_w
-            FROM gpu_samples WHERE {GPU_WHERE}
-            GROUP BY gpu ORDER BY gpu""", Format.TABLE),
+            FROM gpu_samples WHERE {PER_INTERVAL_WHERE}
+            GROUP BY gpu""", order_by="gpu", levels=(RAW, MINUTE)), Format.TABLE),
         units=[("energy_j", "joule"), ("mean_power_w", "watt")], w=12, h=8))
     d = d.with_panel(series("Temperatures", "How hot the GPU die and its memory ran.", "celsius",
                             _per_gpu("max(temp_gpu_c) AS gpu_temp, max(temp_mem_c) AS mem_temp")))

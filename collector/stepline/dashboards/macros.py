@@ -33,7 +33,8 @@ def expand(query: str, ctx: QueryContext) -> str:
     text = _ONE_ARG.sub(lambda m: _one_arg(m.group(1), m.group(2).strip(), ctx), text)
     text = (text.replace("$__fromTime", f"toDateTime({ctx.from_ms // 1000})")
                 .replace("$__toTime", f"toDateTime({ctx.to_ms // 1000})")
-                .replace("$__interval_s", str(ctx.interval_s)))
+                .replace("$__interval_s", str(ctx.interval_s))
+                .replace("$__interval_ms", str(ctx.interval_ms)))  # Grafana's own variable, set before the macros
     if "$__" in text:
         raise ValueError(f"unexpanded macro in: {text}")
     return _VARIABLE.sub(lambda m: _variable(m.group(1) or m.group(3), m.group(2) or "", ctx), text)

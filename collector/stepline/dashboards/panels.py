@@ -108,9 +108,12 @@ def ch_variable(name: str, label: str, raw_sql: str) -> db.QueryVariable:
 ALL_VALUE = "$__all"
 
 HOST_VARIABLE_SQL = "SELECT DISTINCT host FROM engine_samples WHERE $__timeFilter(ts) ORDER BY host"
+# Steps by the minute (GROUP BY, not DISTINCT, reads their per-minute projection): an engine stepping within a
+# minute of the range counts.
 ENGINE_VARIABLE_SQL = (
-    "SELECT DISTINCT engine FROM (SELECT host, engine FROM engine_samples WHERE $__timeFilter(ts) "
-    "UNION ALL SELECT host, engine FROM steps WHERE $__timeFilter(ts)) "
+    "SELECT DISTINCT engine FROM (SELECT DISTINCT host, engine FROM engine_samples WHERE $__timeFilter(ts) "
+    "UNION ALL SELECT host, engine FROM steps WHERE toStartOfMinute(ts) >= toStartOfMinute($__fromTime) "
+    "AND toStartOfMinute(ts) <= $__toTime GROUP BY host, engine) "
     f"WHERE engine != '' AND {HOST} ORDER BY engine")
 GPU_VARIABLE_SQL = (f"SELECT DISTINCT toString(gpu_index) AS gpu FROM gpu_samples WHERE $__timeFilter(ts) AND {WHERE} "
                     "ORDER BY gpu")

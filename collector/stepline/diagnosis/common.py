@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
+from stepline.diagnosis.rollup import Agg, rolled
 from stepline.summary import Reads
 
 Detector = Callable[[Reads, Window], list[Finding]]
@@ -44,6 +45,8 @@ def _literal(value: Any) -> str:
         return "1" if value else "0"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -60,26 +63,76 @@ def number(value: Any, default: float = 0.0) -> float:
     return default if math.isnan(result) else result
 
 
+# Quantiles over more steps than this per engine come from the per-minute projection (bfloat16: ~3 significant
+# digits) instead of every step: exact up to about 35 minutes of a busy engine, cheap beyond.
+EXACT_MAX_STEPS = 100_000
+APPROXIMATE = "per-minute projection, bfloat16 (within ~1%)"
+
+
+class Memo:
+    """One diagnosis reads each distinct query once: the detectors share engines, configurations and buckets."""
+
+    def __init__(self, reader: Reads) -> None:
+        self._reader = reader
+        self._results: dict[str, Any] = {}
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        key = sql + "\0" + repr(sorted((parameters or {}).items()))
+        if key not in self._results:
+            self._results[key] = self._reader.query(sql, parameters=parameters)
+        return self._results[key]
+
+
+# Every engine, or only the window's: the filter detectors put on queries that answer for all engines at once.
+EACH_ENGINE = "({engine:String} = '' OR engine = {engine:String})"
+
+
 def engines(reader: Reads, window: Window) -> list[str]:
     """The engines with steps, requests or engine samples in the window (or only the window's engine)."""
     if window.engine:
         return [window.engine]
+    steps, bounds = rolled([], "1", window.start, window.end)
     rows = Query(
-        "SELECT DISTINCT engine FROM (SELECT engine FROM steps WHERE ts >= {start:DateTime64(6)} AND ts <= "
-        "{end:DateTime64(6)} UNION ALL SELECT engine FROM requests WHERE ts >= {start:DateTime64(6)} AND ts <= "
-        "{end:DateTime64(6)} UNION ALL SELECT engine FROM engine_samples WHERE ts >= {start:DateTime64(6)} AND "
-        "ts <= {end:DateTime64(6)}) WHERE engine != '' ORDER BY engine",
-        start=window.start, end=window.end).rows(reader)
+        f"SELECT DISTINCT engine FROM ({steps} UNION ALL SELECT DISTINCT engine FROM requests WHERE "
+        "ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)} UNION ALL SELECT DISTINCT engine FROM "
+        "engine_samples WHERE ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}) WHERE engine != '' "
+        "ORDER BY engine", start=window.start, end=window.end, **bounds).rows(reader)
     return [str(r[0]) for r in rows]
 
 
-def engine_config(reader: Reads, engine: str, window: Window) -> dict[str, str]:
-    """The engine's newest engine_config event up to the window's end; the plugin reports it once at start-up,
+ALONE = "num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elapsed_ms > 0"
+_SUMMARY = (
+    Agg("steps", "count()", "sum({})"),
+    Agg("alone_steps", f"countIf({ALONE})", "sum({})"),
+    Agg("prefill_steps", "countIf(num_ctx_tokens > 0)", "sum({})"),
+    Agg("max_single_prefill", "maxIf(num_ctx_tokens, num_ctx_requests = 1)", "max({})"),
+    Agg("max_step_tokens", "max(num_ctx_tokens + num_generation_tokens)", "max({})"),
+    Agg("waiting_max", "max(waiting)", "max({})"),
+    Agg("kv_max", "max(kv_cache_usage)", "max({})"),
+    Agg("steps_kv_over_95pct", "countIf(kv_cache_usage >= 0.95)", "sum({})"),
+    Agg("preempted", "sum(preempted)", "sum({})"),
+    Agg("first", "min(ts)", "min({})"),
+    Agg("last", "max(ts)", "max({})"),
+)
+
+
+def window_summary(reader: Reads, window: Window) -> dict[str, dict[str, Any]]:
+    """engine -> counts and extremes of its steps in the window (the names in _SUMMARY), for every engine that
+    stepped in it: exact, and read from the projections when the window is long."""
+    sql, bounds = rolled(_SUMMARY, EACH_ENGINE, window.start, window.end)
+    names = [a.alias for a in _SUMMARY]
+    return {str(r[0]): dict(zip(names, r[1:], strict=True))
+            for r in Query(sql, engine=window.engine, **bounds).rows(reader)}
+
+
+def engine_configs(reader: Reads, window: Window) -> dict[str, dict[str, str]]:
+    """Each engine's newest engine_config event up to the window's end; the plugin reports it once at start-up,
     so it may predate the window (or, for a replay, follow it): the newest one wins."""
     rows = Query(
-        "SELECT attributes FROM events WHERE kind = 'engine_config' AND engine = {engine:String} "
-        "ORDER BY ts <= {end:DateTime64(6)} DESC, ts DESC LIMIT 1", engine=engine, end=window.end).rows(reader)
-    return {str(k): str(v) for k, v in rows[0][0].items()} if rows else {}
+        "SELECT engine, argMax(attributes, (ts <= {end:DateTime64(6)}, ts)) FROM events "
+        f"WHERE kind = 'engine_config' AND {EACH_ENGINE} GROUP BY engine",
+        engine=window.engine, end=window.end).rows(reader)
+    return {str(engine): {str(k): str(v) for k, v in attributes.items()} for engine, attributes in rows}
 
 
 def config_int(config: dict[str, str], key: str) -> int | None:

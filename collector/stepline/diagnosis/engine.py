@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from stepline.diagnosis import hardware, health, prefill
-from stepline.diagnosis.common import Detector, hms
+from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.findings import Finding, Window
 from stepline.summary import Reads
 
@@ -35,6 +35,7 @@ def diagnose(reader: Reads, window: Window,
              detectors: Sequence[tuple[str, Detector]] = DETECTORS) -> list[Finding]:
     """Every detector's findings, ranked; a detector that fails is logged and reported, never fatal."""
     found: list[Finding] = []
+    reader = Memo(reader)
     for name, detect in detectors:
         try:
             found.extend(detect(reader, window))

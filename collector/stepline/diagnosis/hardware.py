@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
-from stepline.diagnosis.common import Query, clip, engines, hms, number, utc
+import math
+from typing import Any
+
+from stepline.diagnosis.common import (
+    ALONE,
+    APPROXIMATE,
+    EACH_ENGINE,
+    EXACT_MAX_STEPS,
+    Query,
+    clip,
+    engines,
+    hms,
+    number,
+    utc,
+    window_summary,
+)
 from stepline.diagnosis.findings import Finding, Window
+from stepline.diagnosis.rollup import whole_minutes
+from stepline.schema import timeline_sql
 from stepline.summary import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
@@ -11,58 +28,114 @@ CLOCK_DROP = 0.10
 THROTTLE_FLAGS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
                   "hw_power_brake_slowdown")
 
-_BANDS = """
-SELECT multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, '8k-32k',
-               prompt_tokens < 100000, '32k-100k', '>= 100k') AS band,
-       min(prompt_tokens) AS lo, count() AS n,
-       quantileExact(0.01)(1 / mean_tpot_seconds) AS rate_p1, quantileExact(0.5)(1 / mean_tpot_seconds) AS rate_p50
+_BAND = """multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, '8k-32k',
+               prompt_tokens < 100000, '32k-100k', '>= 100k') AS band"""
+_RATES = """min(prompt_tokens) AS lo, count() AS n,
+       quantileExact(0.01)(1 / mean_tpot_seconds) AS rate_p1, quantileExact(0.5)(1 / mean_tpot_seconds) AS rate_p50"""
+_DECODED = "mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation_tokens > 1"
+_BANDS = f"""
+SELECT {_BAND},
+       {_RATES}
 FROM requests
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
-  AND mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation_tokens > 1
+WHERE engine = {{engine:String}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+  AND {_DECODED}
 GROUP BY band ORDER BY lo
 """
-
-# Few decoders and no prefill: what one request gets from this engine with nobody in its way.
-_ALONE = """
-SELECT count() AS steps, quantilesExact(0.1, 0.5, 0.9)(1000 / elapsed_ms) AS rate, quantileExact(0.5)(elapsed_ms)
-FROM steps
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
-  AND num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elapsed_ms > 0
+_BANDS_BY_ENGINE = f"""
+SELECT engine, {_BAND}, {_RATES}
+FROM requests
+WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}} AND {_DECODED}
+GROUP BY engine, band ORDER BY engine, lo
 """
 
-_GPU_DURING = """
-SELECT elapsed_ms > {slow_ms:Float64} AS slow, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms,
+# Few decoders and no prefill (ALONE): what one request gets from this engine with nobody in its way.
+_ALONE_EXACT = f"""
+SELECT engine, quantilesExact(0.1, 0.5, 0.9)(1000 / elapsed_ms), quantileExact(0.5)(elapsed_ms)
+FROM steps
+WHERE engine IN {{engines:Array(String)}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+  AND {ALONE}
+GROUP BY engine
+"""
+# The same from the per-minute projection: step-time quantiles, inverted into rates (p10 of rate = p90 of time).
+_ALONE_APPROXIMATE = f"""
+WITH toStartOfMinute(ts) AS bucket
+SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE})
+FROM steps
+WHERE engine IN {{engines:Array(String)}} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}
+GROUP BY engine
+"""
+
+
+def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, float, float], float, bool]]:
+    """engine -> (quiet steps, their decode rates p10/p50/p90, their step p50 ms, approximate?), for the engines
+    with at least 20 quiet steps; exact up to EXACT_MAX_STEPS steps in the window, approximate beyond."""
+    counts = {e: (int(s["steps"]), int(s["alone_steps"])) for e, s in window_summary(reader, window).items()
+              if s["alone_steps"] >= 20}
+    minutes = whole_minutes(window.start, window.end)
+    big = sorted(e for e, (steps, _) in counts.items() if steps > EXACT_MAX_STEPS and minutes is not None)
+    small = sorted(set(counts) - set(big))
+    out: dict[str, tuple[int, tuple[float, float, float], float, bool]] = {}
+    if small:
+        for engine, rate, step_ms in Query(_ALONE_EXACT, engines=small, start=window.start,
+                                           end=window.end).rows(reader):
+            out[str(engine)] = (counts[engine][1], (number(rate[0]), number(rate[1]), number(rate[2])),
+                                number(step_ms), False)
+    if big and minutes is not None:
+        for engine, ms in Query(_ALONE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
+            p10, p50, p90 = (number(v) for v in ms)
+            rates = tuple(1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
+            out[str(engine)] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, True)
+    return out
+
+
+def _bands(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
+    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    for engine, *row in Query(_BANDS_BY_ENGINE, engine=window.engine, start=window.start,
+                              end=window.end).rows(reader):
+        by_engine.setdefault(str(engine), []).append(tuple(row))
+    return by_engine
+
+
+# Each of the engine's steps (one in `every`: all of them unless the window holds more than EXACT_MAX_STEPS) beside
+# its GPUs' sample (the timeline view), the GPU side bounded to the window (from 10 s before, so the first steps
+# find their sample) and to the GPUs that served the engine in it.
+_GPU_WINDOW = " AND ts >= {start:DateTime64(6)} - INTERVAL 10 SECOND AND ts <= {end:DateTime64(6)}"
+_TIMELINE = timeline_sql(
+    "", " AND s.engine = {engine:String} AND s.ts >= {start:DateTime64(6)} AND s.ts <= {end:DateTime64(6)}"
+    " AND s.step % {every:UInt64} = 0",
+    f"{_GPU_WINDOW} AND (host, gpu_index) IN (SELECT host, gpu_index FROM gpu_samples WHERE engine = {{engine:String}}"
+    f"{_GPU_WINDOW})")
+_GPU_DURING = f"""
+SELECT elapsed_ms > {{slow_ms:Float64}} AS slow, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms,
        avg(sm_clock_mhz) AS sm_mhz, avg(power_w) AS power_w,
-       countIf(hasAny(clock_event_flags, {flags:Array(String)})) / count() AS throttled_share,
+       countIf(hasAny(clock_event_flags, {{flags:Array(String)}})) / count() AS throttled_share,
        arrayDistinct(arrayFlatten(groupArray(clock_event_flags))) AS flags
-FROM timeline
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)} AND gpu_ts > 0
+FROM ({_TIMELINE})
+WHERE gpu_ts > 0
 GROUP BY slow ORDER BY slow
 """
 
 
 # Like for like: decode-only steps of a similar batch, throttled against not. Under open-loop load the batch
 # grows as steps slow, so comparing against every fast step would always blame the scheduler.
-_MATCHED = """
-WITH base AS (
-    SELECT elapsed_ms, sm_clock_mhz, decoding, hasAny(clock_event_flags, {flags:Array(String)}) AS throttled
-    FROM timeline
-    WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)} AND gpu_ts > 0
-      AND prefill_tokens = 0 AND decoding > 0
-),
-band AS (SELECT quantileExact(0.5)(decoding) AS mid FROM base WHERE throttled)
+_MATCHED = f"""
 SELECT throttled, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms, avg(sm_clock_mhz) AS sm_mhz
-FROM base
-WHERE decoding BETWEEN (SELECT mid FROM band) * 0.7 AND (SELECT mid FROM band) * 1.3
+FROM (
+    SELECT *, quantileExactIf(0.5)(decoding, throttled) OVER () AS mid
+    FROM (SELECT elapsed_ms, sm_clock_mhz, decoding, hasAny(clock_event_flags, {{flags:Array(String)}}) AS throttled
+          FROM ({_TIMELINE})
+          WHERE gpu_ts > 0 AND prefill_tokens = 0 AND decoding > 0)
+)
+WHERE decoding BETWEEN mid * 0.7 AND mid * 1.3
 GROUP BY throttled ORDER BY throttled
 """
 MATCHED_MIN_STEPS = 20
 
 
-def _clock_explains(reader: Reads, engine: str, window: Window) -> tuple[bool, dict[str, object]]:
+def _clock_explains(reader: Reads, engine: str, window: Window, every: int) -> tuple[bool, dict[str, object]]:
     """Whether throttled decode-only steps are slower than unthrottled ones of the same batch by what the clock lost."""
     rows = {bool(r[0]): r for r in Query(_MATCHED, engine=engine, start=window.start, end=window.end,
-                                         flags=list(THROTTLE_FLAGS)).rows(reader)}
+                                         flags=list(THROTTLE_FLAGS), every=every).rows(reader)}
     if True not in rows or False not in rows or min(int(rows[True][1]), int(rows[False][1])) < MATCHED_MIN_STEPS:
         return False, {}
     throttled, free = rows[True], rows[False]
@@ -77,27 +150,32 @@ def _clock_explains(reader: Reads, engine: str, window: Window) -> tuple[bool, d
 def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
     """Per prompt band, decode rates under load against the engine alone; GPU counters say whether silicon slowed."""
     findings = []
+    summary = window_summary(reader, window)
+    alone = _alone(reader, window)
+    bands_by_engine = _bands(reader, window) if alone else {}
     for engine in engines(reader, window):
-        alone_q = Query(_ALONE, engine=engine, start=window.start, end=window.end)
-        alone = alone_q.rows(reader)
-        if not alone or int(alone[0][0]) < 20:
+        if engine not in alone:
             continue  # without quiet steps there is nothing to compare with
-        alone_lo, alone_mid, alone_hi = (number(v) for v in alone[0][1])
-        alone_step_ms = number(alone[0][2])
+        _steps, (alone_lo, alone_mid, alone_hi), alone_step_ms, approximate = alone[engine]
         bands_q = Query(_BANDS, engine=engine, start=window.start, end=window.end)
-        bands = bands_q.rows(reader)
+        bands = bands_by_engine.get(engine, [])
         if not bands:
             continue
         worst = min(bands, key=lambda b: number(b[4], 1e9))
         if number(worst[4], 1e9) * LOAD_SLOWDOWN > alone_mid:
             continue
         by_band = {str(b[0]): f"{number(b[3]):.1f}..{number(b[4]):.1f} tok/s (p1..p50, {b[2]} req)" for b in bands}
+        every = max(1, math.ceil(int(summary[engine]["steps"]) / EXACT_MAX_STEPS))
         gpu_q = Query(_GPU_DURING, engine=engine, start=window.start, end=window.end,
-                      slow_ms=LOAD_SLOWDOWN * alone_step_ms, flags=list(THROTTLE_FLAGS))
+                      slow_ms=LOAD_SLOWDOWN * alone_step_ms, flags=list(THROTTLE_FLAGS), every=every)
         gpu = {bool(r[0]): r for r in gpu_q.rows(reader)}
         evidence: dict[str, object] = {
             "alone_tok_s": f"{alone_lo:.1f}..{alone_hi:.1f} (p50 {alone_mid:.1f})", "under_load_by_band": by_band,
             "alone_from": "steps without prefill and 1-4 decoding requests: 1000 / elapsed_ms"}
+        if approximate:
+            evidence["alone_quantiles"] = APPROXIMATE
+        if every > 1:
+            evidence["gpu_comparison_steps"] = f"one step in {every} (by step number)"
         hardware = False
         if True in gpu and False in gpu:
             fast, slow = gpu[False], gpu[True]
@@ -111,7 +189,7 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
             # like-for-like steps decide.
             hardware = drop > CLOCK_DROP and number(slow[5]) > 0.5 and slowdown <= 2 / max(1 - drop, 0.05)
             if not hardware and drop > CLOCK_DROP and number(slow[5]) > 0.5:
-                hardware, matched = _clock_explains(reader, engine, window)
+                hardware, matched = _clock_explains(reader, engine, window, every)
                 evidence.update(matched)
         rate = f"{number(worst[3]):.1f}..{number(worst[4]):.1f}"
         if hardware:
@@ -144,19 +222,40 @@ ORDER BY e.ts
 """
 
 
+_XID_EVENTS = """
+SELECT engine, ts, message, attributes['xid'] AS xid
+FROM events
+WHERE kind = 'gpu_xid' AND ({engine:String} = '' OR engine = {engine:String} OR engine = '')
+  AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+ORDER BY ts
+"""
+_SLOW_STEPS = """
+SELECT engine, countIf(elapsed_ms > {slow_ms:Float64})
+FROM steps
+WHERE engine IN {engines:Array(String)} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+GROUP BY engine
+"""
+
+
 def gpu_xid(reader: Reads, window: Window) -> list[Finding]:
     """GPU XID errors: the driver saw the hardware fail; always critical."""
-    findings = []
-    for engine in engines(reader, window):
+    findings: list[Finding] = []
+    events = Query(_XID_EVENTS, engine=window.engine, start=window.start, end=window.end).rows(reader)
+    if not events:
+        return findings
+    # An XID of a GPU no engine was seen on (engine '') concerns every engine.
+    by_engine = {engine: [r[1:] for r in events if r[0] in (engine, "")] for engine in engines(reader, window)}
+    affected = sorted(engine for engine, rows in by_engine.items() if rows)
+    slow = {str(r[0]): int(r[1]) for r in Query(_SLOW_STEPS, engines=affected, slow_ms=1000.0, start=window.start,
+                                                 end=window.end).rows(reader)} if affected else {}
+    for engine in affected:
+        rows = by_engine[engine]
         query = Query(_XID, engine=engine, start=window.start, end=window.end, slow_ms=1000.0)
-        rows = query.rows(reader)
-        if not rows:
-            continue
         xids = sorted({str(r[2]) for r in rows if r[2]})
         findings.append(Finding(
             "gpu_xid", "critical", engine, utc(rows[0][0]), utc(rows[-1][0]),
             clip(f"{len(rows)} GPU XID error(s) {', '.join(xids)} from {hms(rows[0][0])}"),
             {"xid_events": len(rows), "xids": xids, "first_message": str(rows[0][1])[:200],
-             "slow_steps_over_1s_in_window": int(rows[0][3])},
+             "slow_steps_over_1s_in_window": slow.get(engine, 0)},
             query.literal(), "check the XID in NVIDIA's table; drain and reset or replace the GPU", float(len(rows))))
     return findings

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from stepline.diagnosis.common import Query, clip, engines, number, utc
+from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
+from stepline.diagnosis.rollup import Agg, rolled
 from stepline.summary import Reads
 
 MIN_BUCKET_QUERIES = 1000  # prefix-cache lookups (tokens) in a bucket before its hit rate means anything
@@ -23,16 +25,34 @@ GROUP BY t ORDER BY t
 """
 
 
+_BUCKET_AGGS = tuple(Agg(alias, f"sum({column})", "sum({})") for alias, column in (
+    ("hits", "prefix_cache_hits"), ("queries", "prefix_cache_queries"), ("accepted", "spec_num_accepted_tokens"),
+    ("drafted", "spec_num_draft_tokens"), ("drafts", "spec_num_drafts")))
+
+
 def _bucket_s(window: Window) -> int:
     return max(10, round((window.end - window.start).total_seconds() / 60))
+
+
+def _buckets(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
+    """_BUCKETS for every engine at once (from the steps projections): engine -> rows in time order."""
+    bucket_s = _bucket_s(window)
+    per_bucket = "toStartOfInterval(bucket, toIntervalSecond({bucket_s:UInt32}))"
+    sql, bounds = rolled(_BUCKET_AGGS, EACH_ENGINE, window.start, window.end, minutes=bucket_s % 60 == 0,
+                         keys=(("engine", "engine"), ("t", per_bucket)))
+    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    for engine, *row in Query(sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
+        by_engine.setdefault(str(engine), []).append(tuple(row))
+    return by_engine
 
 
 def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
     """The windowed hit rate fell far below the engine's own baseline earlier in the window."""
     findings = []
+    buckets = _buckets(reader, window)
     for engine in engines(reader, window):
         query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
-        rows = [r for r in query.rows(reader) if int(r[2]) >= MIN_BUCKET_QUERIES]
+        rows = [r for r in buckets.get(engine, []) if int(r[2]) >= MIN_BUCKET_QUERIES]
         if len(rows) < 3:
             continue
         # The baseline is the earliest fifth of the buckets, unweighted: a burst's many lookups must not define it.
@@ -60,9 +80,10 @@ def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
 def spec_decode_acceptance_shift(reader: Reads, window: Window) -> list[Finding]:
     """Speculative acceptance, per bucket from step deltas (never lifetime counters), moved a lot."""
     findings = []
+    buckets = _buckets(reader, window)
     for engine in engines(reader, window):
         query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
-        rows = [r for r in query.rows(reader) if int(r[5]) > 0 and int(r[4]) >= 100]
+        rows = [r for r in buckets.get(engine, []) if int(r[5]) > 0 and int(r[4]) >= 100]
         if len(rows) < 2:
             continue
         rates = [int(r[3]) / int(r[4]) for r in rows]
@@ -92,16 +113,18 @@ WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:Da
 def kv_pressure(reader: Reads, window: Window) -> list[Finding]:
     """KV cache near full, with requests preempted (their work recomputed)."""
     findings = []
+    summary = window_summary(reader, window)
     for engine in engines(reader, window):
         query = Query(_KV, engine=engine, start=window.start, end=window.end)
-        rows = query.rows(reader)
-        if not rows or rows[0][3] is None:
+        if engine not in summary:
             continue
-        kv_max, preempted, near = number(rows[0][0]), int(rows[0][1] or 0), int(rows[0][2] or 0)
+        s = summary[engine]
+        kv_max, preempted, near = number(s["kv_max"]), int(s["preempted"] or 0), int(s["steps_kv_over_95pct"] or 0)
+        first, last = s["first"], s["last"]
         if kv_max < 0.95 or preempted == 0:
             continue
         findings.append(Finding(
-            "kv_pressure", "critical" if preempted >= 50 else "warning", engine, utc(rows[0][3]), utc(rows[0][4]),
+            "kv_pressure", "critical" if preempted >= 50 else "warning", engine, utc(first), utc(last),
             clip(f"KV cache {kv_max:.0%} full, {preempted} preemptions"),
             {"kv_usage_max": round(kv_max, 3), "preemptions": preempted, "steps_kv_over_95pct": near},
             query.literal(),
@@ -126,15 +149,49 @@ SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:
 """
 
 
+# _PROGRESS for every engine at once: the last step (ever, up to the end) from the projections, the rest bounded.
+_LAST_STEP_AGGS = (Agg("last_step", "max(ts)", "max({})"), Agg("waiting_step", "argMax(waiting, ts)",
+                                                                "argMax({}, p_last_step)"))
+_RECENT = f"""
+SELECT engine, max(elapsed_ms), quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE)
+FROM steps
+WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE
+GROUP BY engine
+"""
+_SCRAPED_WAITING = f"""
+SELECT engine, argMax(value, ts) FROM engine_samples
+WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
+  AND ts >= {{start:DateTime64(6)}}
+GROUP BY engine
+"""
+_GPU_UTIL = f"""
+SELECT engine, avg(util_gpu_pct) FROM gpu_samples
+WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND
+GROUP BY engine
+"""
+
+
+def _progress(reader: Reads, window: Window) -> dict[str, tuple[Any, ...]]:
+    """engine -> the row _PROGRESS gives for it, for every engine that ever stepped before the window's end."""
+    sql, bounds = rolled(_LAST_STEP_AGGS, EACH_ENGINE, None, window.end)
+    last = Query(sql, engine=window.engine, **bounds).rows(reader)
+    params = {"engine": window.engine, "start": window.start, "end": window.end}
+    recent = {r[0]: r[1:] for r in Query(_RECENT, **params).rows(reader)}
+    scraped = {r[0]: r[1] for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
+    util = {r[0]: r[1] for r in Query(_GPU_UTIL, **params).rows(reader)}
+    return {str(engine): (last_step, waiting_step, scraped.get(engine, 0.0), *recent.get(engine, (0.0, None)),
+                          util.get(engine)) for engine, last_step, waiting_step in last}
+
+
 def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
     """Requests wait, no step for longer than the work in flight explains, GPUs idle: a wedge pages; slow is not one."""
     findings = []
+    progress = _progress(reader, window)
     for engine in engines(reader, window):
         query = Query(_PROGRESS, engine=engine, start=window.start, end=window.end)
-        rows = query.rows(reader)
-        if not rows or rows[0][0] is None:
+        if engine not in progress:
             continue
-        last, waiting_step, waiting_scraped, slowest, recent_p50, util = rows[0]
+        last, waiting_step, waiting_scraped, slowest, recent_p50, util = progress[engine]
         last = utc(last)
         if last.year < 2000:  # max() over no rows is the epoch
             continue

@@ -1,0 +1,102 @@
+"""Sums, counts and extremes of steps over a window, read from the steps' per-minute and per-second projections.
+
+A window splits into whole minutes (read per minute), the whole seconds either side of them (read per second)
+and the partial seconds at its edges (read step by step). Each part is aggregated on its own and the parts
+combine, so the answer is what the same aggregates over every step in [start, end] give, for a few thousand
+rows read instead of millions. Only aggregates the projections hold (schema.STEP_AGGREGATES) read this way,
+and only those whose parts combine (sums, counts, min, max, argMax); quantiles cannot, see `whole_minutes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+MINUTE, SECOND, ROW = "toStartOfMinute(ts)", "toStartOfSecond(ts)", "ts"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ROWS_UP_TO = timedelta(hours=1)
+"""Windows this short read the steps themselves: on a busy node their rows cost less than the projections' parts."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Steps whose `bucket` lies in [lo, hi) ([lo, hi] when `closed`); lo None: from the first step on."""
+
+    bucket: str
+    lo: datetime | None
+    hi: datetime
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class Agg:
+    """One aggregate: `inner` over each part's steps (one the projections hold), `outer` over the parts' results,
+    a template where {} is the part's column (e.g. "sum({})", or "argMax({}, p_last)" naming another's)."""
+
+    alias: str
+    inner: str
+    outer: str
+
+
+def _floor(moment: datetime, unit: timedelta) -> datetime:
+    return _EPOCH + (moment - _EPOCH) // unit * unit
+
+
+def _ceil(moment: datetime, unit: timedelta) -> datetime:
+    floor = _floor(moment, unit)
+    return floor if floor == moment else floor + unit
+
+
+def parts(start: datetime | None, end: datetime, *, minutes: bool = True) -> list[Part]:
+    """[start, end] as whole minutes (when `minutes`), whole seconds and partial seconds; start None: unbounded.
+    A window up to ROWS_UP_TO long is one part of rows."""
+    second, minute = timedelta(seconds=1), timedelta(minutes=1)
+    s0, s1 = (None if start is None else _ceil(start, second)), _floor(end, second)
+    if start is not None and s0 is not None and (s0 >= s1 or end - start <= ROWS_UP_TO):
+        return [Part(ROW, start, end, closed=True)]
+    out = [Part(ROW, start, s0)] if start is not None and s0 is not None and start < s0 else []
+    m0, m1 = (None if s0 is None else _ceil(s0, minute)), _floor(s1, minute)
+    if minutes and (m0 is None or m0 < m1):
+        if s0 is not None and m0 is not None and s0 < m0:
+            out.append(Part(SECOND, s0, m0))
+        out.append(Part(MINUTE, m0, m1))
+        if m1 < s1:
+            out.append(Part(SECOND, m1, s1))
+    else:
+        out.append(Part(SECOND, s0, s1))
+    out.append(Part(ROW, s1, end, closed=True))
+    return out
+
+
+def rolled(aggs: Sequence[Agg], where: str, start: datetime | None, end: datetime, *,
+           keys: Sequence[tuple[str, str]] = (("engine", "engine"),), minutes: bool = True
+           ) -> tuple[str, dict[str, datetime]]:
+    """Per `keys` (alias, expression over the steps' columns and `bucket`), `aggs` over the steps in [start, end]
+    that match `where`, as exactly as over the rows. A key over `bucket` must be whole minutes (or whole seconds
+    with minutes=False): e.g. toStartOfInterval(bucket, toIntervalSecond(60)). Returns the SQL and the bounds
+    it binds (beside whatever placeholders `where` and `keys` hold)."""
+    key_list = ", ".join(alias for alias, _ in keys)
+    branches = []
+    bounds: dict[str, datetime] = {}
+    for i, part in enumerate(parts(start, end, minutes=minutes)):
+        conditions = [f"bucket {'<=' if part.closed else '<'} {{p{i}_hi:DateTime64(6)}}"]
+        bounds[f"p{i}_hi"] = part.hi
+        if part.lo is not None:
+            conditions.insert(0, f"bucket >= {{p{i}_lo:DateTime64(6)}}")
+            bounds[f"p{i}_lo"] = part.lo
+        columns = [f"{expression} AS {alias}" for alias, expression in keys] + [
+            f"{a.inner} AS p_{a.alias}" for a in aggs]
+        branches.append(f"WITH {part.bucket} AS bucket SELECT {', '.join(columns)} FROM steps "
+                        f"WHERE {' AND '.join(conditions)} AND ({where}) GROUP BY {key_list}")
+    outer = "".join(", " + a.outer.replace("{}", f"p_{a.alias}") + f" AS {a.alias}" for a in aggs)
+    union = "\n    UNION ALL\n    ".join(branches)
+    return f"SELECT {key_list}{outer}\nFROM (\n    {union}\n)\nGROUP BY {key_list} ORDER BY {key_list}", bounds
+
+
+def whole_minutes(start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
+    """The whole minutes inside [start, end], for quantiles read from the per-minute projection (which cannot
+    combine with the edges): None when there is not one."""
+    minute = timedelta(minutes=1)
+    lo, hi = _ceil(start, minute), _floor(end, minute)
+    return (lo, hi) if lo < hi else None

@@ -40,6 +40,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 from realistic import build_steps
+from soak import high_water_mib
 
 from stepline.plugin.core import PluginCore
 from stepline.store import Store
@@ -129,17 +130,6 @@ def _rss(process: psutil.Process) -> float:
     return float(process.memory_info().rss) / 2**20
 
 
-def _high_water(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
-
-
 def measure(label: str, store_url: str, tmp: str, rate: float, seconds: float, idle_s: float, ramp_s: float,
             count_steps: Callable[[], int]) -> Footprint:
     """Start a collector on `store_url`, let it idle, load it, stop it cleanly; its figures."""
@@ -186,7 +176,7 @@ def measure(label: str, store_url: str, tmp: str, rate: float, seconds: float, i
                          counter="steps") - received_before
         end = _rss(process)
         sampling.set()
-        high_water = _high_water(collector.pid)
+        high_water = high_water_mib(collector.pid)
         time.sleep(1.5)  # the receiver's last polls
         final = metrics(metrics_url)
         collector.send_signal(signal.SIGTERM)

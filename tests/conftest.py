@@ -17,6 +17,7 @@ from hypothesis import settings
 from stepline.sim.server import SimServer, serve
 from stepline.sim.workloads import make_workload
 from stepline.store import Store
+from stepline.storeserver import StoreServer
 
 # A copy of the exposition captured from vLLM 0.33.0 (shared/fixtures in the design repo).
 # Property tests explore new inputs on every local run; in CI they replay a fixed set, so that a landing
@@ -56,6 +57,15 @@ def store(store_url: str) -> Iterator[Store]:
     yield s
     s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
     s.close()
+
+
+@pytest.fixture
+def store_server(chdb_dir: Path) -> Iterator[StoreServer]:
+    """A writable ClickHouse HTTP endpoint over the session's embedded engine: a "remote" store to stop and start."""
+    server = StoreServer(str(chdb_dir))
+    server.start()
+    yield server
+    server.close()
 
 
 @pytest.fixture

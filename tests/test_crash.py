@@ -9,11 +9,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import clickhouse_connect
-import pytest
 
 from stepline.plugin import standins
 from stepline.plugin.core import PluginCore
@@ -26,14 +24,6 @@ RECEIVER_WINDOW_S = 0.2  # the plugin receiver hands rows on every 0.2 s
 PLUGIN_FLUSH_S = 0.05
 # The stated bound (flush interval + receiver window), plus the plugin's own batching and room for a busy machine.
 LOSS_BOUND_S = FLUSH_S + RECEIVER_WINDOW_S + PLUGIN_FLUSH_S + 1.0
-
-
-@pytest.fixture
-def remote(chdb_dir: Path) -> Iterator[StoreServer]:
-    server = StoreServer(str(chdb_dir))
-    server.start()
-    yield server
-    server.close()
 
 
 class Collector:
@@ -84,23 +74,23 @@ class Sender:
 
 
 def test_kill_9_during_an_outage_then_restart_duplicates_nothing_and_loses_at_most_the_flush_interval(
-        remote: StoreServer, sock_dir: str, tmp_path: Path) -> None:
+        store_server: StoreServer, sock_dir: str, tmp_path: Path) -> None:
     database = f"k_{uuid.uuid4().hex[:12]}"
     spool_dir = str(tmp_path / "spool")
     socket_path = f"{sock_dir}/p.sock"
-    first = Collector(remote.store_url(database), spool_dir, socket_path)
+    first = Collector(store_server.store_url(database), spool_dir, socket_path)
     sender = Sender(socket_path)
     try:
         time.sleep(1.5)
-        remote.refuse_inserts = True  # the store refuses: segments pile up in the spool
+        store_server.refuse_inserts = True  # the store refuses: segments pile up in the spool
         refused_from = time.time()
         time.sleep(2.0)
         assert [n for n in os.listdir(spool_dir) if n.endswith(".steps.seg")]
         first.proc.send_signal(signal.SIGKILL)
         killed_at = micros(time.time())
         first.proc.wait()
-        remote.refuse_inserts = False
-        second = Collector(remote.store_url(database), spool_dir, socket_path)
+        store_server.refuse_inserts = False
+        second = Collector(store_server.store_url(database), spool_dir, socket_path)
         restarted_at = micros(time.time())
         time.sleep(1.5)
     finally:
@@ -109,7 +99,7 @@ def test_kill_9_during_an_outage_then_restart_duplicates_nothing_and_loses_at_mo
     second.proc.send_signal(signal.SIGTERM)
     assert second.proc.wait(timeout=60) == 0, "".join(second.lines)
 
-    client = clickhouse_connect.get_client(dsn=f"chdb://{remote.path}", database=database)
+    client = clickhouse_connect.get_client(dsn=f"chdb://{store_server.path}", database=database)
     try:
         stored = [int(ts) for (ts,) in client.query(
             "SELECT toUnixTimestamp64Micro(ts) FROM steps WHERE engine = 'crash'").result_rows]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import clickhouse_connect
@@ -23,14 +22,6 @@ from stepline.storeserver import StoreServer
 from stepline.testing import wait_until
 
 TABLES = ("steps", "requests", "engine_samples", "gpu_samples", "host_samples", "events")
-
-
-@pytest.fixture
-def remote(chdb_dir: Path) -> Iterator[StoreServer]:
-    server = StoreServer(str(chdb_dir))
-    server.start()
-    yield server
-    server.close()
 
 
 def _direct_rows(phase: int, n: int) -> list[Row]:
@@ -64,11 +55,11 @@ def _counts(server: StoreServer, database: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("fault", ["stopped", "refusing"])
 def test_rows_wait_in_the_spool_through_a_store_outage_and_land_exactly_once(
-        remote: StoreServer, sock_dir: str, tmp_path: Path, fault: str) -> None:
+        store_server: StoreServer, sock_dir: str, tmp_path: Path, fault: str) -> None:
     database = f"o_{uuid.uuid4().hex[:12]}"
     spool_dir = tmp_path / "spool"
     settings = Settings.from_env(
-        {}, store=remote.store_url(database), metrics_port=0, query_port=0, otlp_port=0,
+        {}, store=store_server.store_url(database), metrics_port=0, query_port=0, otlp_port=0,
         plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1, spool_dir=str(spool_dir),
         disabled_sources=frozenset({"vllm_metrics", "gpu", "host", "otlp"}),
     )
@@ -89,12 +80,12 @@ def test_rows_wait_in_the_spool_through_a_store_outage_and_land_exactly_once(
     try:
         engine_run("before")
         collector.writers.write(_direct_rows(1, 50))
-        wait_until(lambda: _counts(remote, database)["steps"] == received("steps") > 0, timeout_s=30)
+        wait_until(lambda: _counts(store_server, database)["steps"] == received("steps") > 0, timeout_s=30)
 
         if fault == "stopped":
-            remote.stop()
+            store_server.stop()
         else:
-            remote.refuse_inserts = True
+            store_server.refuse_inserts = True
         engine_run("during")
         collector.writers.write(_direct_rows(2, 70))
         wait_until(lambda: (value("stepline_writer_write_errors_total", {"table": "steps"}) or 0) >= 2, timeout_s=30)
@@ -102,12 +93,12 @@ def test_rows_wait_in_the_spool_through_a_store_outage_and_land_exactly_once(
                    == collector.writers.spool.rows(), timeout_s=10)  # everything accepted is in the spool
         on_disk = [name for name in os.listdir(spool_dir / "") if name.endswith(".seg")]
         assert {name.split(".")[1] for name in on_disk} >= set(TABLES)
-        during = _counts(remote, database)
+        during = _counts(store_server, database)
 
         if fault == "stopped":
-            remote.start()  # the same port: the collector's client reconnects
+            store_server.start()  # the same port: the collector's client reconnects
         else:
-            remote.refuse_inserts = False
+            store_server.refuse_inserts = False
         engine_run("after")
         wait_until(lambda: collector.writers is not None and not any(collector.writers.depth().values()), timeout_s=60)
     finally:
@@ -115,22 +106,22 @@ def test_rows_wait_in_the_spool_through_a_store_outage_and_land_exactly_once(
 
     expected = {"steps": received("steps"), "requests": received("requests"), "engine_samples": 120,
                 "gpu_samples": 120, "host_samples": 120, "events": 120}
-    assert _counts(remote, database) == expected
+    assert _counts(store_server, database) == expected
     assert during["steps"] < expected["steps"]  # the outage did hold rows back
     assert not [n for n in os.listdir(spool_dir) if n.endswith(".seg")]
     dropped = [s for m in collector.metrics.registry.collect() if m.name == "stepline_writer_rows_dropped"
                for s in m.samples if s.name.endswith("_total") and s.value]
     assert dropped == []
     if fault == "refusing":
-        assert remote.refused >= 2
+        assert store_server.refused >= 2
 
 
 def test_a_collector_started_while_its_store_is_down_collects_into_the_spool(
-        remote: StoreServer, sock_dir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        store_server: StoreServer, sock_dir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     database = f"d_{uuid.uuid4().hex[:12]}"
-    remote.stop()  # the port stays known, nothing listens on it
+    store_server.stop()  # the port stays known, nothing listens on it
     settings = Settings.from_env(
-        {}, store=remote.store_url(database), metrics_port=0, query_port=0, otlp_port=0,
+        {}, store=store_server.store_url(database), metrics_port=0, query_port=0, otlp_port=0,
         plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1, spool_dir=str(tmp_path / "spool"),
         disabled_sources=frozenset({"vllm_metrics", "gpu", "host", "otlp"}),
     )
@@ -142,10 +133,10 @@ def test_a_collector_started_while_its_store_is_down_collects_into_the_spool(
         assert collector.writers is not None
         collector.writers.write(_direct_rows(1, 30))
         wait_until(lambda: collector.writers is not None and collector.writers.spool.rows() >= 120, timeout_s=10)
-        remote.start()
+        store_server.start()
         wait_until(lambda: collector.writers is not None and not any(collector.writers.depth().values()), timeout_s=60)
         assert _opened(collector) is not None  # opened, with its schema, by the first insert that got through
     finally:
         collector.stop()
-    assert _counts(remote, database) == {"steps": 0, "requests": 0, "engine_samples": 30, "gpu_samples": 30,
+    assert _counts(store_server, database) == {"steps": 0, "requests": 0, "engine_samples": 30, "gpu_samples": 30,
                                          "host_samples": 30, "events": 30}

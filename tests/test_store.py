@@ -185,6 +185,7 @@ def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.Lo
     with caplog.at_level("WARNING"):
         store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
     assert "lack events.attributes" in caplog.text
+    assert "steps_local.steps_per_second" in caplog.text  # projections are added ON CLUSTER to the shards' tables
     columns = {r[0] for r in store.query("SELECT name FROM system.columns WHERE database = {db:String} "
                                          "AND table = 'events'", parameters={"db": db}).result_rows}
     assert "attributes" not in columns

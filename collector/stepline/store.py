@@ -177,10 +177,10 @@ class Store:
             if self._on_cluster():
                 # `stepline schema --cluster` made these tables: changing them is an ON CLUSTER job for an operator,
                 # not something one sidecar does to Distributed tables.
-                missing = self._missing_columns()
+                missing = self._missing_columns() + self._missing_projections(suffix="_local")
                 if missing:
-                    log.warning("the cluster's tables lack %s: apply the ALTERs from `stepline schema --cluster`",
-                                ", ".join(missing))
+                    log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
+                                "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
                 return
             views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
             for statement in statements[1:-1]:
@@ -234,14 +234,20 @@ class Store:
                                         f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
                 previous = name
 
-    def _add_missing_projections(self) -> None:
-        """Projections added since the store was created are added, then built for the parts already there."""
+    def _missing_projections(self, suffix: str = "") -> list[str]:
+        """`table.projection` for each projection this stepline has and the store's tables (`table` + suffix) lack."""
         present = {(str(t), str(n)) for t, n in self.client.query(
             "SELECT table, name FROM system.projections WHERE database = {db:String}",
             parameters={"db": self.database}).result_rows}
+        return [f"{table.name}{suffix}.{projection.name}" for table in schema.TABLES for projection in table.projections
+                if (f"{table.name}{suffix}", projection.name) not in present]
+
+    def _add_missing_projections(self) -> None:
+        """Projections added since the store was created are added, then built for the parts already there."""
+        missing = set(self._missing_projections())
         for table in schema.TABLES:
             for projection in table.projections:
-                if (table.name, projection.name) not in present:
+                if f"{table.name}.{projection.name}" in missing:
                     log.info("adding projection %s.%s", table.name, projection.name)
                     for statement in schema.add_projection_sql(self.database, table, projection):
                         self.client.command(statement)

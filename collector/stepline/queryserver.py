@@ -32,9 +32,6 @@ logger = logging.getLogger(__name__)
 _QUERY_ID = re.compile(r"[\x21-\x7e]{1,128}\Z")  # echoed in a header, so no spaces or control characters
 _TIMEZONE = re.compile(r"[A-Za-z0-9_+\-/]{1,64}\Z")  # echoed in a header too: an IANA name or nothing
 _REVISION = re.compile(r"[0-9]{1,9}\Z")  # ASCII only: str.isdigit() also takes "²", which int() refuses
-_LENGTH = re.compile(rb"[0-9]{1,18}\Z")
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?\r?\n\Z")
-_MAX_TRAILERS = 64
 _DRAIN_CAP_BYTES = 64 << 20
 _TEXT = "text/plain; charset=UTF-8"
 
@@ -243,12 +240,6 @@ class _Server(ThreadingHTTPServer):
     endpoint: QueryEndpoint
 
 
-class _TooLarge(Exception):
-    def __init__(self, size: int, declared: int) -> None:
-        super().__init__(size)
-        self.size, self.declared = size, declared
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: clickhouse-connect and clickhouse-go pool connections
     server_version = "stepline-query"
@@ -271,7 +262,7 @@ class _Handler(BaseHTTPRequestHandler):
         endpoint = self.server.endpoint
         try:
             body = self._read_body(endpoint.max_body_bytes)
-        except _TooLarge as ex:
+        except chhttp.BodyTooLarge as ex:
             endpoint.count("refused")
             self._send(endpoint.too_large(ex.size), head)
             self._discard(min(ex.declared, _DRAIN_CAP_BYTES))
@@ -292,38 +283,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self, limit: int) -> bytes:
         """The request body; ValueError for broken framing, OSError when the client goes away mid-body."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():  # clickhouse-connect's inserts
-            parts: list[bytes] = []
-            total = 0
-            while True:
-                line = self.rfile.readline(1024)
-                if (size_line := _CHUNK_SIZE.match(line)) is None:
-                    raise ValueError(f"bad chunk size line {line[:40]!r}")
-                if not (size := int(size_line.group(1), 16)):
-                    break
-                total += size
-                if total > limit:  # how much is still coming is unknown: drain up to the cap before closing
-                    raise _TooLarge(total, _DRAIN_CAP_BYTES)
-                parts.append(self._read_exactly(size))
-                if self.rfile.readline(8) not in (b"\r\n", b"\n"):
-                    raise ValueError("a chunk is not followed by CRLF")
-            for _ in range(_MAX_TRAILERS):
-                if not self.rfile.readline(1024).strip():
-                    return b"".join(parts)
-            raise ValueError(f"more than {_MAX_TRAILERS} trailer lines")
-        lengths = {value.strip() for value in self.headers.get_all("Content-Length", [])}
-        if len(lengths) > 1 or not all(_LENGTH.match(value.encode()) for value in lengths):
-            raise ValueError(f"Content-Length {', '.join(sorted(lengths))[:60]!r} is not one byte count")
-        declared = int(lengths.pop()) if lengths else 0
-        if declared > limit:
-            raise _TooLarge(declared, declared)
-        return self._read_exactly(declared)
-
-    def _read_exactly(self, size: int) -> bytes:
-        data = self.rfile.read(size)
-        if len(data) < size:  # the client closed or stalled past the timeout: never run a truncated query
-            raise OSError(f"the body ended after {len(data)} of {size} bytes")
-        return data
+        return chhttp.read_body(self.rfile, self.headers, limit, drain_cap=_DRAIN_CAP_BYTES)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The server's own refusals (a malformed request line or header, an unknown method) are counted too."""

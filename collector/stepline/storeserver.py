@@ -189,8 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         try:
-            body = self._body()
-        except (ValueError, OSError):
+            body = chhttp.read_body(self.rfile, self.headers, self.server.store.max_body_bytes, drain_cap=0)
+        except (ValueError, OSError, chhttp.BodyTooLarge):
             self.close_connection = True
             return
         status, data, headers = self.server.store.answer(self.path, self.headers.get("Content-Encoding", ""), body)
@@ -203,14 +203,3 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError:
             self.close_connection = True
-
-    def _body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            parts = []
-            while size := int(self.rfile.readline(1024).split(b";")[0].strip() or b"x", 16):
-                parts.append(self.rfile.read(size))
-                self.rfile.readline(8)
-            while self.rfile.readline(1024).strip():
-                pass
-            return b"".join(parts)
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,8 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 import psutil  # type: ignore[import-untyped]
-from prometheus_client.parser import text_string_to_metric_families
 from realistic import build_steps
-from soak import high_water_mib
+from soak import Memory, free_port, high_water_mib, snapshot
 
 from stepline.plugin.core import PluginCore
 from stepline.store import Store
@@ -86,24 +84,6 @@ def run_load(socket_path: str, rate: float, seconds: float, results: Queue[dict[
 # -- the collector ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    wanted = set(labels.items())
-    return sum(v for (n, lbls), v in values.items() if n == name and wanted <= set(lbls))
-
-
 @dataclass
 class Footprint:
     """One case's figures."""
@@ -145,8 +125,7 @@ def measure(label: str, store_url: str, tmp: str, rate: float, seconds: float, i
     ctx = mp.get_context("spawn")
     results: Queue[dict[str, Any]] = ctx.Queue()
     load = ctx.Process(target=run_load, args=(plugin_socket, rate, seconds + ramp_s, results), daemon=True)
-    samples: list[float] = []
-    sampling = threading.Event()
+    memory = Memory()
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(plugin_socket) or not _answers(metrics_url):
@@ -157,41 +136,35 @@ def measure(label: str, store_url: str, tmp: str, rate: float, seconds: float, i
         process = psutil.Process(collector.pid)
         time.sleep(idle_s)
         idle = _rss(process)
-
-        def sample() -> None:
-            while not sampling.wait(1.0):
-                samples.append(_rss(process))
-
-        threading.Thread(target=sample, daemon=True).start()
+        threading.Thread(target=memory.sample_every_second, args=(process,), daemon=True).start()
         load.start()
         time.sleep(ramp_s)
-        times = process.cpu_times()
-        cpu_started, started = times.user + times.system, time.monotonic()
         # Steps received (the writers' counts move in 1 s batches; the receiver's do not).
-        received_before = total(metrics(metrics_url), "stepline_source_counts_total", source="plugin", counter="steps")
+        steps = {"source": "plugin", "counter": "steps"}
+        before = snapshot(process, metrics_url)
         sent = results.get(timeout=seconds + 120)
-        times = process.cpu_times()
-        cpu_s, window_s = times.user + times.system - cpu_started, time.monotonic() - started
-        received = total(metrics(metrics_url), "stepline_source_counts_total", source="plugin",
-                         counter="steps") - received_before
+        after = snapshot(process, metrics_url)
+        cpu_s, window_s = after.cpu_s - before.cpu_s, after.at - before.at
+        received = (after.total("stepline_source_counts_total", **steps)
+                    - before.total("stepline_source_counts_total", **steps))
         end = _rss(process)
-        sampling.set()
+        memory.stop.set()
         high_water = high_water_mib(collector.pid)
         time.sleep(1.5)  # the receiver's last polls
-        final = metrics(metrics_url)
+        final = snapshot(process, metrics_url)
         collector.send_signal(signal.SIGTERM)
         collector.wait(120)
         load.join(10)
     finally:
-        sampling.set()
+        memory.stop.set()
         if collector.poll() is None:
             collector.kill()
         if load.is_alive():
             load.kill()
-    drops = (total(final, "stepline_writer_rows_dropped_total") + float(sent["dropped"])
-             + sum(total(final, "stepline_source_counts_total", source="plugin", counter=c)
+    drops = (final.total("stepline_writer_rows_dropped_total") + float(sent["dropped"])
+             + sum(final.total("stepline_source_counts_total", source="plugin", counter=c)
                    for c in ("malformed", "unauthorized", "lost_datagrams", "plugin_dropped_records")))
-    return Footprint(label, idle, max(samples, default=end), end, high_water, cpu_s, window_s,
+    return Footprint(label, idle, max(memory.samples, default=end), end, high_water, cpu_s, window_s,
                      received / max(1e-9, window_s), int(sent["steps"]), count_steps(), drops)
 
 

@@ -269,18 +269,16 @@ class Store:
                 f"ALTER TABLE `{self.database}`.`{name}` MODIFY TTL toDateTime(ts) + INTERVAL {retention_days} DAY"
             )
 
-    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],
-               dedup_token: str | None = None) -> None:
-        """Insert rows into one table; raises ClickHouseError (or a transport error) on failure.
-
-        With `dedup_token`, a retry of the same batch is stored once (the tables keep a deduplication window).
-        """
-        settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
-        self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names), settings=settings)
+    def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
+        """Insert rows into one table; raises ClickHouseError (or a transport error) on failure."""
+        self.client.insert(f"`{self.database}`.`{table}`", rows, column_names=list(column_names))
 
     def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
                       dedup_token: str | None = None) -> None:
-        """Insert one batch already in Native format (see `stepline.native`); raises on failure."""
+        """Insert one batch already in Native format (see `stepline.native`); raises on failure.
+
+        With `dedup_token`, a retry of the same batch is stored once (the tables keep a deduplication window).
+        """
         settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
         self.client.raw_insert(f"`{self.database}`.`{table}`", list(column_names), data, settings=settings,
                                fmt="Native")

@@ -123,7 +123,7 @@ def test_get_query_defaults_to_tabseparated_with_clickhouse_headers(endpoint: Qu
     assert r.headers["X-ClickHouse-Query-Id"] == "q-42"
     assert r.headers["X-ClickHouse-Timezone"] == "UTC"
     assert r.headers["X-ClickHouse-Server-Display-Name"] == "stepline"
-    assert json.loads(r.headers["X-ClickHouse-Summary"])["read_rows"] == "0"
+    assert json.loads(r.headers["X-ClickHouse-Summary"])["read_rows"] == "1"  # system.one, as ClickHouse counts it
 
 
 def test_json_from_format_clause_or_default_format(endpoint: QueryEndpoint) -> None:
@@ -162,7 +162,7 @@ def test_refusal_body_and_header(endpoint: QueryEndpoint) -> None:
 def test_settings_from_the_url_apply_but_cannot_lift_readonly(endpoint: QueryEndpoint) -> None:
     r = http(endpoint, query="SELECT getSetting('max_threads'), getSetting('readonly')", max_threads="3",
              session_id="abc", wait_end_of_query="1", readonly="1")
-    assert r.body == b"3\t1\n"
+    assert r.body == b"3\t2\n"  # readonly=2: a read-only user who may set settings, as ClickHouse has them
     assert http(endpoint, query="SELECT 1", readonly="0").headers["X-ClickHouse-Exception-Code"] == "164"
     assert b"format_schema" in http(endpoint, query="SELECT 1", format_schema="/etc/passwd:x").body
     capped = http(endpoint, query="SELECT getSetting('max_execution_time')", max_execution_time="0")
@@ -305,14 +305,19 @@ def test_only_embedded_stores_are_served(endpoint: QueryEndpoint) -> None:
 @pytest.mark.parametrize(("sql", "statement", "fmt"), [
     ("SELECT 1", "SELECT 1", None),
     (" (SELECT 1) UNION ALL (SELECT 2) ;; -- trailing", " (SELECT 1) UNION ALL (SELECT 2)", None),
-    ("WITH 1 AS x SELECT x FORMAT JSON", "WITH 1 AS x SELECT x FORMAT JSON", "JSON"),
+    ("SELECT 1 AS x FORMAT JSON", "SELECT 1 AS x FORMAT JSON", "JSON"),
     ("SELECT format FROM t", "SELECT format FROM t", None),
-    ("SELECT 1 FORMAT TSV SETTINGS max_threads = 1", "SELECT 1 FORMAT TSV SETTINGS max_threads = 1", "TSV"),
     ("SELECT 'a;b', $x$; DROP$x$ /* ; /* nested */ */", "SELECT 'a;b', $x$; DROP$x$", None),
-    ("SHOW TABLES", "SHOW TABLES", None),
 ])
 def test_guard_accepts_one_read_only_statement(sql: str, statement: str, fmt: str | None) -> None:
     assert chhttp.read_only_statement(sql) == chhttp.Statement(statement, fmt)
+
+
+def test_guard_reads_settings_clauses_and_the_leading_keyword() -> None:
+    sql = "SELECT 1 FROM (SELECT 2 SETTINGS max_threads = 1) FORMAT TSV SETTINGS max_block_size=-5, x_y = 'v'"
+    assert chhttp.read_only_statement(sql) == chhttp.Statement(
+        sql, "TSV", (("max_threads", "1"), ("max_block_size", "-5"), ("x_y", "'v'")), "SELECT")
+    assert chhttp.read_only_statement("show tables").leading == "SHOW"
 
 
 @pytest.mark.parametrize(("sql", "kind"), [
@@ -324,7 +329,7 @@ def test_guard_accepts_one_read_only_statement(sql: str, statement: str, fmt: st
     ("SELECT * FROM s3Cluster('c', 'u')", "s3cluster()"),
     ("SELECT `fi\\x6ce`('x')", "an escaped function name"),
     ("SELECT 1 SETTINGS readonly=0", "changing readonly"),
-    ("* FROM t", "this statement"),
+    ("SELECT 1 SETTINGS input_format_record_errors_file_path = 'x'", "setting input_format_record_errors_file_path"),
 ])
 def test_guard_refuses(sql: str, kind: str) -> None:
     with pytest.raises(chhttp.SqlRefused, match=re.escape(f"read-only: {kind} is not allowed")):
@@ -332,7 +337,8 @@ def test_guard_refuses(sql: str, kind: str) -> None:
 
 
 def test_guard_reports_syntax_errors() -> None:
-    for sql in ("", " -- nothing", "SELECT 'open", "SELECT /* open"):
+    # An unknown first word is ClickHouse's SYNTAX_ERROR (HTTP 400), not READONLY: nothing was refused.
+    for sql in ("", " -- nothing", "SELECT 'open", "SELECT /* open", "SELEC 1", "* FROM t"):
         with pytest.raises(chhttp.SqlRefused) as err:
             chhttp.read_only_statement(sql)
         assert err.value.code == chhttp.SYNTAX_ERROR

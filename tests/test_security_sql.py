@@ -100,7 +100,9 @@ OUTSIDE = [  # table functions and functions that read files, URLs, other proces
     "cluster('c', system.one)", "clusterAllReplicas('c', system.one)", f"gcs('{URL}')", f"iceberg('{URL}')",
     "icebergLocal('/etc')", f"deltaLake('{URL}')", f"hudi('{URL}')", "dictionary('d')", f"URL('{URL}', 'CSV')",
     f"\"url\"('{URL}', 'CSV')", "file /* spaced */ ('/etc/hostname')", "loop(file('/etc/hostname'))",
-    "format(JSONEachRow, '{\"a\": 1}')", "hdfsCluster('c', 'x')", "arrowFlight('x')", "ytsaurus('x')",
+    "hdfsCluster('c', 'x')", "arrowFlight('x')", "ytsaurus('x')", "bigquery('p', 'd', 't')",
+    # chDB's own table functions: the process's Python objects and files (the sessions run readonly=2).
+    "Python(secrets)", "python('x')", "arrowstream(reader)", "filesystem('/etc')", "eval('1')",
 ]
 
 

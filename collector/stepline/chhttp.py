@@ -23,15 +23,27 @@ QUERY_IS_TOO_LARGE = 229
 AUTHENTICATION_FAILED = 516
 
 _ALLOWED_LEADING = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
-# Functions that reach files, the network or other processes. The engine refuses most table functions under
-# readonly=1, but not the scalar file() nor INTO OUTFILE, so the guard is what actually stops those.
+# Statements ClickHouse parses but a read-only user may not run (READONLY); any other first word is a syntax
+# error there (SYNTAX_ERROR, HTTP 400), and is answered as one here.
+_WRITING_LEADING = frozenset({
+    "INSERT", "CREATE", "ALTER", "DROP", "DETACH", "ATTACH", "RENAME", "EXCHANGE", "TRUNCATE", "OPTIMIZE", "SYSTEM",
+    "SET", "USE", "KILL", "GRANT", "REVOKE", "CHECK", "DELETE", "UPDATE", "UNDROP", "BACKUP", "RESTORE", "MOVE",
+    "WATCH", "BEGIN", "COMMIT", "ROLLBACK", "START", "EXECUTE", "REPLACE", "UPSERT", "COPY",
+})
+SETTING_CONSTRAINT_VIOLATION = 452
+# Functions that reach files, the network or other processes. The sessions run with readonly=2, under which the
+# engine runs table functions, and it never refuses the scalar file() nor INTO OUTFILE: the guard stops those.
 _DENIED_FUNCTIONS = frozenset({
     "file", "filecluster", "url", "urlcluster", "gcs", "oss", "cosn", "cluster", "clusterallreplicas",
     "redis", "sqlite", "odbc", "jdbc", "input", "mongodb", "dictionary", "catboostevaluate",
 })
 _DENIED_PREFIXES = (
     "s3", "hdfs", "azureblob", "iceberg", "deltalake", "hudi", "paimon", "remote", "mysql", "postgresql",
-    "executable", "ytsaurus", "arrowflight", "kafka",
+    "executable", "ytsaurus", "arrowflight", "kafka", "bigquery",
+    # chDB's own: python() and arrowstream() read objects of the process that hosts the engine (the collector),
+    # filesystem() lists its files. The sessions run with readonly=2, which lets table functions run: only
+    # the guard stands between these and a client.
+    "python", "arrowstream", "filesystem", "eval",
 )
 
 
@@ -105,10 +117,13 @@ def tokens(sql: str) -> Iterator[Token]:
 
 @dataclass(frozen=True)
 class Statement:
-    """One read-only statement: its text without trailing `;`, and its FORMAT clause if it has one."""
+    """One read-only statement: its text without trailing `;`, its FORMAT clause if it has one, and every
+    `name = value` of its SETTINGS clauses (value as written)."""
 
     sql: str
     format: str | None
+    settings: tuple[tuple[str, str], ...] = ()
+    leading: str = "SELECT"  # its first keyword: SELECT, WITH, SHOW, DESCRIBE, DESC, EXISTS or EXPLAIN
 
 
 def _function_name(tok: Token) -> str | None:
@@ -125,6 +140,7 @@ def _function_name(tok: Token) -> str | None:
 def read_only_statement(sql: str) -> Statement:
     """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise."""
     toks: list[Token] = []
+    settings: list[tuple[str, str]] = []
     leading: str | None = None
     it = tokens(sql)
     for tok in it:
@@ -135,7 +151,11 @@ def read_only_statement(sql: str) -> Statement:
         if leading is None and not (tok.kind == "punct" and tok.text == "("):
             leading = tok.text.upper() if tok.kind == "word" else "this statement"
             if leading not in _ALLOWED_LEADING:
-                raise read_only(leading)
+                if leading in _WRITING_LEADING:
+                    raise read_only(leading)
+                raise SqlRefused(f"Syntax error: failed at position {tok.end - len(tok.text) + 1} ({tok.text[:40]}): "
+                                 f"{sql[tok.end - len(tok.text):][:60]}. Expected one of: "
+                                 f"{', '.join(sorted(_ALLOWED_LEADING))}", SYNTAX_ERROR, "SYNTAX_ERROR")
         toks.append(tok)
     if leading is None:
         raise SqlRefused("Empty query", SYNTAX_ERROR, "SYNTAX_ERROR")
@@ -156,7 +176,24 @@ def read_only_statement(sql: str) -> Statement:
             after = toks[k + 2] if k + 2 < len(toks) else None
             if after is None or (after.kind == "word" and after.text.upper() == "SETTINGS"):
                 fmt = nxt.text
-    return Statement(sql[: toks[-1].end], fmt)
+        if upper == "SETTINGS":
+            settings.extend(_settings_clause(toks, k + 1))
+    for key, value in settings:
+        if (key, value) not in _NO_OP_READONLY:
+            _check_setting(key)
+    return Statement(sql[: toks[-1].end], fmt, tuple(settings), leading)
+
+
+def _settings_clause(toks: list[Token], k: int) -> Iterator[tuple[str, str]]:
+    """`name = value, ...` from toks[k]: each value as written (a signed number, a string, a word)."""
+    while k + 2 < len(toks) and toks[k].kind == "word" and toks[k + 1].text == "=":
+        name, value, k = toks[k].text, toks[k + 2].text, k + 3
+        if value in ("-", "+") and k < len(toks):
+            value, k = value + toks[k].text, k + 1
+        yield name, value
+        if k >= len(toks) or toks[k].text != ",":
+            return
+        k += 1
 
 
 # ---- request decoding and settings policy ----------------------------------------------------------------
@@ -168,7 +205,7 @@ _TRANSPORT_PARAMS = frozenset({
     "client_protocol_version", "role", "stacktrace", "send_progress_in_http_headers", "enable_http_compression",
     "cancel_http_readonly_queries_on_client_close", "add_http_cors_header",
 })
-# Settings that name files, schemas, hosts or identities. URL settings are applied before readonly=1, so
+# Settings that name files, schemas, hosts or identities. A session's settings are applied before readonly, so
 # anything that could reach outside the store is refused rather than trusted to the engine.
 _DENIED_SETTING_PARTS = ("schema", "template", "regexp", "path", "file", "directory", "url", "s3", "azure", "hdfs",
                          "kafka", "password", "introspection")
@@ -278,29 +315,44 @@ def form_fields(content_type: str, body: bytes) -> dict[str, str]:
     return fields
 
 
+def _check_setting(key: str) -> None:
+    if key.lower() == "readonly":
+        raise read_only("changing readonly")
+    if not NAME.match(key):
+        raise SqlRefused(f"Unknown setting {key!r}", 115, "UNKNOWN_SETTING")
+    if any(part in key.lower() for part in _DENIED_SETTING_PARTS):
+        raise read_only(f"setting {key}")
+
+
+def _within(value: str, cap: int) -> bool:
+    try:
+        return 0 < float(value.strip("'")) <= cap
+    except ValueError:
+        return False
+
+
 def query_settings(params: Mapping[str, str], base: Mapping[str, str], caps: Mapping[str, int]) -> dict[str, str]:
     """Settings from URL parameters over `base`: transport ones dropped, risky ones refused, `caps` enforced."""
-    if flag := next((f for f in ("compress", "decompress") if params.get(f, "0").lower() in ("1", "true")), None):
-        raise SqlRefused(f"{flag}=1 (ClickHouse-native compression) is not supported; use gzip or none", 48,
-                         "NOT_IMPLEMENTED")
     chosen = dict(base)
     for key, value in params.items():
         if key in _TRANSPORT_PARAMS or key.startswith(("http_", "param_")) or (key, value) in _NO_OP_READONLY:
             continue
-        if key == "readonly":
-            raise read_only("changing readonly")
-        if not NAME.match(key):
-            raise SqlRefused(f"Unknown setting {key!r}", 115, "UNKNOWN_SETTING")
-        if any(part in key.lower() for part in _DENIED_SETTING_PARTS):
-            raise read_only(f"setting {key}")
+        _check_setting(key)
         chosen[key] = value
     for key, cap in caps.items():
-        try:
-            within = 0 < float(chosen.get(key, cap)) <= cap
-        except ValueError:
-            within = False
-        chosen[key] = chosen.get(key, str(cap)) if within else str(cap)
+        chosen[key] = chosen.get(key, str(cap)) if _within(chosen.get(key, str(cap)), cap) else str(cap)
     return chosen
+
+
+def check_statement_settings(statement: Statement, caps: Mapping[str, int]) -> None:
+    """A query's own SETTINGS clauses obey what URL settings do; a cap cannot be lifted there either.
+
+    The sessions run with readonly=2 (ClickHouse's "read, and change settings"), so these reach the engine.
+    """
+    for key, value in statement.settings:  # their names were checked by read_only_statement()
+        if key in caps and not _within(value, caps[key]):
+            raise SqlRefused(f"Setting {key} should be between 1 and {caps[key]} on stepline's query endpoint, "
+                             f"got {value[:40]}", SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
 
 
 # ---- Native format: the framing that client_protocol_version asks for (stepline.chnative) ----------------

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hmac
 import json
 import logging
 import re
+import secrets
+import string
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,12 +22,10 @@ from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from clickhouse_connect.driver.client import Client
-from clickhouse_connect.driver.exceptions import DatabaseError
-from clickhouse_connect.driver.exceptions import Error as DriverError
 
-from stepline import chhttp
+from stepline import chcompress, chformats, chhttp
 from stepline.chhttp import SqlRefused
-from stepline.querysessions import Sessions
+from stepline.querysessions import EngineError, Progress, Sessions
 from stepline.selfmetrics import SelfMetrics
 from stepline.serving import ServerThread
 
@@ -33,7 +35,9 @@ _QUERY_ID = re.compile(r"[\x21-\x7e]{1,128}\Z")  # echoed in a header, so no spa
 _TIMEZONE = re.compile(r"[A-Za-z0-9_+\-/]{1,64}\Z")  # echoed in a header too: an IANA name or nothing
 _REVISION = re.compile(r"[0-9]{1,9}\Z")  # ASCII only: str.isdigit() also takes "²", which int() refuses
 _DRAIN_CAP_BYTES = 64 << 20
+_SPOOL_IN_MEMORY_BYTES = 16 << 20  # wait_end_of_query: beyond this, the result waits in a temporary file
 _TEXT = "text/plain; charset=UTF-8"
+_TAG_ALPHABET = string.ascii_letters + string.digits
 
 
 @dataclass
@@ -42,6 +46,10 @@ class _Reply:
     body: bytes
     outcome: str  # served | refused | failed | ping
     headers: dict[str, str] = field(default_factory=dict)
+    rest: Iterator[bytes] | None = None  # a streamed result: `body` is its first piece, `rest` the others
+    frame: Callable[[bytes], bytes] | None = None  # compress=1: ClickHouse's compressed blocks
+    encoding: str | None = None  # the Content-Encoding the response is written with
+    exception_tag: str = ""  # marks an error written after the result began (X-ClickHouse-Exception-Tag)
 
 
 class QueryEndpoint:
@@ -145,10 +153,8 @@ class QueryEndpoint:
             reply = self._query(params, headers, body)
         except SqlRefused as ex:
             reply = self._error(ex.code, ex.name, str(ex), ex.status)
-        except DatabaseError as ex:
-            reply = self._error(ex.code or 1000, ex.name or "UNKNOWN_EXCEPTION", str(ex))
-        except DriverError as ex:  # e.g. a bind parameter clickhouse-connect rejects
-            reply = self._error(36, "BAD_ARGUMENTS", str(ex), 400)
+        except EngineError as ex:
+            reply = self._error(ex.code, ex.name, str(ex))
         except Exception as ex:
             logger.exception("query endpoint: internal error answering %s", peer)
             reply = self._error(1001, "STD_EXCEPTION", f"internal error: {type(ex).__name__}: {ex}")
@@ -203,6 +209,8 @@ class QueryEndpoint:
 
     def _query(self, params: dict[str, str], headers: Message, body: bytes) -> _Reply:
         body = chhttp.decompress(headers.get("Content-Encoding", "").strip().lower(), body, self.max_body_bytes)
+        if _flag(params, "decompress"):
+            body = chcompress.decompress_blocks(body, self.max_body_bytes)
         content_type = headers.get("Content-Type", "")
         if content_type.lower().startswith("multipart/form-data"):
             params.update(chhttp.form_fields(content_type, body))
@@ -218,21 +226,75 @@ class QueryEndpoint:
         if not chhttp.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
         settings = chhttp.query_settings(params, self._base_settings, self._caps)
+        chhttp.check_statement_settings(statement, self._caps)
+        frame = None
+        if _flag(params, "compress"):
+            method = chcompress.method_byte(settings.get("network_compression_method", "lz4"))
+            frame = lambda data: chcompress.compress_block(data, method)  # noqa: E731
+        encoding = None
+        if _flag(params, "enable_http_compression") or _flag(settings, "enable_http_compression"):
+            encoding = chcompress.response_encoding(headers.get("Accept-Encoding", ""))
         sql = statement.sql if statement.format else f"{statement.sql}\nFORMAT {fmt}"
         binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
         database = params.get("database") or headers.get("X-ClickHouse-Database") or self.database
-        started = time.monotonic_ns()
-        data = self._sessions.run(tuple(sorted(settings.items())), database, sql, binds)
+        started, progress = time.monotonic_ns(), Progress()
+        key = tuple(sorted(settings.items()))
         revision = params.get("client_protocol_version", "0")
-        if fmt.lower() == "native" and _REVISION.match(revision):
-            data = chhttp.native_for_revision(data, int(revision))
-        summary = dict.fromkeys(("read_rows", "read_bytes", "written_rows", "written_bytes", "total_rows_to_read",
-                                 "result_rows"), "0")  # chDB does not report these through clickhouse-connect
-        summary.update(result_bytes=str(len(data)), elapsed_ns=str(time.monotonic_ns() - started))
-        return _Reply(200, data, "served", {
+        pieces = self._pieces(key, database, sql, fmt, binds, progress, statement.leading in ("SELECT", "WITH"))
+        if fmt.lower() == "native" and _REVISION.match(revision) and int(revision):
+            pieces = (chhttp.native_for_revision(piece, int(revision)) for piece in pieces)
+        if _flag(params, "wait_end_of_query"):
+            first, rest = b"", _spooled(pieces)
+        else:
+            first, rest = next(pieces, b""), pieces  # the first block before any header: an early error is a status
+        summary = {"read_rows": str(progress.read_rows), "read_bytes": str(progress.read_bytes), "written_rows": "0",
+                   "written_bytes": "0", "total_rows_to_read": str(progress.read_rows), "result_rows": "0",
+                   "result_bytes": "0", "elapsed_ns": str(time.monotonic_ns() - started)}
+        reply_headers = {
             "Content-Type": chhttp.content_type(fmt), "X-ClickHouse-Format": fmt,
             "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
-        })
+        }
+        if _flag(params, "send_progress_in_http_headers") or _flag(settings, "send_progress_in_http_headers"):
+            progress_now = {k: summary[k] for k in ("read_rows", "read_bytes", "total_rows_to_read", "elapsed_ns")}
+            reply_headers["X-ClickHouse-Progress"] = json.dumps(progress_now, separators=(",", ":"))
+        tag = "".join(secrets.choice(_TAG_ALPHABET) for _ in range(16))
+        reply_headers["X-ClickHouse-Exception-Tag"] = tag
+        return _Reply(200, first, "served", reply_headers, rest=rest, frame=frame, encoding=encoding,
+                      exception_tag=tag)
+
+    def _pieces(self, key: tuple[tuple[str, str], ...], database: str, sql: str, fmt: str, binds: dict[str, str],
+                progress: Progress, streams: bool) -> Iterator[bytes]:
+        """The result in `fmt` as it streams, joined into one document; whole where the format allows no other way,
+        and for SHOW, DESCRIBE, EXISTS and EXPLAIN (short answers chDB will not stream)."""
+        join = chformats.joiner(fmt) if streams else None
+        if join is not None:
+            produced = False
+            for piece in join(self._sessions.run(key, database, sql, fmt, binds, progress)):
+                produced = produced or bool(piece)
+                yield piece
+            if produced or not chformats.needs_header(fmt):
+                return
+            # No block came, so no header either (chDB streams blocks only): ask again, whole, for the empty
+            # document (JSON's meta, the names line, Arrow's schema) that ClickHouse sends for zero rows.
+        yield from self._sessions.run(key, database, sql, fmt, binds, progress, whole=True)
+
+
+def _flag(params: Mapping[str, str], name: str) -> bool:
+    return params.get(name, "0").strip().lower() in ("1", "true")
+
+
+def _spooled(pieces: Iterator[bytes]) -> Iterator[bytes]:
+    """wait_end_of_query=1: the whole result is computed before the first byte goes out (in memory, then on disk)."""
+    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY_BYTES)  # noqa: SIM115 (closed by replay())
+    for piece in pieces:
+        spool.write(piece)
+    spool.seek(0)
+
+    def replay() -> Iterator[bytes]:
+        with spool:
+            while piece := spool.read(1 << 20):
+                yield piece
+    return replay()
 
 
 class _Server(ThreadingHTTPServer):
@@ -263,12 +325,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._read_body(endpoint.max_body_bytes)
         except chhttp.BodyTooLarge as ex:
-            endpoint.count("refused")
             self._send(endpoint.too_large(ex.size), head)
             self._discard(min(ex.declared, _DRAIN_CAP_BYTES))
             return
         except ValueError as ex:  # broken framing: say so, then close (the rest of the stream cannot be trusted)
-            endpoint.count("failed")
             self._send(endpoint.unreadable(f"{ex} (from {self.client_address[0]})"), head)
             self.close_connection = True
             return
@@ -277,9 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
             endpoint.count("failed")
             self.close_connection = True
             return
-        reply = endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0])
-        endpoint.count(reply.outcome)
-        self._send(reply, head)
+        self._send(endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0]), head)
 
     def _read_body(self, limit: int) -> bytes:
         """The request body; ValueError for broken framing, OSError when the client goes away mid-body."""
@@ -301,6 +359,17 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _send(self, reply: _Reply, head: bool) -> None:
+        """Write `reply`, counting its outcome before its last bytes go out (a client that has read a reply
+        sees it counted); a result that fails after it began counts as failed."""
+        if reply.rest is not None:
+            try:
+                self._stream(reply, head)
+            finally:
+                close = getattr(reply.rest, "close", None)
+                if close is not None:  # a result not read to its end gives its session back (closed)
+                    close()
+            return
+        self.server.endpoint.count(reply.outcome)
         try:
             self.send_response(reply.status)
             for key, value in reply.headers.items():
@@ -315,3 +384,76 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except OSError:
             self.close_connection = True
+
+    def _stream(self, reply: _Reply, head: bool) -> None:
+        """A result, chunk by chunk as the engine makes it, in bounded memory."""
+        assert reply.rest is not None
+        endpoint = self.server.endpoint
+        body = _ChunkedBody(self.wfile, reply.frame, reply.encoding)
+        try:
+            self.send_response(reply.status)
+            for key, value in reply.headers.items():
+                self.send_header(key, value)
+            if reply.encoding is not None:
+                self.send_header("Content-Encoding", reply.encoding)
+            self.send_header("Transfer-Encoding", "chunked")
+            if head:
+                endpoint.count(reply.outcome)
+                self.end_headers()
+                return
+            self.end_headers()
+            body.write(reply.body)
+            for piece in reply.rest:
+                body.write(piece)
+            endpoint.count(reply.outcome)
+            body.finish()
+        except (EngineError, SqlRefused, ValueError) as ex:  # the engine failed after the result began
+            code, name = (ex.code, ex.name) if isinstance(ex, EngineError | SqlRefused) else (1001, "STD_EXCEPTION")
+            text = chhttp.exception_text(code, name, str(ex))
+            logger.warning("query endpoint: failed part way through a result for %s: %s", self.client_address[0],
+                           text.strip()[:300])
+            self.close_connection = True
+            endpoint.count("failed")
+            with contextlib.suppress(OSError):  # the client is gone as well: nobody left to tell
+                body.fail(text, reply.exception_tag)
+        except OSError as ex:  # the client went away mid-result: its session is closed, not reused
+            logger.warning("query endpoint: client %s left during a result: %s", self.client_address[0], ex)
+            self.close_connection = True
+            endpoint.count("failed")
+
+
+class _ChunkedBody:
+    """A response body in HTTP/1.1 chunks, through compress=1 framing and a Content-Encoding when asked."""
+
+    def __init__(self, wfile: Any, frame: Callable[[bytes], bytes] | None, encoding: str | None) -> None:
+        self._wfile = wfile
+        self._frame = frame
+        self._encoder = chcompress.encoder(encoding) if encoding is not None else None
+
+    def write(self, data: bytes) -> None:
+        if data and self._frame is not None:
+            data = self._frame(data)
+        if data and self._encoder is not None:
+            data = self._encoder.encode(data)
+        self._chunk(data)
+
+    def finish(self) -> None:
+        if self._encoder is not None:
+            self._chunk(self._encoder.finish())
+        self._wfile.write(b"0\r\n\r\n")
+        self._wfile.flush()
+
+    def fail(self, text: str, tag: str) -> None:
+        """ClickHouse's error after a result began (25.11 and newer): a tagged block, and no last chunk, so that
+        no client can take the cut result for a whole one (src/Server/HTTP/HTTP1/HTTP1ServerResponse.cpp)."""
+        message = text.rstrip("\n").encode() + b"\n"
+        block = (b"\r\n__exception__\r\n" + tag.encode() + b"\r\n" + message
+                 + f"{len(message)} {tag}\r\n__exception__\r\n".encode())
+        if self._encoder is not None:
+            block = self._encoder.encode(block) + self._encoder.finish()
+        self._chunk(block)
+
+    def _chunk(self, data: bytes) -> None:
+        if data:
+            self._wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._wfile.flush()

@@ -1,75 +1,148 @@
-"""The query endpoint's read-only chDB sessions: pooled by settings, one query at a time each."""
+"""The query endpoint's read-only chDB sessions: pooled by settings, one streaming query at a time each."""
 
 from __future__ import annotations
 
 import re
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
 
-import clickhouse_connect
-from clickhouse_connect.driver.client import Client
-from clickhouse_connect.driver.exceptions import DatabaseError
+import chdb
 
 from stepline.chhttp import SqlRefused
 
 Settings = tuple[tuple[str, str], ...]
 
-_PLACEHOLDER = re.compile(r"\{\w+:[^}]+\}")
 _SESSION_WAIT_S = 30.0
+_CODE = re.compile(r"Code: (\d+)\. DB::Exception: ")
+_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)(?: \(version [^()]*\))?\.?\s*\Z")
 
 
-class _Verbatim:
-    """A bind value clickhouse-connect passes on as is: HTTP `param_` values are already ClickHouse escaped text."""
+class EngineError(Exception):
+    """An error the engine raised for a query: its ClickHouse code, name and message."""
 
-    __slots__ = ("text",)
+    def __init__(self, message: str, code: int, name: str) -> None:
+        super().__init__(message)
+        self.code, self.name = code, name
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    @classmethod
+    def of(cls, ex: Exception) -> EngineError:
+        # chDB raises ChdbError/RuntimeError with ClickHouse's own text, at times behind "Streaming query failed: ".
+        text = str(ex)
+        code = _CODE.search(text)
+        name = _NAME.search(text)
+        message = text[code.start():] if code else text
+        return cls(message, int(code.group(1)) if code else 1000, name.group(1) if name else "UNKNOWN_EXCEPTION")
 
-    def __str__(self) -> str:
-        return self.text
+
+@dataclass
+class Progress:
+    """What the engine reports of a query so far: rows and bytes read from storage."""
+
+    read_rows: int = 0
+    read_bytes: int = 0
 
 
-def _bindings(sql: str, params: Mapping[str, str]) -> dict[str, Any] | None:
-    # Without a {name:Type} placeholder clickhouse-connect would %-format the query client-side instead.
-    if not params or not _PLACEHOLDER.search(sql):
-        return None
-    return {k: _Verbatim(v) for k, v in params.items() if not (k.startswith("$") and k.endswith("$"))}
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class Session:
+    """One chDB connection in read-only mode, with the settings it was opened with applied first."""
+
+    def __init__(self, path: str, settings: Settings) -> None:
+        self._conn: Any = cast(Any, chdb).connect(path)  # untyped: chDB ships no annotations
+        self._database: str | None = None
+        try:
+            for key, value in (*settings, ("readonly", "2")):  # readonly last: no SET after it can lift it
+                self._conn.query(f"SET {key} = {_quote(value)}")
+        except Exception as ex:
+            self._conn.close()
+            raise EngineError.of(ex) from None
+
+    def stream(self, database: str, sql: str, fmt: str, params: Mapping[str, str],
+               progress: Progress) -> Iterator[bytes]:
+        """The result in `fmt`, block by block as chDB encodes them (each block a whole document of `fmt`).
+
+        Streaming, never chDB's buffered query(): a query that fails there after its first block leaves that
+        output in the connection, in front of the next query's result (chDB 4.4).
+        """
+        try:
+            self._use(database)
+            result = self._conn.send_query(sql, fmt, params=dict(params))
+        except Exception as ex:
+            raise EngineError.of(ex) from None
+        try:
+            while True:
+                try:
+                    chunk = next(result)
+                except StopIteration:
+                    return
+                except Exception as ex:
+                    raise EngineError.of(ex) from None
+                progress.read_rows += chunk.rows_read()
+                progress.read_bytes += chunk.bytes_read()
+                if data := chunk.bytes():
+                    yield data
+        finally:
+            result.close()
+
+    def whole(self, database: str, sql: str, fmt: str, params: Mapping[str, str], progress: Progress) -> bytes:
+        """The result as one document, for formats that cannot be joined from blocks (XML, Pretty, Parquet...).
+
+        chDB buffers it (bounded by max_result_bytes); after a failure here the session must not be reused.
+        """
+        try:
+            self._use(database)
+            result = self._conn.query(sql, fmt, params=dict(params))
+        except Exception as ex:
+            raise EngineError.of(ex) from None
+        progress.read_rows += result.rows_read()
+        progress.read_bytes += result.bytes_read()
+        return bytes(result.bytes() or b"")
+
+    def _use(self, database: str) -> None:
+        if database != self._database:
+            self._conn.query(f"USE `{database.replace('`', '``')}`")
+            self._database = database
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 class Sessions:
     """Read-only chDB sessions on the store's path, pooled by settings; each runs one query at a time.
 
-    A session applies its settings, then readonly=1, when it opens: nothing it runs later (a query's own SETTINGS,
-    a second statement) can change a setting or write. Per-call settings would not do: clickhouse-connect's chDB
-    backend applies them with SET and restores them after, and readonly=1 would make them stick.
+    A session applies its settings, then readonly=2, when it opens: later statements can set what the query
+    endpoint's guard lets through (a query's own SETTINGS), never readonly itself, and cannot write. A session
+    whose query failed, or whose result was abandoned part way, is closed rather than reused.
     """
 
     def __init__(self, path: str, max_sessions: int) -> None:
         self._path = path
         self._max = max_sessions
-        self._idle: dict[Settings, list[Client]] = {}
+        self._idle: dict[Settings, list[Session]] = {}
         self._count = 0
         self._closed = False
         self._cond = threading.Condition()
 
-    def run(self, settings: Settings, database: str, sql: str, params: Mapping[str, str]) -> bytes:
+    def run(self, settings: Settings, database: str, sql: str, fmt: str, params: Mapping[str, str],
+            progress: Progress, *, whole: bool = False) -> Iterator[bytes]:
+        """The result's blocks (or, `whole`, the one document); the session is held until the iterator ends."""
         session = self._acquire(settings)
-        keep = False
+        finished = False
         try:
-            session.database = database
-            data = session.raw_query(sql, parameters=_bindings(sql, params))
-            keep = True
-            return data
-        except DatabaseError:
-            keep = True  # an engine error leaves the session usable
-            raise
+            if whole:
+                yield session.whole(database, sql, fmt, params, progress)
+            else:
+                yield from session.stream(database, sql, fmt, params, progress)
+            finished = True
         finally:
-            self._release(settings, session, keep)
+            self._release(settings, session, keep=finished)
 
-    def _acquire(self, key: Settings) -> Client:
+    def _acquire(self, key: Settings) -> Session:
         deadline = time.monotonic() + _SESSION_WAIT_S
         with self._cond:
             while True:
@@ -86,14 +159,13 @@ class Sessions:
                     break
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
                     raise SqlRefused(f"all {self._max} query sessions are busy", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
-        try:  # readonly last: every SET before it is still allowed, none after it is
-            settings = {**dict(key), "readonly": 1}
-            return clickhouse_connect.get_client(interface="chdb", path=self._path, settings=settings)
+        try:
+            return Session(self._path, key)
         except BaseException:
             self._release(key, None, keep=False)
             raise
 
-    def _release(self, key: Settings, session: Client | None, keep: bool) -> None:
+    def _release(self, key: Settings, session: Session | None, keep: bool) -> None:
         with self._cond:
             self._cond.notify()
             if keep and session is not None and not self._closed:

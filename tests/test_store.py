@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,8 @@ from stepline import schema
 from stepline.rows import micros
 from stepline.store import Store, StoreError, StoreLocked, embedded_store_locked
 from stepline.storeurl import StoreUrlError, parse_store_url
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _tables(store: Store) -> set[str]:
@@ -181,13 +184,89 @@ def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.Lo
     # chDB has no clusters to hold Distributed tables: the cluster check is stood in, the rest is real.
     db = store.database
     store.client.command(f"ALTER TABLE `{db}`.`events` DROP COLUMN attributes")
+    store.client.command(f"ALTER TABLE `{db}`.`steps` COMMENT COLUMN elapsed_ms '', COMMENT COLUMN step ''")
     monkeypatch.setattr(store, "_on_cluster", lambda: True)
     with caplog.at_level("WARNING"):
         store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
     assert "lack events.attributes" in caplog.text
+    assert "comments on 2 columns of steps" in caplog.text
+    assert _comments(store)[("steps", "elapsed_ms")] == ""
     assert "steps_local.steps_per_second" in caplog.text  # projections are added ON CLUSTER to the shards' tables
     columns = {r[0] for r in store.query("SELECT name FROM system.columns WHERE database = {db:String} "
                                          "AND table = 'events'", parameters={"db": db}).result_rows}
     assert "attributes" not in columns
     assert "toIntervalDay(30)" in store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} "
                                               "AND name = 'steps'", parameters={"db": db}).result_rows[0][0]
+
+
+def _comments(store: Store) -> dict[tuple[str, str], str]:
+    return {(str(t), str(n)): str(c) for t, n, c in store.query(
+        "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
+        parameters={"db": store.database}).result_rows}
+
+
+def _assert_every_column_described(store: Store) -> None:
+    comments = _comments(store)
+    for table in schema.STORE_TABLES:
+        for column in table.definition:
+            assert comments[(table.name, column.name)] == column.comment, f"{table.name}.{column.name}"
+            assert column.comment.strip(), f"{table.name}.{column.name} has no comment"
+
+
+def test_every_column_of_a_new_store_says_what_it_holds(store: Store) -> None:
+    _assert_every_column_described(store)
+    described = store.query("DESCRIBE TABLE steps")  # what Grafana's query builder reads
+    comment_at = described.column_names.index("comment")
+    assert [row[comment_at] for row in described.result_rows] == [c.comment for c in schema.TABLES[0].definition]
+
+
+def test_a_store_made_before_column_comments_gets_them_when_opened(store_url: str) -> None:
+    old = Store.open(store_url)
+    db = old.database
+    try:
+        ddl = (FIXTURES / "schema-v1-without-comments.sql").read_text().replace("`DB`", f"`{db}`")
+        for statement in ddl.split(";\n\n"):
+            old.client.command(statement.strip().rstrip(";"))
+        old.insert("schema_version", [[1, 0]], ["version", "applied_at"])
+        old.insert("events", [[micros(time.time()), "h", "e", "test", "k", "info", "m", {}]],
+                   schema.TABLE_BY_NAME["events"].column_names)
+        assert set(_comments(old).values()) == {""}  # the fixture is what it says
+        old.ensure_schema(30)
+        _assert_every_column_described(old)
+        assert old.query("SELECT count() FROM events").result_rows == [(1,)]
+        assert old.schema_version() == schema.SCHEMA_VERSION
+        tables = {str(n): str(c) for n, c in old.query(
+            "SELECT name, comment FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
+        assert tables["schema_version"] == schema.SCHEMA_VERSION_TABLE.comment
+    finally:
+        old.client.command(f"DROP DATABASE IF EXISTS `{db}`")
+        old.close()
+
+
+def test_a_reworded_comment_reaches_an_existing_store(store: Store) -> None:
+    store.client.command(f"ALTER TABLE `{store.database}`.`gpu_samples` COMMENT COLUMN power_w 'watts, once'")
+    store.ensure_schema(30)
+    assert _comments(store)[("gpu_samples", "power_w")] == schema.TABLE_BY_NAME["gpu_samples"].column_comments[
+        "power_w"]
+
+
+@pytest.mark.parametrize("table", [t.name for t in schema.TABLES])
+def test_both_tables_of_the_cluster_rendering_carry_the_comments(store: Store, table: str) -> None:
+    # chDB has no cluster and no Keeper: run the cluster DDL with stand-in engines (MergeTree for the replicated
+    # table, Merge for Distributed) to see what `CREATE TABLE ... AS local` gives the table over the shards.
+    db = f"{store.database}_c"
+    statements = [s.replace(" ON CLUSTER `fleet`", "") for s in schema.ddl(db, 30, cluster="fleet")]
+    local = next(s for s in statements if f"`{db}`.`{table}_local`" in s.split("\n")[0])
+    over = next(s for s in statements if s.split("\n")[0].endswith(f"`{db}`.`{table}`"))
+    try:
+        store.client.command(f"CREATE DATABASE `{db}`")
+        store.client.command(re.sub(r"ReplicatedMergeTree\('[^']*', '[^']*'\)", "MergeTree", local))
+        store.client.command(over.split("ENGINE = Distributed")[0] + f"ENGINE = Merge(`{db}`, '^{table}_local$')")
+        comments = {(str(t), str(n)): str(c) for t, n, c in store.query(
+            "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
+            parameters={"db": db}).result_rows}
+        for column in schema.TABLE_BY_NAME[table].definition:
+            assert comments[(f"{table}_local", column.name)] == column.comment
+            assert comments[(table, column.name)] == column.comment
+    finally:
+        store.client.command(f"DROP DATABASE IF EXISTS `{db}`")

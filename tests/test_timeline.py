@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from stepline import timeline
+from stepline import schema, timeline
 from stepline.rows import GpuSample, Step, micros
 from stepline.settings import SettingsError
 from stepline.store import Store
@@ -89,3 +90,31 @@ def test_moments_parse(text: str, expected: datetime) -> None:
 def test_a_bad_moment_is_named() -> None:
     with pytest.raises(SettingsError, match="'yesterday' is not ISO 8601"):
         timeline.parse_moment("yesterday")
+
+
+def _renamed_in_view() -> dict[str, tuple[str, str]]:
+    """Each column the timeline view shows under another name than its table's: view name -> (table, column)."""
+    select_list = schema.TIMELINE_SELECT.split("SELECT", 1)[1].split("\nFROM", 1)[0]
+    renamed = {}
+    for item in select_list.split(","):
+        match = re.fullmatch(r"\s*([sg])\.(\w+) AS (\w+)\s*", item)
+        if match and match.group(2) != match.group(3):
+            renamed[match.group(3)] = ("steps" if match.group(1) == "s" else "gpu_samples", match.group(2))
+    return renamed
+
+
+def test_a_column_the_view_renames_says_so_in_its_comment() -> None:
+    renamed = _renamed_in_view()
+    assert renamed["prefill_tokens"] == ("steps", "num_ctx_tokens")
+    for shown, (table, column) in renamed.items():
+        comment = schema.TABLE_BY_NAME[table].column_comments[column]
+        assert re.search(rf"\b{shown}\b", comment), f"{table}.{column}'s comment does not say it is {shown}"
+
+
+def test_the_printed_headers_that_are_not_column_names_are_explained(filled: Store) -> None:
+    header = timeline.around(filled, filled.database, datetime.fromtimestamp(T0 + 7, UTC), window_s=5).splitlines()[0]
+    comments = schema.TABLE_BY_NAME["steps"].column_comments
+    # `stepline timeline` keeps short headers; the steps column behind each says what it is printed as.
+    for printed, column in (("prefill", "num_ctx_tokens"), ("decoding", "num_generation_requests")):
+        assert f" {printed} " in header
+        assert "`stepline timeline`" in comments[column] and re.search(rf"\b{printed}\b", comments[column])

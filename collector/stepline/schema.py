@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-# Bump when a table changes shape; `Store` refuses a store that holds a newer version.
+# Bump when a table changes shape; `Store` refuses a store that holds a newer version. Comments are not shape:
+# `Store` gives any store today's comments, so an older stepline can still open a store a newer one described.
 SCHEMA_VERSION = 1
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
@@ -33,22 +36,48 @@ class Projection:
         return f"SELECT {keys}, {', '.join(self.aggregates)} GROUP BY {keys}"
 
 
-@dataclass(frozen=True)
-class Table:
-    """One timeline table: its columns (name, type), its sorting key and its projections."""
+class Column(NamedTuple):
+    """One column: its name, its type (codec included) and its comment: what it holds, in which unit, from where."""
 
     name: str
-    columns: tuple[tuple[str, str], ...]
+    type: str
+    comment: str
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table stepline creates: its columns, its sorting key, its comment and its projections."""
+
+    name: str
+    definition: tuple[Column, ...]
     order_by: tuple[str, ...]
     comment: str
     projections: tuple[Projection, ...] = ()
 
     @property
+    def columns(self) -> tuple[tuple[str, str], ...]:
+        """(name, type) of each column, in order."""
+        return tuple((c.name, c.type) for c in self.definition)
+
+    @property
     def column_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.columns)
+        return tuple(c.name for c in self.definition)
+
+    @property
+    def column_comments(self) -> dict[str, str]:
+        return {c.name: c.comment for c in self.definition}
 
 
-KEY = (("ts", TIME), ("host", DIM), ("engine", DIM))
+_HOST_COMMENT = "The collector's host name (--host-name, STEPLINE_HOST_NAME; default the machine's hostname)."
+_PLUGIN_ENGINE = ("the plugin's STEPLINE_ENGINE, else OTEL_SERVICE_NAME, else 'vllm' (the NAME= of --engine should be "
+                 "the same)")
+
+
+def _key(ts: str, engine: str) -> tuple[Column, Column, Column]:
+    """The (ts, host, engine) every table starts with; `ts` and `engine` mean something per table."""
+    return (Column("ts", TIME, f"{ts}; UTC, microseconds."), Column("host", DIM, _HOST_COMMENT),
+            Column("engine", DIM, engine))
+
 
 # What the dashboards and the detectors read per second or per minute of steps instead of every step: a day of
 # eight engines is 30M steps and 1.5G ITL samples, but 690k seconds and 11.5k minutes. Quantiles come from
@@ -125,28 +154,51 @@ TABLES: tuple[Table, ...] = (
     Table(
         "steps",
         (
-            *KEY,
-            ("engine_index", "UInt16"),
-            ("model_name", DIM),
-            ("step", COUNTER),
-            ("elapsed_ms", SMALL_GAUGE),
-            ("num_ctx_requests", COUNT),
-            ("num_ctx_tokens", COUNT),
-            ("num_generation_requests", COUNT),
-            ("num_generation_tokens", COUNT),
-            ("running", COUNT),
-            ("waiting", COUNT),
-            ("skipped_waiting", COUNT),
-            ("kv_cache_usage", SMALL_GAUGE),
-            ("prefix_cache_queries", COUNT),
-            ("prefix_cache_hits", COUNT),
-            ("preempted", COUNT),
-            ("spec_num_drafts", COUNT),
-            ("spec_num_draft_tokens", COUNT),
-            ("spec_num_accepted_tokens", COUNT),
-            ("ttft_seconds", SAMPLES),
-            ("itl_seconds", SAMPLES),
-            ("is_dummy", "Bool"),
+            *_key("End of the engine step: vLLM's IterationStats.iteration_timestamp (the plugin's clock when vLLM "
+                  "gives none)", f"Engine name: {_PLUGIN_ENGINE}."),
+            Column("engine_index", "UInt16", "vLLM's engine index (data-parallel rank) the step ran on: the "
+                   "engine_idx vLLM passes to the stat logger."),
+            Column("model_name", DIM, "The served model, from the engine's configuration (the plugin's "
+                   "engine_config event); '' until the collector has seen it."),
+            Column("step", COUNTER, "Iteration number: SchedulerIterationDetails.iteration_index; without "
+                   "iteration details, the plugin's own count per engine index."),
+            Column("elapsed_ms", SMALL_GAUGE, "Wall time of the step, ms (SchedulerIterationDetails.elapsed_ms); "
+                   "NaN when vLLM runs without --enable-logging-iteration-details."),
+            Column("num_ctx_requests", COUNT, "Requests that had prompt (prefill) tokens computed in the step "
+                   "(SchedulerIterationDetails.num_ctx_requests); 0 without iteration details."),
+            Column("num_ctx_tokens", COUNT, "Prompt (prefill) tokens computed in the step, summed over its "
+                   "requests (SchedulerIterationDetails.num_ctx_tokens); 0 without iteration details. The timeline "
+                   "view calls it prefill_tokens, and `stepline timeline` prints it as prefill."),
+            Column("num_generation_requests", COUNT, "Requests that decoded in the step "
+                   "(SchedulerIterationDetails.num_generation_requests); 0 without iteration details. The timeline "
+                   "view and `stepline timeline` call it decoding."),
+            Column("num_generation_tokens", COUNT, "Tokens generated in the step, summed over its requests "
+                   "(SchedulerIterationDetails.num_generation_tokens; IterationStats.num_generation_tokens without "
+                   "iteration details)."),
+            Column("running", COUNT, "Requests running after the step (SchedulerStats.num_running_reqs)."),
+            Column("waiting", COUNT, "Requests waiting to be scheduled after the step "
+                   "(SchedulerStats.num_waiting_reqs)."),
+            Column("skipped_waiting", COUNT, "Waiting requests the scheduler passed over in the step "
+                   "(SchedulerStats.num_skipped_waiting_reqs)."),
+            Column("kv_cache_usage", SMALL_GAUGE, "Share of the KV cache in use after the step, 0-1 fraction "
+                   "(SchedulerStats.kv_cache_usage)."),
+            Column("prefix_cache_queries", COUNT, "Prompt tokens looked up in the prefix cache in the step "
+                   "(PrefixCacheStats.queries; preempted requests' lookups are not counted)."),
+            Column("prefix_cache_hits", COUNT, "Of those, the tokens found in the prefix cache "
+                   "(PrefixCacheStats.hits); hits / queries is the hit rate."),
+            Column("preempted", COUNT, "Requests preempted in the step (IterationStats.num_preempted_reqs)."),
+            Column("spec_num_drafts", COUNT, "Speculative-decoding drafts proposed in the step "
+                   "(SpecDecodingStats.num_drafts); 0 without speculative decoding."),
+            Column("spec_num_draft_tokens", COUNT, "Draft tokens proposed in the step "
+                   "(SpecDecodingStats.num_draft_tokens); 0 without speculative decoding."),
+            Column("spec_num_accepted_tokens", COUNT, "Draft tokens accepted in the step "
+                   "(SpecDecodingStats.num_accepted_tokens); accepted / draft tokens is the acceptance rate."),
+            Column("ttft_seconds", SAMPLES, "Time to first token of each request whose first token came in the "
+                   "step, s (IterationStats.time_to_first_tokens_iter)."),
+            Column("itl_seconds", SAMPLES, "Inter-token latency of each token generated in the step after a "
+                   "request's first, s (IterationStats.inter_token_latencies_iter)."),
+            Column("is_dummy", "Bool", "A dummy step that a data-parallel rank with no work runs to keep in step "
+                   "with the others (SchedulerIterationDetails.is_dummy)."),
         ),
         ("host", "engine", "engine_index", "ts", "step"),
         "One row per engine iteration, from the stat-logger plugin.",
@@ -155,25 +207,44 @@ TABLES: tuple[Table, ...] = (
     Table(
         "requests",
         (
-            *KEY,
-            ("engine_index", "UInt16"),
-            ("model_name", DIM),
-            ("request_id", "String"),
-            ("source", DIM),
-            ("finish_reason", DIM),
-            ("arrival_ts", TIME),
-            ("queue_seconds", SMALL_GAUGE),
-            ("prefill_seconds", SMALL_GAUGE),
-            ("decode_seconds", SMALL_GAUGE),
-            ("inference_seconds", SMALL_GAUGE),
-            ("e2e_seconds", SMALL_GAUGE),
-            ("ttft_seconds", SMALL_GAUGE),
-            ("mean_tpot_seconds", SMALL_GAUGE),
-            ("prompt_tokens", COUNT),
-            ("cached_tokens", COUNT),
-            ("generation_tokens", COUNT),
-            ("max_tokens", COUNT),
-            ("preemptions", COUNT),
+            *_key("When the request finished: the plugin's step timestamp, or the OTLP span's end",
+                  f"Engine name: {_PLUGIN_ENGINE}; for spans, the resource attribute stepline.engine, else "
+                  "service.name."),
+            Column("engine_index", "UInt16", "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
+            Column("model_name", DIM, "The served model: the engine's configuration (plugin), or "
+                   "gen_ai.response.model, else gen_ai.request.model (OTLP)."),
+            Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id)."),
+            Column("source", DIM, "Who reported the request first: 'plugin' or 'otlp' (a request both report is "
+                   "stored once)."),
+            Column("finish_reason", DIM, "Why it finished: stop, length, abort, error or repetition "
+                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons)."),
+            Column("arrival_ts", TIME, "When the request reached the server: ts less e2e_seconds (plugin), or the "
+                   "span's start (OTLP); UTC, microseconds."),
+            Column("queue_seconds", SMALL_GAUGE, "Time waiting before first scheduled, s "
+                   "(FinishedRequestStats.queued_time; gen_ai.latency.time_in_queue)."),
+            Column("prefill_seconds", SMALL_GAUGE, "Time from first scheduled to first token, s "
+                   "(FinishedRequestStats.prefill_time; gen_ai.latency.time_in_model_prefill)."),
+            Column("decode_seconds", SMALL_GAUGE, "Time from first token to last, s "
+                   "(FinishedRequestStats.decode_time; gen_ai.latency.time_in_model_decode)."),
+            Column("inference_seconds", SMALL_GAUGE, "Time from first scheduled to finish (prefill + decode), s "
+                   "(FinishedRequestStats.inference_time; gen_ai.latency.time_in_model_inference)."),
+            Column("e2e_seconds", SMALL_GAUGE, "Time from arrival to finish, s (FinishedRequestStats.e2e_latency; "
+                   "gen_ai.latency.e2e)."),
+            Column("ttft_seconds", SMALL_GAUGE, "Time from arrival to first token, s: e2e less decode (plugin), or "
+                   "gen_ai.latency.time_to_first_token (OTLP)."),
+            Column("mean_tpot_seconds", SMALL_GAUGE, "Mean time per output token after the first, s "
+                   "(FinishedRequestStats.mean_time_per_output_token; OTLP: decode / (generation_tokens - 1), NaN "
+                   "under 2 tokens)."),
+            Column("prompt_tokens", COUNT, "Prompt length, tokens (FinishedRequestStats.num_prompt_tokens; "
+                   "gen_ai.usage.prompt_tokens)."),
+            Column("cached_tokens", COUNT, "Prompt tokens served from the prefix cache "
+                   "(FinishedRequestStats.num_cached_tokens); 0 from OTLP, whose spans do not carry it."),
+            Column("generation_tokens", COUNT, "Tokens generated (FinishedRequestStats.num_generation_tokens; "
+                   "gen_ai.usage.completion_tokens)."),
+            Column("max_tokens", COUNT, "The request's max_tokens (FinishedRequestStats.max_tokens_param; "
+                   "gen_ai.request.max_tokens); 0 when unset."),
+            Column("preemptions", COUNT, "Times the request was preempted (FinishedRequestStats.num_preemptions); 0 "
+                   "from OTLP."),
         ),
         ("host", "engine", "ts", "request_id", "source"),
         "One row per finished request (ts = finish time), from the plugin and/or OTLP spans.",
@@ -181,14 +252,22 @@ TABLES: tuple[Table, ...] = (
     Table(
         "engine_samples",
         (
-            *KEY,
-            ("engine_index", DIM),
-            ("model_name", DIM),
-            ("metric", DIM),
-            ("kind", "Enum8('counter' = 1, 'gauge' = 2, 'bucket' = 3, 'sum' = 4, 'count' = 5, 'info' = 6)"),
-            ("labels", "Map(LowCardinality(String), String)"),
-            ("value", GAUGE),
-            ("delta", GAUGE),
+            *_key("When the collector scraped the engine's /metrics (the collector's clock)",
+                  "Engine name: the NAME of --engine NAME=URL, else the URL's host:port."),
+            Column("engine_index", DIM, "vLLM's engine label (engine index) of the series; '' when absent."),
+            Column("model_name", DIM, "vLLM's model_name label of the series (else of the scrape's other series)."),
+            Column("metric", DIM, "Sample name as exposed, histogram suffix included, e.g. vllm:num_requests_waiting, "
+                   "vllm:time_to_first_token_seconds_bucket."),
+            Column("kind", "Enum8('counter' = 1, 'gauge' = 2, 'bucket' = 3, 'sum' = 4, 'count' = 5, 'info' = 6)",
+                   "What the sample is, from the family's TYPE: counter, gauge, info, or a histogram's bucket, sum or "
+                   "count."),
+            Column("labels", "Map(LowCardinality(String), String)", "The series' other labels (le, "
+                   "finished_reason, ...), without model_name and engine."),
+            Column("value", GAUGE, "The sample's value as exposed, in the metric's unit (cumulative for counter "
+                   "kinds)."),
+            Column("delta", GAUGE, "For counter kinds (counter, bucket, sum, count): the increase since the "
+                   "previous scrape, reset-safe (sum it for rates); 0 for gauges and info, and at the collector's "
+                   "first scrape."),
         ),
         ("host", "engine", "metric", "ts"),
         "Every vllm: sample scraped from /metrics; delta is the reset-safe increase for counter kinds.",
@@ -196,31 +275,56 @@ TABLES: tuple[Table, ...] = (
     Table(
         "gpu_samples",
         (
-            *KEY,
-            ("gpu_index", "UInt8"),
-            ("gpu_uuid", DIM),
-            ("gpu_name", DIM),
-            ("sm_clock_mhz", SMALL_GAUGE),
-            ("mem_clock_mhz", SMALL_GAUGE),
-            ("power_w", SMALL_GAUGE),
-            ("energy_mj", COUNTER),
-            ("temp_gpu_c", SMALL_GAUGE),
-            ("temp_mem_c", SMALL_GAUGE),
-            ("util_gpu_pct", SMALL_GAUGE),
-            ("util_mem_copy_pct", SMALL_GAUGE),
-            ("mem_used_bytes", COUNTER),
-            ("mem_total_bytes", COUNTER),
-            ("pcie_tx_bytes_per_s", GAUGE),
-            ("pcie_rx_bytes_per_s", GAUGE),
-            ("pcie_replay_total", COUNTER),
-            ("nvlink_tx_bytes_per_s", GAUGE),
-            ("nvlink_rx_bytes_per_s", GAUGE),
-            ("clock_event_reasons", "UInt64"),
-            ("clock_event_flags", "Array(LowCardinality(String))"),
-            ("dram_bw_util_pct", SMALL_GAUGE),
-            ("tensor_active_pct", SMALL_GAUGE),
-            ("sm_occupancy_pct", SMALL_GAUGE),
-            ("processes", "Map(UInt32, UInt64)"),
+            *_key("When the collector sampled the GPU (the collector's clock); gpu_ts in the timeline view",
+                  "The engine whose process, or a child of it, runs on the GPU (NVML's compute processes "
+                  "matched to the engine processes the host source found); '' when unknown."),
+            Column("gpu_index", "UInt8", "NVML device index (nvmlDeviceGetHandleByIndex)."),
+            Column("gpu_uuid", DIM, "GPU UUID (nvmlDeviceGetUUID)."),
+            Column("gpu_name", DIM, "GPU model, e.g. NVIDIA H200 (nvmlDeviceGetName)."),
+            Column("sm_clock_mhz", SMALL_GAUGE, "SM clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_SM); NaN when "
+                   "unsupported."),
+            Column("mem_clock_mhz", SMALL_GAUGE, "Memory clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_MEM); NaN "
+                   "when unsupported."),
+            Column("power_w", SMALL_GAUGE, "Power draw, W (nvmlDeviceGetPowerUsage, mW / 1000); NaN when "
+                   "unsupported."),
+            Column("energy_mj", COUNTER, "Energy used since the driver loaded, mJ, cumulative "
+                   "(nvmlDeviceGetTotalEnergyConsumption); 0 when unsupported."),
+            Column("temp_gpu_c", SMALL_GAUGE, "GPU temperature, degrees C (nvmlDeviceGetTemperature, "
+                   "NVML_TEMPERATURE_GPU); NaN when unsupported."),
+            Column("temp_mem_c", SMALL_GAUGE, "Memory (HBM) temperature, degrees C (field "
+                   "NVML_FI_DEV_MEMORY_TEMP); NaN when unsupported."),
+            Column("util_gpu_pct", SMALL_GAUGE, "Share of the driver's last sample period in which a kernel ran, "
+                   "% 0-100 (nvmlDeviceGetUtilizationRates .gpu); NaN when unsupported."),
+            Column("util_mem_copy_pct", SMALL_GAUGE, "Share of the driver's last sample period in which memory was "
+                   "read or written, % 0-100 (nvmlDeviceGetUtilizationRates .memory); NaN when unsupported."),
+            Column("mem_used_bytes", COUNTER, "GPU memory in use, bytes (nvmlDeviceGetMemoryInfo .used); 0 when "
+                   "unsupported."),
+            Column("mem_total_bytes", COUNTER, "GPU memory in all, bytes (nvmlDeviceGetMemoryInfo .total); 0 when "
+                   "unsupported."),
+            Column("pcie_tx_bytes_per_s", GAUGE, "PCIe transmit rate, bytes/s: GPM PCIE_TX_PER_SEC on Hopper and "
+                   "newer, else nvmlDeviceGetPcieThroughput (KiB/s over 20 ms); read at most once a second, carried "
+                   "forward in between."),
+            Column("pcie_rx_bytes_per_s", GAUGE, "PCIe receive rate, bytes/s, read as pcie_tx_bytes_per_s is (GPM "
+                   "PCIE_RX_PER_SEC, else nvmlDeviceGetPcieThroughput)."),
+            Column("pcie_replay_total", COUNTER, "PCIe replays since the driver loaded, cumulative "
+                   "(nvmlDeviceGetPcieReplayCounter); 0 when unsupported."),
+            Column("nvlink_tx_bytes_per_s", GAUGE, "NVLink transmit rate summed over links, bytes/s: the change of "
+                   "field NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, all links) between two samples; NaN on the "
+                   "first sample and where there is no NVLink."),
+            Column("nvlink_rx_bytes_per_s", GAUGE, "NVLink receive rate summed over links, bytes/s, from "
+                   "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX as for transmit."),
+            Column("clock_event_reasons", "UInt64", "Why clocks are held down, as NVML's bitmask "
+                   "(nvmlDeviceGetCurrentClocksEventReasons, or ...ThrottleReasons on older drivers)."),
+            Column("clock_event_flags", "Array(LowCardinality(String))", "The bits of clock_event_reasons by name: "
+                   "gpu_idle, sw_power_cap, hw_slowdown, sw_thermal_slowdown, hw_power_brake_slowdown, ..."),
+            Column("dram_bw_util_pct", SMALL_GAUGE, "DRAM bandwidth used, % 0-100 of peak, over the last GPM "
+                   "interval (about 1 s; GPM metric DRAM_BW_UTIL); NaN before Hopper."),
+            Column("tensor_active_pct", SMALL_GAUGE, "Share of time any tensor core was active, % 0-100, over the "
+                   "last GPM interval (GPM metric ANY_TENSOR_UTIL); NaN before Hopper."),
+            Column("sm_occupancy_pct", SMALL_GAUGE, "SM occupancy (resident warps of the maximum), % 0-100, over the "
+                   "last GPM interval (GPM metric SM_OCCUPANCY); NaN before Hopper."),
+            Column("processes", "Map(UInt32, UInt64)", "PID to GPU memory used, bytes, of each compute process "
+                   "on the GPU (nvmlDeviceGetComputeRunningProcesses)."),
         ),
         ("host", "gpu_index", "ts"),
         "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported; "
@@ -230,24 +334,38 @@ TABLES: tuple[Table, ...] = (
     Table(
         "host_samples",
         (
-            *KEY,
-            ("scope", "Enum8('host' = 1, 'process' = 2)"),
-            ("pid", "UInt32"),
-            ("cpu_pct", SMALL_GAUGE),
-            ("cpu_per_core_pct", SAMPLES),
-            ("load1", SMALL_GAUGE),
-            ("mem_used_bytes", COUNTER),
-            ("mem_available_bytes", COUNTER),
-            ("mem_total_bytes", COUNTER),
-            ("swap_used_bytes", COUNTER),
-            ("rss_bytes", COUNTER),
-            ("threads", COUNT),
-            ("open_files", COUNT),
-            ("net_rx_bytes", "Map(LowCardinality(String), UInt64)"),
-            ("net_tx_bytes", "Map(LowCardinality(String), UInt64)"),
-            ("net_errors", "Map(LowCardinality(String), UInt64)"),
-            ("disk_read_bytes", COUNTER),
-            ("disk_write_bytes", COUNTER),
+            *_key("When the collector sampled (the collector's clock)",
+                  "For a process row, the engine whose process it is (found by the port of its --engine, or "
+                  "--engine-process); '' for the host row."),
+            Column("scope", "Enum8('host' = 1, 'process' = 2)", "'host' for the machine, 'process' for one engine "
+                   "process."),
+            Column("pid", "UInt32", "The engine process's PID; 0 for the host row."),
+            Column("cpu_pct", SMALL_GAUGE, "CPU use since the previous sample: host, % 0-100 of all cores "
+                   "(psutil.cpu_percent()); process, % of one core, can pass 100 (Process.cpu_percent()); NaN at the "
+                   "first sample."),
+            Column("cpu_per_core_pct", SAMPLES, "Host only: CPU use per core since the previous sample, % 0-100 "
+                   "each (psutil.cpu_percent(percpu=True)); empty for process rows."),
+            Column("load1", SMALL_GAUGE, "Host only: 1-minute load average (psutil.getloadavg()[0]); 0 for process "
+                   "rows."),
+            Column("mem_used_bytes", COUNTER, "Host only: memory in use, bytes (psutil.virtual_memory().used)."),
+            Column("mem_available_bytes", COUNTER, "Host only: memory available without swapping, bytes "
+                   "(psutil.virtual_memory().available)."),
+            Column("mem_total_bytes", COUNTER, "Host only: physical memory, bytes (psutil.virtual_memory().total)."),
+            Column("swap_used_bytes", COUNTER, "Host only: swap in use, bytes (psutil.swap_memory().used)."),
+            Column("rss_bytes", COUNTER, "Process only: resident set size, bytes (Process.memory_info().rss)."),
+            Column("threads", COUNT, "Process only: threads (Process.num_threads())."),
+            Column("open_files", COUNT, "Process only: open file descriptors, sockets included (Process.num_fds()); "
+                   "0 when the OS refuses to tell."),
+            Column("net_rx_bytes", "Map(LowCardinality(String), UInt64)", "Host only: bytes received per network "
+                   "interface since boot, cumulative (psutil.net_io_counters(pernic=True) .bytes_recv)."),
+            Column("net_tx_bytes", "Map(LowCardinality(String), UInt64)", "Host only: bytes sent per network "
+                   "interface since boot, cumulative (.bytes_sent)."),
+            Column("net_errors", "Map(LowCardinality(String), UInt64)", "Host only: errors and drops per network "
+                   "interface since boot, cumulative (errin + errout + dropin + dropout)."),
+            Column("disk_read_bytes", COUNTER, "Host only: bytes read from all disks since boot, cumulative "
+                   "(psutil.disk_io_counters().read_bytes); 0 where the kernel shows no disks."),
+            Column("disk_write_bytes", COUNTER, "Host only: bytes written to all disks since boot, cumulative "
+                   "(psutil.disk_io_counters().write_bytes); 0 where the kernel shows no disks."),
         ),
         ("host", "scope", "engine", "ts"),
         "psutil samples: one host row, and one process row per engine process found; net and disk are "
@@ -256,19 +374,36 @@ TABLES: tuple[Table, ...] = (
     Table(
         "events",
         (
-            *KEY,
-            ("source", DIM),
-            ("kind", DIM),
-            ("severity", "Enum8('info' = 1, 'warning' = 2, 'critical' = 3)"),
-            ("message", "String"),
-            ("attributes", "Map(LowCardinality(String), String)"),
+            *_key("When it happened (the collector's clock)", "The engine it concerns; '' for the collector's own."),
+            Column("source", DIM, "Who reported it: vllm_metrics, plugin, gpu, host, watchdog, matrix, collector, "
+                   "or a source's name (source_error)."),
+            Column("kind", DIM, "What happened, e.g. engine_up, engine_down, engine_restart, engine_config, "
+                   "engine_state, plugin_data_lost, gpu_xid, gpu_lost, gpu_reading_unsupported, matrix_run."),
+            Column("severity", "Enum8('info' = 1, 'warning' = 2, 'critical' = 3)", "info, warning or critical."),
+            Column("message", "String", "One line for people."),
+            Column("attributes", "Map(LowCardinality(String), String)", "The kind's details as text, e.g. xid and "
+                   "uuid of gpu_xid, dropped_records of plugin_data_lost, the whole configuration of engine_config."),
         ),
         ("host", "engine", "ts", "kind"),
         "Discrete happenings: engine up/down/restart, configuration seen, source errors, drops, XIDs.",
     ),
 )
 
+# Not a timeline table (no ts, host or engine): the one ledger of which schema a store holds.
+SCHEMA_VERSION_TABLE = Table(
+    "schema_version",
+    (
+        Column("version", "UInt32", "A schema version stepline applied to this store; a stepline refuses a store "
+               "whose newest version is above its own."),
+        Column("applied_at", "DateTime64(6, 'UTC')", "When that version was applied; UTC, microseconds."),
+    ),
+    ("version",),
+    "One row per schema version applied to the store.",
+)
+
 TABLE_BY_NAME = {table.name: table for table in TABLES}
+# Every table stepline creates (the timeline view aside): what carries a comment on every column.
+STORE_TABLES = (*TABLES, SCHEMA_VERSION_TABLE)
 
 # Each engine step beside the sample of each of the engine's GPUs taken at or just before the step ended.
 # STEP_FILTER and GPU_FILTER are empty for the view; `stepline timeline` bounds both sides by time.
@@ -295,8 +430,25 @@ def timeline_sql(database: str, step_filter: str = "", gpu_filter: str = "") -> 
             .replace("STEP_FILTER", step_filter))
 
 
+def column_sql(column: Column) -> str:
+    """The column's declaration: name, type, comment, then the codec (ClickHouse's own order)."""
+    type_, codec = column.type.split(" CODEC(", 1) if " CODEC(" in column.type else (column.type, "")
+    return f"`{column.name}` {type_} COMMENT {_quote(column.comment)}" + (f" CODEC({codec}" if codec else "")
+
+
+def comment_columns_sql(database: str, table: Table, names: Sequence[str]) -> str:
+    """What sets the comments of these columns of a store's table to today's (metadata only: no part is touched)."""
+    comments = table.column_comments
+    return (f"ALTER TABLE `{database}`.`{table.name}` "
+            + ", ".join(f"COMMENT COLUMN `{name}` {_quote(comments[name])}" for name in names))
+
+
+def comment_table_sql(database: str, table: Table) -> str:
+    return f"ALTER TABLE `{database}`.`{table.name}` MODIFY COMMENT {_quote(table.comment)}"
+
+
 def _columns_sql(table: Table) -> str:
-    return ",\n".join([f"    `{name}` {type_}" for name, type_ in table.columns]
+    return ",\n".join([f"    {column_sql(c)}" for c in table.definition]
                       + [f"    PROJECTION `{p.name}` ({p.select()})" for p in table.projections])
 
 
@@ -360,7 +512,7 @@ def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[
     )
     statements.append(
         f"CREATE TABLE IF NOT EXISTS `{database}`.`schema_version`{on_cluster}\n"
-        "(\n    `version` UInt32,\n    `applied_at` DateTime64(6, 'UTC')\n)\n"
-        f"ENGINE = {version_engine}\nORDER BY version"
+        f"(\n{_columns_sql(SCHEMA_VERSION_TABLE)}\n)\n"
+        f"ENGINE = {version_engine}\nORDER BY version\nCOMMENT {_quote(SCHEMA_VERSION_TABLE.comment)}"
     )
     return statements

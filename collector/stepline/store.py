@@ -181,12 +181,18 @@ class Store:
                 if missing:
                     log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
                                 "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
+                undescribed = self._undescribed()
+                if undescribed:
+                    log.warning("the cluster's tables lack today's comments on %d columns of %s: set them with ALTER "
+                                "TABLE ... ON CLUSTER ... COMMENT COLUMN (`stepline schema --cluster` has the words)",
+                                sum(map(len, undescribed.values())), ", ".join(undescribed))
                 return
             views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
             for statement in statements[1:-1]:
                 if statement not in views:
                     self.client.command(statement)
             self._add_missing_columns()
+            self._describe()
             self._add_missing_projections()
             for statement in views:  # over the tables as they now are
                 self.client.command(statement)
@@ -226,13 +232,38 @@ class Store:
         missing = set(self._missing_columns())
         for table in schema.TABLES:
             previous = None
-            for name, type_ in table.columns:
-                if f"{table.name}.{name}" in missing:
+            for column in table.definition:
+                if f"{table.name}.{column.name}" in missing:
                     after = f" AFTER `{previous}`" if previous else " FIRST"
-                    log.info("adding column %s.%s", table.name, name)
+                    log.info("adding column %s.%s", table.name, column.name)
                     self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
-                                        f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
-                previous = name
+                                        f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
+                previous = column.name
+
+    def _undescribed(self) -> dict[str, list[str]]:
+        """Per table, its columns whose comment is not this stepline's: none yet (an older store), or older words."""
+        found = {(str(t), str(n)): str(c) for t, n, c in self.client.query(
+            "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        undescribed: dict[str, list[str]] = {}
+        for table in schema.STORE_TABLES:
+            names = [c.name for c in table.definition if found.get((table.name, c.name), c.comment) != c.comment]
+            if names:
+                undescribed[table.name] = names
+        return undescribed
+
+    def _describe(self) -> None:
+        """Give every column (and table) today's comment, so DESCRIBE and Grafana say what it holds: metadata only."""
+        undescribed = self._undescribed()
+        comments = {str(n): str(c) for n, c in self.client.query(
+            "SELECT name, comment FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        for table in schema.STORE_TABLES:
+            if table.name in undescribed:
+                log.info("commenting %d columns of %s", len(undescribed[table.name]), table.name)
+                self.client.command(schema.comment_columns_sql(self.database, table, undescribed[table.name]))
+            if comments.get(table.name, table.comment) != table.comment:
+                self.client.command(schema.comment_table_sql(self.database, table))
 
     def _missing_projections(self, suffix: str = "") -> list[str]:
         """`table.projection` for each projection this stepline has and the store's tables (`table` + suffix) lack."""

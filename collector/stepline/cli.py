@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     schema_p.add_argument("--database", default="stepline", help="database name (default stepline)")
     schema_p.add_argument("--retention", type=int, default=30, dest="retention_days", metavar="DAYS",
                           help="days of data to keep (default 30)")
+    schema_p.add_argument("--markdown", action="store_true",
+                          help="print the column reference (each table's columns, types and comments) as Markdown")
+    schema_p.add_argument("--readme", metavar="PATH",
+                          help="rewrite the column reference between the markers in this README")
     schema_p.set_defaults(func=_schema)
 
     # Commands whose options and behaviour live in their own module (add_arguments, run).
@@ -325,6 +329,20 @@ def _age(seconds: float | None) -> str:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stepline import schemadoc
+
+    if args.readme:
+        try:
+            changed = schemadoc.update_readme(Path(args.readme))
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"cannot update {args.readme}: {exc}") from None
+        print(f"{args.readme}: column reference {'updated' if changed else 'already current'}")
+        return 0
+    if args.markdown:
+        sys.stdout.write(schemadoc.markdown())
+        return 0
     for statement in schema.ddl(args.database, args.retention_days, cluster=args.cluster):
         print(statement + ";\n")
     return 0

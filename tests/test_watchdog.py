@@ -41,8 +41,10 @@ class Harness:
 
     def step(self, *, elapsed_ms: float = 30.0, ctx_tokens: int = 0, ctx_requests: int = 0, decoding: int = 8,
              running: int = 8, waiting: int = 0, itl: list[float] | None = None, preempted: int = 0,
-             queries: int = 0, hits: int = 0, engine: str = E) -> None:
-        self.dog.observe([Step(micros(self.now), "h", engine, 0, "m", 0, elapsed_ms, ctx_requests, ctx_tokens,
+             queries: int = 0, hits: int = 0, engine: str = E, at: float | None = None) -> None:
+        """A step that ended now, or at `at` (one the plugin delivers late)."""
+        ts = micros(self.now if at is None else at)
+        self.dog.observe([Step(ts, "h", engine, 0, "m", 0, elapsed_ms, ctx_requests, ctx_tokens,
                                decoding, decoding, running, waiting, 0, 0.4, queries, hits, preempted, 0, 0, 0,
                                [], itl or [], False)])
 
@@ -183,6 +185,44 @@ def test_an_engine_seen_only_through_metrics_progresses_on_counter_deltas() -> N
         h.sample("vllm:generation_tokens_total", 1100.0, 0.0)
         h.sample("vllm:num_requests_running", 3)
     assert h.state() == "stalled"
+
+
+def test_an_engine_gone_idle_per_its_gauges_is_never_stalled() -> None:
+    # The plugin ships steps in batches: a busy spell's last steps (the one saying 0 running among them) wait in
+    # its buffer until vLLM's next record() or log(), and a batch can reach the watchdog after a newer scrape.
+    h = Harness()
+
+    def scrape(running: int) -> None:
+        h.sample("vllm:num_requests_waiting", 0)
+        h.sample("vllm:num_requests_running", running)
+        h.sample("vllm:generation_tokens_total", 0.0, 1.0 if running else 0.0)
+
+    steady(h, 3, decoding=1, running=1)
+    scrape(1)
+    steady(h, 1, decoding=1, running=1)
+    last_delivered = h.now  # the engine finishes 20 ms later; those steps stay in the plugin's buffer
+    h.clock.advance(0.1)
+    scrape(0)  # vLLM's own gauges: nothing running
+    h.clock.advance(0.2)
+    h.step(decoding=1, running=1, at=last_delivered - 0.05)  # a batch the plugin sent earlier arrives now
+    states = [h.state()]
+    for second in range(1, 31):  # scraped every 6 s (a slow scrape, or a longer interval than the budget)
+        if second % 6 == 0:
+            scrape(0)
+        states.append(h.tick())
+    assert "stalled" not in states and "slow" not in states, states
+    assert states[-1] == "idle"
+    # Before any gauge reading, the last delivered step is all there is: no verdict by age until one confirms.
+    h2 = Harness()
+    steady(h2, 3, decoding=1, running=1)
+    h2.sample("vllm:num_requests_running", 1)
+    steady(h2, 1, decoding=1, running=1)
+    states = [h2.tick() for _ in range(5)] + [h2.tick(0.9)]  # the next scrape is late: 5.9 s after the last step
+    h2.sample("vllm:num_requests_running", 0)
+    states.append(h2.tick(0.1))
+    assert "stalled" not in states and "slow" not in states, states
+    assert states[-1] == "idle"
+    assert all(e.attributes["state"] in ("idle", "progressing") for e in h.state_events() + h2.state_events())
 
 
 def test_down_on_engine_down_and_recovery_with_events() -> None:

@@ -10,6 +10,13 @@ engine seen only through /metrics adds two scrape intervals (its progress is see
 States, first match wins: down (engine_down, or a scraped engine silent 120 s); idle (nothing
 waiting or running); stalled (no progress for longer than the budget); slow (none for a third of
 it, or the last steps > 5x the engine's decode-only median); progressing.
+
+Work in flight is the newest report per engine index, from a step or the queue gauges, whichever is
+newer by its ts. The plugin ships steps in batches, so the steps that end a busy spell (the last one
+saying 0 running) can wait in its buffer until vLLM's next record() or log(), and a batch can arrive
+after a newer scrape: a step never overrides a newer gauge reading, and on a scraped engine no
+verdict is drawn from the age of its progress until a gauge reading at or after that progress says
+work is still in flight (a wedged engine's gauges keep saying so; an idle one's say 0).
 """
 
 from __future__ import annotations
@@ -165,6 +172,7 @@ class EngineModel:
     has_steps: bool = False
     last_scrape: float | None = None
     scrape_interval_s: float = 0.0
+    last_queue_gauge: float | None = None  # ts of the newest queue gauge reading
     # engine_index -> (ts, waiting, running): newest report wins, from steps or /metrics
     queue: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     kv: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -195,8 +203,11 @@ class EngineModel:
         ts = s.ts / 1e6
         self._seen(ts)
         self.has_steps = True
-        self.queue[str(s.engine_index)] = (ts, s.waiting, s.running)
-        self.kv[str(s.engine_index)] = (ts, s.kv_cache_usage)
+        index = str(s.engine_index)
+        if ts >= self.queue.get(index, (0.0, 0, 0))[0]:  # a late batch's step must not undo a newer gauge
+            self.queue[index] = (ts, s.waiting, s.running)
+        if ts >= self.kv.get(index, (0.0, 0.0))[0]:
+            self.kv[index] = (ts, s.kv_cache_usage)
         self.pending_preemptions += s.preempted
         if s.is_dummy:  # data-parallel padding: no work, no progress
             return
@@ -246,6 +257,7 @@ class EngineModel:
             if s.delta > 0:
                 self.last_progress = max(self.last_progress or ts, ts)
         elif metric in QUEUE_GAUGES:
+            self.last_queue_gauge = max(self.last_queue_gauge or ts, ts)
             index = s.engine_index or "0"
             old_ts, waiting, running = self.queue.get(index, (0.0, 0, 0))
             if ts >= old_ts:
@@ -317,6 +329,11 @@ class EngineModel:
             state, reason = "down", f"no data from the engine for {now - self.last_row:.0f}s"
         elif waiting + running == 0:
             state, reason = "idle", "nothing waiting or running"
+        elif self._unconfirmed():
+            if slow_steps:  # the step times still speak for themselves
+                state, reason = "slow", slow_steps
+            else:
+                reason = "no queue gauge read since the last progress yet"
         elif age > budget:
             state, reason = "stalled", "no progress for longer than the budget"
         elif age > resolution + core / 3:
@@ -331,6 +348,11 @@ class EngineModel:
             self.name, state, age, budget, expected_ms / 1000, waiting, running, prefill, decoding,
             max(prompt, self.decoding_context), queued, self._gpu_utilization(now), self._itl_p99(),
             self._prefill_share(), self._hit_ratio(), self._kv(), reason)
+
+    def _unconfirmed(self) -> bool:
+        """Whether the work in flight is the plugin's word alone, older than the engine's gauges can vouch for."""
+        gauge, progress = self.last_queue_gauge, self.last_progress
+        return gauge is not None and progress is not None and gauge < progress
 
     def _slow_steps(self) -> str:
         if len(self.recent_ms) < 3 or len(self.decode_only_ms) < 5:

@@ -149,9 +149,10 @@ class _Lz4Frame:
         self._started = False
 
     def encode(self, data: bytes) -> bytes:
+        # No flush per piece: an LZ4 frame's flush() ends the frame. Whole blocks go out as they fill.
         head = b"" if self._started else self._f.begin()
         self._started = True
-        return bytes(head + self._f.compress(data) + self._f.flush())
+        return bytes(head + self._f.compress(data))
 
     def finish(self) -> bytes:
         head = b"" if self._started else self._f.begin()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from stepline.sim.records import FinishReason
 
-WORKLOAD_NAMES = ("steady", "burst", "isolated")
+WORKLOAD_NAMES = ("steady", "burst", "short-burst", "isolated")
 
 STEADY_DURATION_S = 300.0
 BURST_DURATION_S = 600.0
@@ -24,6 +24,18 @@ BURST_PEAK_REQUESTS = 616
 BURST_TAIL_REQUESTS = 8
 # (fraction of the duration, prompt tokens): uncached monsters, the first the reported 359k-token prompt.
 BURST_MONSTERS = ((0.22, 359_000), (0.32, 150_000), (0.42, 240_000), (0.5, 110_000))
+
+# The burst's incident in a minute and a quarter. Rescaling the burst to that length keeps its proportions
+# but loses its story: a 359k-token prefill takes ~50 s at any scale, and the rescaled monster arrives before
+# anything decodes beside it. Here arrivals last SHORT_BURST_DURATION_S; the monster comes at the fraction
+# below, while ~5 cached chat answers stream, and its prefill ends, and the queue behind it drains, within
+# SHORT_BURST_DRAIN_S of the last arrival.
+SHORT_BURST_DURATION_S = 30.0
+SHORT_BURST_DRAIN_S = 45.0
+SHORT_BURST_CHAT_PER_S = 5.0
+SHORT_BURST_DOCUMENTS_PER_S = 1.5
+SHORT_BURST_DOCUMENTS_FROM = 0.13
+SHORT_BURST_MONSTER = (0.27, 359_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +170,8 @@ def make_workload(name: str, seed: int = 0, duration_s: float | None = None) -> 
             return steady(seed, duration_s or STEADY_DURATION_S)
         case "burst":
             return burst(seed, duration_s or BURST_DURATION_S)
+        case "short-burst":
+            return short_burst(seed, duration_s or SHORT_BURST_DURATION_S)
         case "isolated":
             return isolated(seed, duration_s or ISOLATED_DURATION_S)
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
@@ -203,3 +217,15 @@ def one_request(
 def compose(name: str, duration_s: float, drain_s: float, *parts: list[Arrival]) -> Workload:
     """One workload from several arrival lists, in time order."""
     return _finalize(name, duration_s, drain_s, [a for part in parts for a in part])
+
+
+def short_burst(seed: int = 0, duration_s: float = SHORT_BURST_DURATION_S) -> Workload:
+    """The burst's story in about 75 s: cached chat decoding, fresh documents, and the 359k-token monster among them."""
+    chat = chat_arrivals("chat", 0.0, duration_s, SHORT_BURST_CHAT_PER_S, seed=seed, prompt_median=3000,
+                         output_median=120, cached=(0.96, 1.0), abort_share=0.02, max_prompt=16_384)
+    documents = chat_arrivals("doc", SHORT_BURST_DOCUMENTS_FROM * duration_s, duration_s,
+                              SHORT_BURST_DOCUMENTS_PER_S, seed=seed, prompt_median=3000, output_median=37,
+                              cached=(0.0, 0.05), abort_share=0.02)
+    at, prompt = SHORT_BURST_MONSTER
+    monster = [one_request(f"monster-{prompt // 1000}k", at * duration_s, prompt, 124)]
+    return compose("short-burst", duration_s, SHORT_BURST_DRAIN_S, chat, documents, monster)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stepline.diagnosis.findings import Finding, Window
-from stepline.diagnosis.report import bucket_seconds, render_report, write_report
+from stepline.diagnosis.report import WIDTH, bucket_seconds, render_report, write_report
 from stepline.diagnosis.report_cli import add_arguments, run
 from stepline.rows import GpuSample, Request, Step, micros
 from stepline.store import Store
@@ -102,6 +102,42 @@ class _Tags(HTMLParser):
             self.code.append(data)
 
 
+class _Svgs(HTMLParser):
+    """Each <svg> of a page as its elements: (tag, attributes, text inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.svgs: list[list[tuple[str, dict[str, str], str]]] = []
+        self._open: list[int] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "svg":
+            self.svgs.append([])
+        if self.svgs:
+            self._open.append(len(self.svgs[-1]))
+            self.svgs[-1].append((tag, {k: v or "" for k, v in attrs}, ""))
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.handle_starttag(tag, attrs)
+        self._open.pop()
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        if self._open and self.svgs:
+            i = self._open[-1]
+            tag, attrs, text = self.svgs[-1][i]
+            self.svgs[-1][i] = (tag, attrs, text + data)
+
+
+def _svgs(page: str) -> list[list[tuple[str, dict[str, str], str]]]:
+    parser = _Svgs()
+    parser.feed(page)
+    return parser.svgs
+
+
 def _assert_self_contained(page: str) -> None:
     tags = _Tags()
     tags.feed(page)
@@ -127,6 +163,81 @@ def test_the_page_holds_the_findings_escaped_and_loads_nothing(filled: Store) ->
     assert "GPU 0" in page and "GPU 1" in page
     # Two shaded bands on each of the eight plots.
     assert page.count('fill-opacity="0.16"') == 16
+
+
+def test_the_time_axis_fits_the_data_and_findings_not_the_asked_hour(filled: Store) -> None:
+    asked = Window(_at(T0 + 660 - 3600), _at(T0 + 660), "e")
+    late = Finding("kv_pressure", "warning", "e", _at(T0 + 620), _at(T0 + 640), "KV cache 99% full", {})
+    everywhere = Finding("scheduler_vs_hardware", "warning", "e", asked.start, asked.end, "slow under load", {})
+    page = render_report(filled, asked, [*FINDINGS, late, everywhere], database=filled.database)
+    for svg in _svgs(page):
+        attrs = svg[0][1]
+        # From the first row to the last finding's end; the window-wide finding moves nothing.
+        assert float(attrs["data-t0"]) == pytest.approx(T0, abs=0.01)
+        assert float(attrs["data-t1"]) == pytest.approx(T0 + 640, abs=0.01)
+    shown = f"showing {_at(T0):%H:%M:%S} → {_at(T0 + 640):%H:%M:%S} UTC"
+    assert shown in page and f"asked for {_at(asked.start.timestamp()):%H:%M:%S} → " in page
+    # Only the data, without findings: from its first row to its last (a step 0.1 s before T0 + 600).
+    bare = _svgs(render_report(filled, asked, [], database=filled.database))[0][0][1]
+    assert float(bare["data-t0"]) == pytest.approx(T0, abs=0.01)
+    assert float(bare["data-t1"]) == pytest.approx(T0 + 599.95, abs=0.06)
+
+
+def test_each_gpu_line_has_a_style_of_its_own_and_a_legend(filled: Store) -> None:
+    page = render_report(filled, WINDOW, FINDINGS, database=filled.database)
+    gpu_plots = [svg for svg in _svgs(page) if svg[0][1]["aria-label"].startswith("GPU")]
+    assert len(gpu_plots) == 3
+    for svg in gpu_plots:
+        lines = [attrs for tag, attrs, _ in svg if tag == "polyline"]
+        styles = {(a["stroke"], a.get("stroke-dasharray", "")) for a in lines}
+        assert len(styles) == 2, styles
+        # The two GPUs may read the same: the one drawn on top is dashed, so the one below shows through.
+        assert lines[-1].get("stroke-dasharray"), lines[-1]
+        # The legend draws each line's own style beside its name.
+        samples = {(a["stroke"], a.get("stroke-dasharray", "")) for tag, a, _ in svg
+                   if tag == "line" and "legend" in a.get("class", "")}
+        assert samples == styles
+        names = [text for tag, a, text in svg if tag == "text" and "legend" in a.get("class", "")]
+        assert sorted(names) == ["GPU 0", "GPU 1"]
+
+
+def _boxes(svg: list[tuple[str, dict[str, str], str]]) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """(finding number, box) of every finding marker's label and bar, labels at 7 px a character of 11 px text."""
+    out = []
+    for tag, attrs, text in svg:
+        if tag == "text" and "band" in attrs.get("class", ""):
+            x, y = float(attrs["x"]), float(attrs["y"])
+            out.append((text.split()[0], (x, y - 10, x + 7 * len(text), y + 2)))
+        elif tag == "rect" and "marker" in attrs.get("class", ""):
+            x, y, w, h = (float(attrs[k]) for k in ("x", "y", "width", "height"))
+            out.append((f"#{attrs['data-finding']}", (x, y, x + w, y + h)))
+    return out
+
+
+def test_finding_markers_stay_apart_when_they_crowd_together(filled: Store) -> None:
+    crowd = [Finding("prefill_interference" if k % 2 else "head_of_line_blocking", "warning", "e",
+                     _at(SLOW[0] + k // 2), _at(SLOW[1] + k // 2), f"finding {k}", {})
+             for k in range(12)]
+    page = render_report(filled, WINDOW, crowd, database=filled.database)
+    for svg in _svgs(page):
+        boxes = _boxes(svg)
+        assert {n for n, _ in boxes} == {f"#{k}" for k in range(1, 13)}
+        for i, (n, a) in enumerate(boxes):
+            for m, b in boxes[i + 1:]:
+                apart = a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+                assert n == m or apart, (n, a, m, b)
+        # Each label names its finding's kind, not only its number.
+        assert any(text.startswith("#1 ") and "_" in text for tag, _, text in svg if tag == "text")
+
+
+def test_a_finding_over_the_whole_window_tints_nothing(filled: Store) -> None:
+    everywhere = Finding("scheduler_vs_hardware", "warning", "e", WINDOW.start, WINDOW.end, "slow under load", {})
+    page = render_report(filled, WINDOW, [*FINDINGS, everywhere], database=filled.database)
+    for svg in _svgs(page):
+        tints = [float(a["width"]) for tag, a, _ in svg if tag == "rect" and ("fill-opacity" in a or "tint" in
+                                                                             a.get("class", ""))]
+        assert len(tints) == 2 and max(tints) < WIDTH / 4, tints  # the two short findings only
+        assert [text for tag, a, text in svg if tag == "text" and text.startswith("#3")]
 
 
 def test_an_empty_store_renders_every_plot_as_no_data(store: Store) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
@@ -17,7 +17,16 @@ WIDTH = 1200
 HEIGHT = 170
 LEFT, RIGHT, TOP, BOTTOM = 72, 72, 24, 26
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+# A plot's later lines are dashed, so that one drawn over an equal one (two GPUs that read the same) lets it show.
+DASHES = ("", "7 3", "2 3", "10 3 2 3")
 BAND_FILL = {"critical": "#d62728", "warning": "#ff9f1a", "info": "#4c8bf5"}
+MARKER_FILL = {"critical": "#f2b8b8", "warning": "#ffdca8", "info": "#c4d7fb"}
+# Finding markers: a labelled bar per finding in rows above the plot, no two sharing a row where they would touch.
+LANE_H = 14
+LABEL_CHAR_PX = 7.5  # an 11 px bold label's characters, generously
+# A finding over (nearly) the whole axis is only its bar above the plot: tinting all of every plot says nothing.
+MAX_TINT_SHARE = 0.9
+MIN_AXIS_S = 10.0  # data at one instant is drawn over this much time
 # Nice tick spacings in seconds for the shared time axis.
 _TIME_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
 
@@ -32,16 +41,18 @@ class Series:
     points: Sequence[Point]
     right: bool = False
     color: str = ""
+    dash: str = ""  # an SVG stroke-dasharray; "" is solid
 
 
 @dataclass(frozen=True)
 class Band:
-    """A shaded time range (a finding's window), labelled with the finding's number."""
+    """A finding's time range, labelled with its number and kind ("#1 prefill_interference")."""
 
     start: float
     end: float
     severity: str
     label: str
+    number: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,68 +67,123 @@ class Plot:
 
 
 def render_svg(plot: Plot, t0: float, t1: float, bands: Sequence[Band]) -> str:
-    """The plot as an inline <svg> over [t0, t1]; a labelled 'no data' panel when no series has a value."""
+    """The plot as an inline <svg> over [t0, t1]; a labelled 'no data' panel when no series has a value.
+
+    Each finding is a labelled bar in a row above the plot area, and a short one also tints the area.
+    """
     inner_w = WIDTH - LEFT - RIGHT
-    inner_h = HEIGHT - TOP - BOTTOM
     span = max(t1 - t0, 1e-9)
 
     def x(t: float) -> float:
         return LEFT + (min(max(t, t0), t1) - t0) / span * inner_w
 
-    parts = [f'<svg class="plot" viewBox="0 0 {WIDTH} {HEIGHT}" '
+    shown = [band for band in bands if band.end >= t0 and band.start <= t1]
+    markers = _markers(shown, x)
+    rows = 1 + max((lane for lane, _ in markers), default=-1)
+    strip = LANE_H * rows + (4 if rows else 0)
+    top, height = TOP + strip, HEIGHT + strip
+    inner_h = height - top - BOTTOM
+    parts = [f'<svg class="plot" viewBox="0 0 {WIDTH} {height}" '
              f'data-t0="{t0:.3f}" data-t1="{t1:.3f}" role="img" aria-label="{escape(plot.title)}">',
-             f'<rect x="{LEFT}" y="{TOP}" width="{inner_w}" height="{inner_h}" class="frame"/>']
-    for i, band in enumerate(bands):
-        if band.end < t0 or band.start > t1:
-            continue
+             f'<rect x="{LEFT}" y="{top}" width="{inner_w}" height="{inner_h}" class="frame"/>']
+    for severity, bx, bw in _tints(shown, x, MAX_TINT_SHARE * inner_w):
+        parts.append(f'<rect class="tint" x="{bx:.1f}" y="{top}" width="{bw:.1f}" height="{inner_h}" '
+                     f'fill="{BAND_FILL.get(severity, "#999")}" fill-opacity="0.16"/>')
+    for band, (lane, label_x) in zip(shown, markers, strict=True):
         bx, bw = x(band.start), max(x(band.end) - x(band.start), 2.0)
-        # Labels step down by band so that windows starting close together stay readable.
-        parts.append(f'<rect x="{bx:.1f}" y="{TOP}" width="{bw:.1f}" height="{inner_h}" '
-                     f'fill="{BAND_FILL.get(band.severity, "#999")}" fill-opacity="0.16"/>'
-                     f'<text x="{bx + 3:.1f}" y="{TOP + 12 + 12 * (i % 8)}" class="band">{escape(band.label)}</text>')
+        lane_y = TOP + lane * LANE_H
+        parts.append(f'<rect class="marker" data-finding="{band.number}" x="{bx:.1f}" y="{lane_y + 1}" '
+                     f'width="{bw:.1f}" height="{LANE_H - 2}" fill="{MARKER_FILL.get(band.severity, "#ddd")}" '
+                     f'stroke="{BAND_FILL.get(band.severity, "#999")}"/>'
+                     f'<text x="{label_x:.1f}" y="{lane_y + 11}" class="band">{escape(band.label)}</text>')
     for tick in _time_ticks(t0, t1):
         tx = x(tick)
-        parts.append(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{TOP}" y2="{TOP + inner_h}" class="grid"/>'
-                     f'<text x="{tx:.1f}" y="{HEIGHT - 8}" class="tick" text-anchor="middle">'
+        parts.append(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{top}" y2="{top + inner_h}" class="grid"/>'
+                     f'<text x="{tx:.1f}" y="{height - 8}" class="tick" text-anchor="middle">'
                      f'{datetime.fromtimestamp(tick, UTC):%H:%M:%S}</text>')
-    colored = [s if s.color else Series(s.name, s.points, s.right, PALETTE[i % len(PALETTE)])
-               for i, s in enumerate(plot.series)]
+    styled = [replace(s, color=s.color or PALETTE[i % len(PALETTE)], dash=s.dash or DASHES[i % len(DASHES)])
+              for i, s in enumerate(plot.series)]
     has_data = False
     for side in (False, True):
-        values = [v for s in colored if s.right == side for _, v in s.points if v is not None and math.isfinite(v)]
+        values = [v for s in styled if s.right == side for _, v in s.points if v is not None and math.isfinite(v)]
         if not values:
             continue
         has_data = True
-        top = plot.y_max if plot.y_max is not None and not side else _nice_ceiling(max(values))
+        y_top = plot.y_max if plot.y_max is not None and not side else _nice_ceiling(max(values))
         bottom = min(0.0, min(values))
 
-        def y(v: float, lo: float = bottom, hi: float = top) -> float:
-            return TOP + inner_h - (v - lo) / max(hi - lo, 1e-12) * inner_h
+        def y(v: float, lo: float = bottom, hi: float = y_top) -> float:
+            return top + inner_h - (v - lo) / max(hi - lo, 1e-12) * inner_h
 
-        for tick_value in (bottom, (bottom + top) / 2, top):
+        for tick_value in (bottom, (bottom + y_top) / 2, y_top):
             ax = LEFT + inner_w + 6 if side else LEFT - 6
             parts.append(f'<text x="{ax}" y="{y(tick_value) + 4:.1f}" class="tick" '
                          f'text-anchor="{"start" if side else "end"}">{_number(tick_value)}</text>')
             if not side:
                 parts.append(f'<line x1="{LEFT}" x2="{LEFT + inner_w}" y1="{y(tick_value):.1f}" '
                              f'y2="{y(tick_value):.1f}" class="grid"/>')
-        for s in colored:
+        for s in styled:
             if s.right == side:
                 parts.extend(_polylines(s, x, y))
     unit = escape(plot.unit) + (f" · right: {escape(plot.right_unit)}" if plot.right_unit else "")
     parts.append(f'<text x="{LEFT}" y="{TOP - 8}" class="title">{escape(plot.title)}'
                  f'<tspan class="unit"> ({unit})</tspan></text>')
-    legend_x = WIDTH - RIGHT
-    for s in reversed(colored):
-        label = "■ " + s.name + (" →" if s.right else "")
-        parts.append(f'<text x="{legend_x}" y="{TOP - 8}" class="legend" text-anchor="end" '
-                     f'fill="{s.color}">{escape(label)}</text>')
-        legend_x -= 16 + 7 * len(label)  # about 7 px a character at 12 px
+    parts.extend(_legend(styled))
     if not has_data:
-        parts.append(f'<text x="{LEFT + inner_w / 2:.0f}" y="{TOP + inner_h / 2 + 6:.0f}" class="nodata" '
+        parts.append(f'<text x="{LEFT + inner_w / 2:.0f}" y="{top + inner_h / 2 + 6:.0f}" class="nodata" '
                      f'text-anchor="middle">no data in this window</text>')
-    parts.append(f'<line class="cursor" x1="-10" x2="-10" y1="{TOP}" y2="{TOP + inner_h}"/></svg>')
+    parts.append(f'<line class="cursor" x1="-10" x2="-10" y1="{top}" y2="{top + inner_h}"/></svg>')
     return "".join(parts)
+
+
+def _markers(bands: Sequence[Band], x: Callable[[float], float]) -> list[tuple[int, float]]:
+    """(row, label x) per band: first fit in rank order, so that no bar or label touches another's."""
+    right_edge = WIDTH - RIGHT
+    rows: list[list[tuple[float, float]]] = []
+    out = []
+    for band in bands:
+        left, end = x(band.start), max(x(band.end), x(band.start) + 2.0)
+        width = LABEL_CHAR_PX * len(band.label)
+        label_x = min(left + 3, right_edge - width)  # near the right edge the label ends at the edge
+        box = (min(left, label_x), max(end, label_x + width))
+        row = next((k for k, taken in enumerate(rows) if all(box[1] + 4 <= a or b + 4 <= box[0] for a, b in taken)),
+                   len(rows))
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(box)
+        out.append((row, label_x))
+    return out
+
+
+def _tints(bands: Sequence[Band], x: Callable[[float], float], widest: float) -> list[tuple[str, float, float]]:
+    """(severity, x, width) shading the plot area where findings of a severity are, overlapping ones merged once."""
+    out: list[tuple[str, float, float]] = []
+    for severity in ("info", "warning", "critical"):  # the worst drawn last, on top
+        spans = sorted((x(b.start), max(x(b.end), x(b.start) + 2.0)) for b in bands if b.severity == severity)
+        merged: list[list[float]] = []
+        for left, right in spans:
+            if right - left > widest:
+                continue  # over (nearly) the whole axis: its bar above the plot says it
+            if merged and left <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], right)
+            else:
+                merged.append([left, right])
+        out.extend((severity, left, right - left) for left, right in merged)
+    return out
+
+
+def _legend(series: Sequence[Series]) -> list[str]:
+    """Right-aligned above the plot: each line's own colour and dashes, then its name (→: the right axis)."""
+    parts, legend_x = [], float(WIDTH - RIGHT)
+    for s in reversed(series):
+        name = s.name + (" →" if s.right else "")
+        text_x = legend_x - 7 * len(name)  # about 7 px a character at 12 px
+        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+        parts.append(f'<line class="legend" x1="{text_x - 26:.0f}" x2="{text_x - 4:.0f}" y1="{TOP - 12}" '
+                     f'y2="{TOP - 12}" stroke="{s.color}"{dash} stroke-width="2"/>'
+                     f'<text x="{text_x:.0f}" y="{TOP - 8}" class="legend">{escape(name)}</text>')
+        legend_x = text_x - 44
+    return parts
 
 
 def bucket_seconds(span_s: float, max_buckets: int = 600) -> float:
@@ -143,7 +209,8 @@ def _polylines(series: Series, x: Callable[[float], float], y: Callable[[float],
             out.append(f'<circle cx="{run[0][0]:.1f}" cy="{run[0][1]:.1f}" r="1.8" fill="{series.color}"/>')
         elif run:
             pts = " ".join(f"{px:.1f},{py:.1f}" for px, py in run)
-            out.append(f'<polyline points="{pts}" stroke="{series.color}" class="line"/>')
+            dash = f' stroke-dasharray="{series.dash}"' if series.dash else ""
+            out.append(f'<polyline points="{pts}" stroke="{series.color}"{dash} class="line"/>')
     return out
 
 
@@ -186,6 +253,7 @@ _STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms), sum(num_ctx_tokens),"
 _GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
          " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
          " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
+_SPAN = "SELECT count(), toUnixTimestamp64Micro(min(ts)), toUnixTimestamp64Micro(max(ts)) FROM {table}" + _BOUNDS
 _MAX_GPU_LINES = 8  # more GPUs than this are drawn as their average
 
 _STYLE = """
@@ -213,18 +281,27 @@ document.getElementById('at').textContent=new Date(t*1000).toISOString().slice(1
 
 
 def render_report(reader: Reads, window: Window, findings: Sequence[Finding], *, title: str = DEFAULT_TITLE,
-                  database: str = "") -> str:
-    """The report as one HTML page; `database` qualifies the tables (empty: the client's default)."""
-    t0, t1 = window.start.timestamp(), window.end.timestamp()
-    if not t1 > t0:
+                  database: str = "", asked: str = "") -> str:
+    """The report as one HTML page; `database` qualifies the tables (empty: the client's default).
+
+    The plots show the span of the data and the findings within the window; `asked` says how the window was
+    asked for (e.g. "the last 1h"), for the line that tells the two apart.
+    """
+    w0, w1 = window.start.timestamp(), window.end.timestamp()
+    if not w1 > w0:
         raise ValueError(f"the window must end after it starts: {window.start} .. {window.end}")
-    bucket = bucket_seconds(t1 - t0)
     ranked = sorted(findings, key=lambda f: f.rank_key())
-    bands = [Band(f.start.timestamp(), f.end.timestamp(), f.severity, f"#{i}") for i, f in enumerate(ranked, 1)]
-    plots = _plots(reader, window, bucket, database)
+    t0, t1 = fit_axis(window, _data_span(reader, window, database), ranked)
+    bucket = bucket_seconds(t1 - t0)
+    bands = [Band(f.start.timestamp(), f.end.timestamp(), f.severity,
+                  f"#{i} {f.kind}" + (" (the whole window)" if _whole(f, window) else ""), i)
+             for i, f in enumerate(ranked, 1)]
+    plots = _plots(reader, window.engine, t0, t1, bucket, database)
     scope = f"engine {window.engine}" if window.engine else "all engines"
-    head = (f"{_moment(window.start)} → {_moment(window.end)} UTC · {scope} · {len(ranked)} finding(s) · "
-            f"bucket {bucket:g} s · generated {_moment(datetime.now(UTC))} UTC")
+    what = "the asked window" if (t0, t1) == (w0, w1) else "the span of the data and findings"
+    asked_for = f"{asked} ({_span(w0, w1)})" if asked else _span(w0, w1)
+    head = (f"showing {_span(t0, t1)} ({_duration(t1 - t0)}), {what}; asked for {asked_for} · {scope} · "
+            f"{len(ranked)} finding(s) · bucket {bucket:g} s · generated {_moment(datetime.now(UTC))} UTC")
     body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(head)}</div>', "<h2>Findings</h2>"]
     body.extend(_finding_html(i, f) for i, f in enumerate(ranked, 1))
     if not ranked:
@@ -237,18 +314,58 @@ def render_report(reader: Reads, window: Window, findings: Sequence[Finding], *,
             + f"\n<script>{_SCRIPT}</script></body></html>\n")
 
 
+def fit_axis(window: Window, data: tuple[float, float] | None, findings: Sequence[Finding]) -> tuple[float, float]:
+    """The plotted range: from the first row or finding to the last, within the window; the window when empty.
+
+    A finding over the whole window (a detector's verdict on all of it) says nothing about when, so moves nothing.
+    """
+    w0, w1 = window.start.timestamp(), window.end.timestamp()
+    edges = list(data or ())
+    for f in findings:
+        start, end = max(f.start.timestamp(), w0), min(f.end.timestamp(), w1)
+        if start <= end and not _whole(f, window):
+            edges += [start, end]
+    if not edges:
+        return w0, w1
+    t0, t1 = max(w0, min(edges)), min(w1, max(edges))
+    if t1 - t0 < MIN_AXIS_S:
+        middle = (t0 + t1) / 2
+        t0, t1 = max(w0, middle - MIN_AXIS_S / 2), min(w1, middle + MIN_AXIS_S / 2)
+    return t0, t1
+
+
 def write_report(reader: Reads, window: Window, findings: Sequence[Finding], out: str | Path, *,
-                 title: str = DEFAULT_TITLE, database: str = "") -> Path:
+                 title: str = DEFAULT_TITLE, database: str = "", asked: str = "") -> Path:
     """Render the report and write it to `out` (UTF-8); returns the path written."""
     path = Path(out)
-    path.write_text(render_report(reader, window, findings, title=title, database=database), encoding="utf-8")
+    path.write_text(render_report(reader, window, findings, title=title, database=database, asked=asked),
+                    encoding="utf-8")
     return path
 
 
-def _plots(reader: Reads, window: Window, bucket: float, database: str) -> list[Plot]:
-    t0 = window.start.timestamp()
-    params = {"from_us": round(t0 * 1_000_000), "to_us": round(window.end.timestamp() * 1_000_000),
-              "bucket_us": max(1, round(bucket * 1_000_000)), "engine": window.engine}
+def _whole(finding: Finding, window: Window) -> bool:
+    """Whether the finding spans the window (to within 1%): a verdict on all of it rather than on a moment."""
+    w0, w1 = window.start.timestamp(), window.end.timestamp()
+    return finding.start.timestamp() <= w0 + 0.01 * (w1 - w0) and finding.end.timestamp() >= w1 - 0.01 * (w1 - w0)
+
+
+def _data_span(reader: Reads, window: Window, database: str) -> tuple[float, float] | None:
+    """The first and last step or GPU sample in the window (epoch seconds); None when it holds neither."""
+    params = {"from_us": round(window.start.timestamp() * 1_000_000),
+              "to_us": round(window.end.timestamp() * 1_000_000), "engine": window.engine}
+    edges = []
+    for table in ("steps", "gpu_samples"):
+        sql = _SPAN.replace("{table}", _table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
+        rows, first, last = reader.query(sql, parameters=params).result_rows[0]
+        if rows:
+            edges += [first / 1e6, last / 1e6]
+    return (min(edges), max(edges)) if edges else None
+
+
+def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, database: str) -> list[Plot]:
+    # The last row sits on t1 itself: the bounds' end is exclusive.
+    params = {"from_us": round(t0 * 1_000_000), "to_us": round(t1 * 1_000_000) + 1,
+              "bucket_us": max(1, round(bucket * 1_000_000)), "engine": engine}
 
     def at(b: int) -> float:  # a bucket is drawn at its middle
         return t0 + (b + 0.5) * bucket
@@ -323,6 +440,23 @@ def _finding_html(number: int, f: Finding) -> str:
 
 def _table(database: str, name: str) -> str:
     return f"`{database.replace('`', '')}`.`{name}`" if database else f"`{name}`"
+
+
+def _span(t0: float, t1: float) -> str:
+    """"14:02:10 → 14:03:25 UTC", with dates when the range is not within one day."""
+    first, last = datetime.fromtimestamp(t0, UTC), datetime.fromtimestamp(t1, UTC)
+    pattern = "%H:%M:%S" if first.date() == last.date() else "%Y-%m-%d %H:%M:%S"
+    return f"{first.strftime(pattern)} → {last.strftime(pattern)} UTC"
+
+
+def _duration(seconds: float) -> str:
+    """"75 s", "12 min 5 s", "3 h 20 min"."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{seconds:.3g} s" if seconds < 10 else f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min" + (f" {whole % 60} s" if whole % 60 else "")
+    return f"{whole // 3600} h" + (f" {whole % 3600 // 60} min" if whole % 3600 // 60 else "")
 
 
 def _moment(moment: datetime) -> str:

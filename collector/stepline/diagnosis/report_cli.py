@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
     reader = open_reader(args.store or default_store_url())
     try:
         findings = diagnose(reader.client, window)
-        path = write_report(reader.client, window, findings, args.out, database=reader.database)
+        # The page fits its plots to the data; it says how the window was asked for beside what it shows.
+        asked = "" if args.from_ or args.to else f"the last {args.since}"
+        path = write_report(reader.client, window, findings, args.out, database=reader.database, asked=asked)
     finally:
         reader.close()
     print(f"{path}: {len(findings)} finding(s)")

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import secrets
+import socket
 import string
 import tempfile
 import threading
@@ -389,7 +390,7 @@ class _Handler(BaseHTTPRequestHandler):
         """A result, chunk by chunk as the engine makes it, in bounded memory."""
         assert reply.rest is not None
         endpoint = self.server.endpoint
-        body = _ChunkedBody(self.wfile, reply.frame, reply.encoding)
+        body = _ChunkedBody(self.connection, reply.frame, reply.encoding)
         try:
             self.send_response(reply.status)
             for key, value in reply.headers.items():
@@ -425,8 +426,8 @@ class _Handler(BaseHTTPRequestHandler):
 class _ChunkedBody:
     """A response body in HTTP/1.1 chunks, through compress=1 framing and a Content-Encoding when asked."""
 
-    def __init__(self, wfile: Any, frame: Callable[[bytes], bytes] | None, encoding: str | None) -> None:
-        self._wfile = wfile
+    def __init__(self, sock: socket.socket, frame: Callable[[bytes], bytes] | None, encoding: str | None) -> None:
+        self._sock = sock
         self._frame = frame
         self._encoder = chcompress.encoder(encoding) if encoding is not None else None
 
@@ -440,8 +441,7 @@ class _ChunkedBody:
     def finish(self) -> None:
         if self._encoder is not None:
             self._chunk(self._encoder.finish())
-        self._wfile.write(b"0\r\n\r\n")
-        self._wfile.flush()
+        self._sock.sendall(b"0\r\n\r\n")
 
     def fail(self, text: str, tag: str) -> None:
         """ClickHouse's error after a result began (25.11 and newer): a tagged block, and no last chunk, so that
@@ -454,6 +454,12 @@ class _ChunkedBody:
         self._chunk(block)
 
     def _chunk(self, data: bytes) -> None:
-        if data:
-            self._wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
-            self._wfile.flush()
+        """One chunk in one gathered write: a block is never copied to put its frame around it."""
+        parts = [memoryview(b"%x\r\n" % len(data)), memoryview(data), memoryview(b"\r\n")] if data else []
+        while parts:
+            sent = self._sock.sendmsg(parts)
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts:
+                parts[0] = parts[0][sent:]

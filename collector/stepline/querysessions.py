@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
@@ -16,6 +17,7 @@ from stepline.chhttp import SqlRefused
 Settings = tuple[tuple[str, str], ...]
 
 _SESSION_WAIT_S = 30.0
+_PREFETCH_BLOCKS = 4  # blocks of up to ~1 MiB each (max_block_size rows) computed ahead of the wire
 _CODE = re.compile(r"Code: (\d+)\. DB::Exception: ")
 _NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)(?: \(version [^()]*\))?\.?\s*\Z")
 
@@ -67,8 +69,14 @@ class Session:
         """The result in `fmt`, block by block as chDB encodes them (each block a whole document of `fmt`).
 
         Streaming, never chDB's buffered query(): a query that fails there after its first block leaves that
-        output in the connection, in front of the next query's result (chDB 4.4).
+        output in the connection, in front of the next query's result (chDB 4.4). chDB computes a block only
+        when asked for it, so blocks are pulled a few ahead on a thread of their own: the engine works while
+        the previous block is on the wire (memory stays bounded by that depth).
         """
+        return _prefetched(self._blocks(database, sql, fmt, params, progress), _PREFETCH_BLOCKS)
+
+    def _blocks(self, database: str, sql: str, fmt: str, params: Mapping[str, str],
+                progress: Progress) -> Iterator[bytes]:
         try:
             self._use(database)
             result = self._conn.send_query(sql, fmt, params=dict(params))
@@ -110,6 +118,49 @@ class Session:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _prefetched(blocks: Iterator[bytes], depth: int) -> Iterator[bytes]:
+    """`blocks`, pulled up to `depth` ahead by a thread that alone touches them (and closes them when the reader
+    stops early); an error there is raised here, in its turn."""
+    ready: queue.Queue[tuple[bytes | None, BaseException | None]] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pull() -> None:
+        try:
+            for block in blocks:
+                if not put((block, None)):
+                    return
+            put((None, None))
+        except BaseException as ex:  # handed to the reader, which raises it
+            put((None, ex))
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
+
+    puller = threading.Thread(target=pull, name="stepline-query-blocks", daemon=True)
+    puller.start()
+    try:
+        while True:
+            block, error = ready.get()
+            if error is not None:
+                raise error
+            if block is None:
+                return
+            yield block
+    finally:
+        stop.set()
+        puller.join()  # the session's connection is free again only once the puller has let go of it
 
 
 class Sessions:

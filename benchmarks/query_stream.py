@@ -1,0 +1,177 @@
+"""A large result through the collector's query endpoint: rows/s against chDB answering in-process, and the
+serving process's memory while it streams.
+
+The endpoint runs in a process of its own, as inside `stepline collect` (an embedded store, the read-only
+HTTP endpoint); this process reads each response in 1 MiB pieces and throws them away, while a sampler reads
+the endpoint process's RSS every 50 ms. The baseline is chDB in another process streaming the same query
+(`send_query`, every block's bytes touched) on a store of its own, measured in the same run.
+
+    python benchmarks/query_stream.py            # ~1 min on 2 cores; --rows N --rounds R --formats Native,TSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, cast
+
+import psutil  # type: ignore[import-untyped]
+
+TARGET_RATIO = 0.8
+
+
+def query_sql(rows: int) -> str:
+    return f"SELECT number, toString(number) AS s, number * 0.5 AS x FROM numbers({rows})"
+
+
+def serve(pipe: Connection) -> None:
+    """The endpoint's process: an embedded store and its query endpoint, until told to stop."""
+    import clickhouse_connect
+
+    from stepline.queryserver import QueryEndpoint
+
+    path = tempfile.mkdtemp(prefix="stepline-bench-")
+    client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+    client.command("CREATE DATABASE IF NOT EXISTS stepline")
+    endpoint = QueryEndpoint(client, port=0, max_execution_time_s=600, max_result_bytes=1 << 40)
+    endpoint.start()
+    pipe.send(endpoint.port)
+    pipe.recv()
+    endpoint.stop()
+
+
+def in_process(pipe: Connection, sql: str, fmt: str) -> None:
+    """The baseline: chDB streaming the query in-process; (seconds, bytes)."""
+    import chdb
+
+    conn: Any = cast(Any, chdb).connect(tempfile.mkdtemp(prefix="stepline-bench-base-"))
+    started = time.perf_counter()
+    size = 0
+    for block in conn.send_query(sql, fmt):
+        size += len(block.bytes())
+    pipe.send((time.perf_counter() - started, size))
+    conn.close()
+
+
+def baseline(sql: str, fmt: str) -> tuple[float, int]:
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.Process(target=in_process, args=(theirs, sql, fmt))
+    child.start()
+    result: tuple[float, int] = ours.recv()
+    child.join()
+    return result
+
+
+class Peak:
+    """The highest RSS of a process, sampled every 50 ms while running."""
+
+    def __init__(self, pid: int) -> None:
+        self._process = psutil.Process(pid)
+        self.mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.mib = max(self.mib, self._process.memory_info().rss / 2**20)
+            self._stop.wait(0.05)
+
+
+def through_curl(port: int, sql: str, fmt: str) -> tuple[float, int, float]:
+    """(seconds to the last byte, body bytes, seconds to the first byte), read by curl into /dev/null: a client
+    that costs next to nothing, so the endpoint's own cost is what is measured."""
+    url = f"http://127.0.0.1:{port}/?" + urllib.parse.urlencode({"default_format": fmt})
+    out = subprocess.run(["curl", "-sS", "--fail-with-body", "-o", "/dev/null", "--data-binary", sql, "-w",
+                          "%{time_total} %{size_download} %{time_starttransfer}", url],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), int(out[1]), float(out[2])
+
+
+def through_endpoint(port: int, sql: str, fmt: str) -> tuple[float, int, float]:
+    """(seconds to the last byte, body bytes, seconds to the first byte) for one query over HTTP."""
+    if shutil.which("curl"):
+        return through_curl(port, sql, fmt)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    started = time.perf_counter()
+    conn.request("POST", "/?" + urllib.parse.urlencode({"default_format": fmt}), body=sql.encode())
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"query endpoint answered {response.status}: {response.read()[:300]!r}")
+    first = 0.0
+    size = 0
+    while piece := response.read(1 << 20):
+        if not size:
+            first = time.perf_counter() - started
+        size += len(piece)
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return elapsed, size, first
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--formats", default="Native,TabSeparated,JSONEachRow")
+    args = parser.parse_args(argv)
+    sql = query_sql(args.rows)
+    print(f"machine: {platform.platform()}; python {platform.python_version()}; cpu_count={os.cpu_count()}")
+    print(f"query: {sql}; {args.rounds} round(s) per format; the best round of each side is compared")
+
+    ours, theirs = multiprocessing.Pipe()
+    server = multiprocessing.Process(target=serve, args=(theirs,))
+    server.start()
+    port = ours.recv()
+    assert server.pid is not None
+    idle = psutil.Process(server.pid).memory_info().rss / 2**20
+    print(f"endpoint process idle RSS: {idle:,.0f} MiB\n")
+    print(f"{'format':<14} {'result MiB':>10} {'in-process rows/s':>18} {'endpoint rows/s':>16} {'ratio':>6} "
+          f"{'first byte s':>12} {'peak RSS MiB':>12} {'over idle':>9}")
+    missed = []
+    try:
+        for fmt in args.formats.split(","):
+            base_s, base_bytes = min(baseline(sql, fmt) for _ in range(args.rounds))
+            runs = []
+            for _ in range(args.rounds):
+                with Peak(server.pid) as peak:
+                    elapsed, size, first = through_endpoint(port, sql, fmt)
+                runs.append((elapsed, size, first, peak.mib))
+            elapsed, size, first, _ = min(runs)
+            peak_mib = max(run[3] for run in runs)
+            if size != base_bytes:
+                missed.append(f"{fmt}: the endpoint sent {size:,} bytes, chDB in-process made {base_bytes:,}")
+            ratio = (args.rows / elapsed) / (args.rows / base_s)
+            if ratio < TARGET_RATIO:
+                missed.append(f"{fmt}: endpoint at {ratio:.2f}x of in-process (target >= {TARGET_RATIO}x)")
+            print(f"{fmt:<14} {size / 2**20:>10,.0f} {args.rows / base_s:>18,.0f} {args.rows / elapsed:>16,.0f} "
+                  f"{ratio:>5.2f}x {first:>12.3f} {peak_mib:>12,.0f} {peak_mib - idle:>9,.0f}")
+    finally:
+        ours.send("stop")
+        server.join()
+    for line in missed:
+        print(f"TARGET MISSED: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from stepline import schema
 from stepline.rows import micros
@@ -270,3 +271,14 @@ def test_both_tables_of_the_cluster_rendering_carry_the_comments(store: Store, t
             assert comments[(table, column.name)] == column.comment
     finally:
         store.client.command(f"DROP DATABASE IF EXISTS `{db}`")
+
+
+def test_a_query_failing_part_way_leaves_nothing_for_the_next_one(store: Store) -> None:
+    # chDB 4.4 keeps a failed query's first blocks in the connection, in front of the next query's answer.
+    for run in (store.query, store.reader().query):
+        with pytest.raises(DatabaseError):
+            run("SELECT number, throwIf(number = 500000) FROM numbers(1000000)")
+        assert run("SELECT count() FROM numbers(10)").result_rows == [(10,)]
+    with pytest.raises(DatabaseError):
+        store.raw("SELECT number, throwIf(number = 500000) FROM numbers(1000000)", "TabSeparated")
+    assert store.raw("SELECT 7", "TabSeparated") == b"7\n"

@@ -21,6 +21,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalErr
 from clickhouse_connect.driver.query import QueryResult
 
 from stepline import schema
+from stepline.chdbclient import open_client
 from stepline.storeurl import StoreUrl, parse_store_url
 
 log = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ class Store:
         """A second client on the same store, so readers never queue behind the writers' inserts."""
         if self.url.embedded:
             # chDB shares one engine per path within a process: this handle joins it, no new lock.
-            return clickhouse_connect.get_client(dsn=f"chdb://{self.url.path}", database=self.database)
+            return open_client(self.url.path, database=self.database)
         return clickhouse_connect.get_client(
             interface=self.url.scheme, host=self.url.host, port=self.url.port, username=self.url.username,
             password=self.url.password, database=self.database, autogenerate_session_id=False,
@@ -397,7 +398,7 @@ def _open_embedded(url: StoreUrl) -> Client:
     except OSError as exc:
         raise StoreError(f"cannot create the embedded store directory {url.path}: {exc.strerror}") from None
     try:
-        client = clickhouse_connect.get_client(dsn=f"chdb://{url.path}")
+        client = open_client(url.path)
     except Exception as exc:  # chDB reports every start-up failure through its own exception types
         raise StoreError(f"cannot open the embedded store {url.path}: {_one_line(exc)}") from None
     client.command(f"CREATE DATABASE IF NOT EXISTS `{url.database}`")

@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-import clickhouse_connect
 from clickhouse_connect.driver.exceptions import DatabaseError
 
 from stepline import chhttp
+from stepline.chdbclient import open_client
 from stepline.serving import ServerThread
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class StoreServer:
         self.refuse_inserts = False  # answer every INSERT as an overloaded server does (TOO_MANY_PARTS)
         self.inserts = 0  # INSERT requests served
         self.refused = 0  # INSERT requests refused while refuse_inserts was on
-        self._client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+        self._client = open_client(path)
         self._engine_lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()

@@ -132,6 +132,64 @@ def test_query_goes_through_a_running_collector(demo_store: Path) -> None:
     assert after.stdout.strip() == "2"
 
 
+def test_query_and_status_find_the_running_collector_from_any_directory(tmp_path: Path) -> None:
+    here, elsewhere, run = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "run"
+    here.mkdir()
+    elsewhere.mkdir()
+    env = {"XDG_RUNTIME_DIR": str(run), "STEPLINE_STORE": ""}
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "stepline.cli", "collect", "--metrics-port", "0", "--query-port", "0",
+         "--engine", "http://127.0.0.1:9", "--otlp-port", "0", "--plugin-socket", str(tmp_path / "p.sock")],
+        cwd=here, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    runtime_file = run / "stepline" / f"collector-{collector.pid}.json"
+    try:
+        deadline = time.monotonic() + 60
+        while not runtime_file.exists():
+            assert collector.poll() is None, collector.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while True:  # the collector's first event reaches the store with its first flush
+            result = _stepline("query", "SELECT kind FROM events WHERE kind = 'collector_started'", cwd=elsewhere,
+                               env=env)
+            if result.returncode or "collector_started" in result.stdout or time.monotonic() > deadline:
+                break
+        assert result.returncode == 0, result.stderr
+        assert "collector_started" in result.stdout and f"via collector pid {collector.pid}" in result.stderr
+        assert "cut at" not in result.stdout
+        # A value longer than the table's cell is cut, and the table says so once, below it.
+        cut = _stepline("query", "SELECT repeat('x', 100) AS long FROM numbers(3)", cwd=elsewhere, env=env)
+        assert cut.stdout.splitlines()[2] == "x" * 59 + "…"
+        assert cut.stdout.splitlines()[-1] == (
+            "(some values cut at 60 characters; --format tsv or json shows them whole)")
+        whole = _stepline("query", "SELECT repeat('x', 100) AS long", "--format", "tsv", cwd=elsewhere, env=env)
+        assert whole.stdout.splitlines()[1] == "x" * 100
+        deadline = time.monotonic() + 30
+        status = _stepline("status", cwd=elsewhere, env=env)
+        while "vllm_metrics:127.0.0.1:9" not in status.stdout and time.monotonic() < deadline:
+            status = _stepline("status", cwd=elsewhere, env=env)  # its first poll may not have failed yet
+        assert status.returncode == 0, status.stderr
+        assert f"collector pid {collector.pid}" in status.stdout and str(runtime_file) in status.stdout
+        assert ("vllm_metrics:127.0.0.1:9  DOWN   engine 127.0.0.1:9 unreachable at http://127.0.0.1:9/metrics: "
+                "[Errno 111] Connection refused") in status.stdout, status.stdout
+        # --store and $STEPLINE_STORE win over the running collector.
+        explicit = _stepline("query", "SELECT 1", "--store", f"chdb://{elsewhere}/none", cwd=elsewhere, env=env)
+        assert explicit.returncode == 2 and explicit.stderr.startswith(f"stepline: no store at {elsewhere}/none")
+        from_env = _stepline("query", "SELECT 1", cwd=elsewhere, env={**env, "STEPLINE_STORE": "chdb:///nowhere"})
+        assert from_env.returncode == 2 and from_env.stderr.startswith("stepline: no store at /nowhere")
+    finally:
+        collector.terminate()
+        _, stderr = collector.communicate(timeout=60)
+    assert collector.returncode == 0, stderr
+    assert not runtime_file.exists()  # a clean stop withdraws it
+    gone = _stepline("query", "SELECT 1", cwd=elsewhere, env=env)
+    assert gone.returncode == 2
+    assert gone.stderr.strip() == (f"stepline: no store at {elsewhere}/stepline-data: run `stepline collect` or "
+                                   f"`stepline demo` first (and no running collector announced itself in "
+                                   f"{run}/stepline)")
+
+
 def test_demo_fills_steps_and_requests(demo_store: Path) -> None:
     url = f"chdb://{demo_store}"
     # The slowest step carries a prefill chunk; its decode-only neighbours are far faster.

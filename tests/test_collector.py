@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import urllib.request
+from pathlib import Path
 
 import clickhouse_connect
 
 from stepline.collector import Collector
 from stepline.reader import open_reader, table_status
+from stepline.runtimefile import running
 from stepline.settings import Settings
 from stepline.sim.server import SimServer
 from stepline.sim.workloads import make_workload
@@ -17,14 +20,20 @@ from stepline.testing import wait_until
 
 
 def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, steady_engine: SimServer,
-                                                               sock_dir: str) -> None:
+                                                               sock_dir: str, tmp_path: Path) -> None:
     settings = Settings.from_env({}, store=store_url, engines=(f"sim={steady_engine.url}", "dead=http://127.0.0.1:9"),
                                  metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1,
                                  otlp_port=0, plugin_socket=f"{sock_dir}/p.sock")
-    collector = Collector(settings)
+    collector = Collector(settings, runtime_dir=tmp_path / "run")
     collector.start()
     try:
         assert collector.store is not None and collector.query_endpoint is not None
+        # The runtime file, by which the CLI finds this collector from any directory.
+        ((path, announced),), _ = running(tmp_path / "run")
+        assert path == collector.runtime_file and announced.pid == os.getpid()
+        assert announced.store == store_url and announced.query_url == collector.query_endpoint.url
+        assert collector.metrics_server is not None and announced.metrics_url.endswith(
+            f":{collector.metrics_server.port}/metrics")
         wait_until(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
         # The collector announces its endpoint next to the store; a client reads through it.
         info = read_collector_info(parse_store_url(store_url).path)
@@ -41,11 +50,15 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
         text = urllib.request.urlopen(f"http://127.0.0.1:{collector.metrics_server.port}/metrics").read().decode()
         assert 'stepline_source_up{source="vllm_metrics:sim"} 1.0' in text
         assert 'stepline_source_up{source="vllm_metrics:dead"} 0.0' in text
+        assert ('stepline_source_last_error_info{error="engine dead unreachable at http://127.0.0.1:9/metrics: '
+                '[Errno 111] Connection refused",source="vllm_metrics:dead"} 1.0') in text
+        assert 'source="vllm_metrics:sim"} 1.0' not in text.split("stepline_source_last_error_info{", 1)[1]
         assert 'stepline_writer_rows_written_total{table="engine_samples"}' in text
     finally:
         collector.stop()
     # After a clean stop everything accepted is in the store, and the store opens directly.
     assert read_collector_info(parse_store_url(store_url).path) is None
+    assert running(tmp_path / "run") == ([], [])
     written = collector.metrics.registry.get_sample_value("stepline_writer_rows_written_total",
                                                           {"table": "engine_samples"})
     reader = open_reader(store_url)

@@ -3,29 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import math
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline import schema
+from stepline.runtimefile import RUNTIME_DIR_HELP, LocatedStore, locate_store
 from stepline.settings import Settings, SettingsError, size
-from stepline.store import StoreError
-from stepline.storeurl import StoreUrlError, default_store_url
+from stepline.store import StoreError, StoreLocked
+from stepline.storeurl import StoreUrlError
+
+if TYPE_CHECKING:
+    from stepline.reader import TimelineReader
 
 log = logging.getLogger("stepline")
 
+TABLE_WIDTH = 60  # characters of one value in `stepline query`'s table
+
 STORE_HELP = ("store URL: chdb:///path (embedded ClickHouse) or http(s)://user:pass@host:8123/db "
               "(default: $STEPLINE_STORE, else chdb://./stepline-data)")
+READ_STORE_HELP = ("store URL: chdb:///path (embedded ClickHouse) or http(s)://user:pass@host:8123/db (default: "
+                   "$STEPLINE_STORE, else ./stepline-data when it exists, else the store of the running collector, "
+                   f"found in its runtime file in {RUNTIME_DIR_HELP})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `stepline` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(_command_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # chDB's client logs every engine-level query at INFO; that is not the operator's business.
@@ -41,14 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from stepline import demo, matrix, provisioning
-    from stepline.alerting import cli as alerting_cli
-    from stepline.dashboards import cli as dashboards_cli
-    from stepline.diagnosis import cli as diagnosis_cli
-    from stepline.diagnosis import report_cli
-    from stepline.sim import cli as sim_cli
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The subcommand of a command line (its first word not an option), or None (`stepline --help`)."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `command`, the modules behind the other commands are not imported: they cost the
+    simulator, the collector, OpenTelemetry and the dashboards at every start (about a second on two busy cores)."""
     parser = argparse.ArgumentParser(
         prog="stepline",
         description="One ClickHouse timeline for vLLM engines: every step, every request, every GPU counter.",
@@ -96,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Through the running collector's endpoint when one holds the embedded "
                                        "store, else straight from the store.")
     query.add_argument("sql", help="the query, e.g. \"SELECT kind, count() FROM events GROUP BY kind\"")
-    query.add_argument("--store", help=STORE_HELP)
+    query.add_argument("--store", help=READ_STORE_HELP)
     query.add_argument("--format", default="table",
                        help="table (default), csv, tsv, json (one object per line), or any ClickHouse format name")
     query.set_defaults(func=_query)
@@ -115,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     requests_p.add_argument("--long-prefill", type=_count, default=2048, metavar="TOKENS",
                             help="a step carrying at least this many prefill tokens counts as a long prefill "
                                  "(default 2048)")
-    requests_p.add_argument("--store", help=STORE_HELP)
+    requests_p.add_argument("--store", help=READ_STORE_HELP)
     requests_p.set_defaults(func=_requests)
 
     timeline_p = sub.add_parser(
@@ -129,12 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     timeline_p.add_argument("--bucket", type=float, default=1.0, metavar="SECONDS",
                             help="aggregate per this many seconds; 0 prints every step (default 1)")
     timeline_p.add_argument("--engine", default="", help="only this engine (default: all)")
-    timeline_p.add_argument("--store", help=STORE_HELP)
+    timeline_p.add_argument("--store", help=READ_STORE_HELP)
     timeline_p.set_defaults(func=_timeline)
 
     status = sub.add_parser("status", help="sources up, rows per table, age of the newest row",
                             description="A one-screen health summary of the timeline and its collector.")
-    status.add_argument("--store", help=STORE_HELP)
+    status.add_argument("--store", help=READ_STORE_HELP)
     status.set_defaults(func=_status)
 
     schema_p = sub.add_parser("schema", help="print the DDL of the timeline",
@@ -151,39 +161,44 @@ def build_parser() -> argparse.ArgumentParser:
     schema_p.set_defaults(func=_schema)
 
     # Commands whose options and behaviour live in their own module (add_arguments, run).
-    for name, command, help_text, description in (
-        ("diagnose", diagnosis_cli, "say what is wrong: ranked findings with evidence, SQL and the lever to pull",
+    for name, module, help_text, description in (
+        ("diagnose", "stepline.diagnosis.cli",
+         "say what is wrong: ranked findings with evidence, SQL and the lever to pull",
          "Run every detector over a window of the timeline: prefill interference, head-of-line blocking, "
          "scheduler vs hardware, prefix-cache collapse, KV pressure, a wedged engine, configuration not in "
          "effect, GPU throttling and XIDs, speculative-decoding shifts. Exit code 1 when a finding is critical."),
-        ("report", report_cli, "write a self-contained HTML incident report (findings and plots on one time axis)",
+        ("report", "stepline.diagnosis.report_cli",
+         "write a self-contained HTML incident report (findings and plots on one time axis)",
          "Diagnose a window and write one HTML file that opens anywhere without a network: the findings, then "
          "step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis with the findings' windows marked."),
-        ("matrix", matrix, "interference test: decode-only vs + long uncached prompt vs + cached prompt",
+        ("matrix", "stepline.matrix", "interference test: decode-only vs + long uncached prompt vs + cached prompt",
          "Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one long "
          "uncached prompt; the same with that prompt cached. Every token is timestamped on the client; TTFT and "
          "ITL p50/p95/p99 and the worst gap per run, with deltas. Results also go to the store as matrix_run "
          "events."),
-        ("alerts", alerting_cli, "generate the alert rules, Alertmanager example and Grafana alert provisioning",
+        ("alerts", "stepline.alerting.cli",
+         "generate the alert rules, Alertmanager example and Grafana alert provisioning",
          "`stepline alerts build` regenerates everything in alerts/ from the one alert config: Prometheus rules, "
          "an Alertmanager example, Grafana-managed rules, contact point and policy."),
-        ("dashboards", dashboards_cli, "generate the Grafana dashboards",
+        ("dashboards", "stepline.dashboards.cli", "generate the Grafana dashboards",
          "`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet overview, "
          "engine timeline, requests, GPU and collector health."),
-        ("grafana-provisioning", provisioning,
+        ("grafana-provisioning", "stepline.provisioning",
          "write Grafana provisioning for the embedded store (datasource + dashboards)",
          "A local Grafana against `stepline collect`, with no ClickHouse server: a ClickHouse datasource "
          "(protocol http) pointing at the collector's query endpoint, and the dashboards."),
-        ("sim", sim_cli, "run the vLLM-compatible engine simulator",
+        ("sim", "stepline.sim.cli", "run the vLLM-compatible engine simulator",
          "Serve a simulated vLLM 0.33 engine's /metrics, plugin datagrams, OTLP spans and streaming completions: "
          "no GPU needed."),
-        ("demo", demo, "simulate a burst and collect it into the embedded store",
+        ("demo", "stepline.demo", "simulate a burst and collect it into the embedded store",
          "Start the simulator and the collector, run the burst workload, then print a summary and the "
          "diagnosis from SQL."),
     ):
         command_parser = sub.add_parser(name, help=help_text, description=description)
-        command.add_arguments(command_parser)
-        command_parser.set_defaults(func=command.run)
+        if command is None or command == name:
+            handler = importlib.import_module(module)
+            handler.add_arguments(command_parser)
+            command_parser.set_defaults(func=handler.run)
     return parser
 
 
@@ -214,19 +229,20 @@ def _collect(args: argparse.Namespace) -> int:
 
 def _query(args: argparse.Namespace) -> int:
     from stepline.chhttp import SqlRefused, read_only_statement
-    from stepline.reader import open_reader, render_table
+    from stepline.reader import render_table
 
     try:  # read-only whichever way the store is reached (an embedded store opened directly is writable)
         read_only_statement(args.sql)
     except SqlRefused as exc:
         print(f"stepline: query refused: {exc}", file=sys.stderr)
         return 1
-    reader = open_reader(args.store or default_store_url())
+    reader = _open(args.store)[0]
     try:
         fmt = args.format.lower()
         if fmt == "table":
             result = reader.client.query(args.sql)
-            print(render_table(result.column_names, result.result_rows))
+            print(render_table(result.column_names, result.result_rows, TABLE_WIDTH,
+                               f"(some values cut at {TABLE_WIDTH} characters; --format tsv or json shows them whole)"))
             print(f"({len(result.result_rows)} rows, via {reader.via})", file=sys.stderr)
             return 0
         names = {"csv": "CSVWithNames", "tsv": "TabSeparatedWithNames", "json": "JSONEachRow"}
@@ -241,10 +257,9 @@ def _query(args: argparse.Namespace) -> int:
 
 def _requests(args: argparse.Namespace) -> int:
     from stepline import perrequest
-    from stepline.reader import open_reader
 
     since = max(0.0, time.time() - parse_duration(args.since))
-    reader = open_reader(args.store or default_store_url())
+    reader = _open(args.store)[0]
     try:
         found = perrequest.slowest(reader.client, since=since, limit=args.slowest, by=args.by, engine=args.engine,
                                    long_prefill_tokens=args.long_prefill)
@@ -260,10 +275,9 @@ def _requests(args: argparse.Namespace) -> int:
 
 def _timeline(args: argparse.Namespace) -> int:
     from stepline import timeline
-    from stepline.reader import open_reader
 
     moment = timeline.parse_moment(args.around)
-    reader = open_reader(args.store or default_store_url())
+    reader = _open(args.store)[0]
     try:
         print(timeline.around(reader.client, reader.database, moment, window_s=args.window, engine=args.engine,
                               bucket_s=args.bucket))
@@ -297,26 +311,62 @@ def _count(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from stepline.reader import open_reader, render_table, source_health, table_status
+    from stepline.reader import render_table, table_status
 
-    reader = open_reader(args.store or default_store_url())
+    reader, located = _open(args.store)
     try:
-        print(f"timeline: {reader.via}")
-        if reader.collector is not None and reader.collector.metrics_url:
-            try:
-                health = source_health(reader.collector.metrics_url)
-                rows = [(name, "up" if up else "DOWN") for name, up in sorted(health.items())]
-                print(render_table(("source", "state"), rows) if rows else "sources: none configured")
-            except OSError as exc:
-                print(f"sources: cannot read {reader.collector.metrics_url}: {exc}")
-        else:
-            print("collector: not running")
+        found = f" (found in {located.runtime_file})" if located.runtime_file else ""
+        print(f"timeline: {reader.via}{found}")
+        _print_sources(reader.collector.metrics_url if reader.collector else _announced_metrics(located))
         tables = table_status(reader.client)
         print(render_table(("table", "rows", "newest row"),
                            [(t.table, t.rows, _age(t.newest_age_s)) for t in tables]))
     finally:
         reader.close()
     return 0
+
+
+def _open(store: str | None) -> tuple[TimelineReader, LocatedStore]:
+    """A reader of the store --store names, else the one the environment, the current directory or the running
+    collector's runtime file does (runtimefile.locate_store)."""
+    from stepline.reader import open_reader
+
+    located = locate_store(store)
+    try:
+        return open_reader(located.url), located
+    except StoreLocked:
+        raise
+    except StoreError as exc:
+        if located.searched is None:
+            raise
+        raise StoreError(f"{exc} (and no running collector announced itself in {located.searched})") from None
+
+
+def _announced_metrics(located: LocatedStore) -> str:
+    """The /metrics of the running collector that writes the located store (a server store has no file beside it)."""
+    from stepline.runtimefile import collector_for, store_without_password
+    from stepline.storeurl import parse_store_url
+
+    if located.collector is not None:
+        return located.collector.metrics_url
+    running = collector_for(store_without_password(parse_store_url(located.url)))
+    return running.metrics_url if running is not None else ""
+
+
+def _print_sources(metrics_url: str) -> None:
+    from stepline.reader import render_table, source_health
+
+    if not metrics_url:
+        print("collector: not running")
+        return
+    try:
+        health = source_health(metrics_url)
+    except OSError as exc:
+        print(f"sources: cannot read {metrics_url}: {exc}")
+        return
+    rows = [(name, "up" if h.up else "DOWN", h.error) for name, h in sorted(health.items())]
+    # The reason is the whole point of a DOWN line: it gets a wider cell than query output.
+    print(render_table(("source", "state", "last error"), rows, 200) if rows else "sources: none configured")
 
 
 def _age(seconds: float | None) -> str:

@@ -8,10 +8,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from stepline import runtimefile
 from stepline import sources as source_registry
 from stepline.clock import Clock, SystemClock
 from stepline.dedup import RecentRequests
@@ -29,7 +31,7 @@ from stepline.store import (
     remove_collector_info,
     write_collector_info,
 )
-from stepline.storeurl import parse_store_url
+from stepline.storeurl import StoreUrl, parse_store_url
 from stepline.watchdog import Watchdog
 from stepline.writer import MEMORY_SPOOL_BYTES, Writers
 
@@ -40,9 +42,13 @@ class Collector:
     """Everything the sidecar runs, started and stopped in the right order."""
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None,
-                 extra: Callable[[SourceContext], list[Scheduled]] | None = None) -> None:
-        """`extra` adds sources the registry does not make (the demo's simulated GPUs)."""
+                 extra: Callable[[SourceContext], list[Scheduled]] | None = None,
+                 runtime_dir: Path | None = None) -> None:
+        """`extra` adds sources the registry does not make (the demo's simulated GPUs); the runtime file, by which
+        the CLI finds this collector from any directory, goes into `runtime_dir` (default runtimefile.runtime_dir())."""
         self.settings = settings
+        self._runtime_dir = runtime_dir
+        self.runtime_file: Path | None = None
         self.clock = clock or SystemClock()
         self._extra = extra
         self.metrics = SelfMetrics()
@@ -89,12 +95,12 @@ class Collector:
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
+            metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
             if isinstance(sink, Store):
                 self.query_endpoint = QueryEndpoint(sink.reader(), host=s.listen, port=s.query_port,
                                                     password=s.query_password, database=sink.database,
                                                     metrics=self.metrics)
                 self.query_endpoint.start()
-                metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
                 write_collector_info(url.path, CollectorInfo(os.getpid(), self.query_endpoint.url,
                                                                    metrics_url, s.query_password is not None))
         except BaseException:
@@ -107,9 +113,19 @@ class Collector:
                    f"{url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
                                                 "retention_days": str(s.retention_days)})
         self.runner.start()
+        self._announce(url, metrics_url)
         log.info("collecting from %d source(s) into %s; self-metrics on http://%s:%d/metrics%s",
                  len(scheduled), url.redacted(), s.listen, self.metrics_server.port,
                  f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
+
+    def _announce(self, url: StoreUrl, metrics_url: str) -> None:
+        try:
+            self.runtime_file = runtimefile.announce(
+                runtimefile.store_without_password(url), self.query_endpoint.url if self.query_endpoint else "",
+                metrics_url, self._runtime_dir)
+        except OSError as exc:  # a convenience for the CLI: collecting goes on without it
+            log.warning("cannot write the runtime file in %s (`stepline query` and `status` find this collector "
+                        "only with --store): %s", self._runtime_dir or runtimefile.runtime_dir(), exc)
 
     def _store_opened(self, store: Store) -> None:
         """The store answered (at start, or later for a store that was down): remember what it holds."""
@@ -151,6 +167,9 @@ class Collector:
             self.query_endpoint.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        if self.runtime_file is not None:
+            runtimefile.withdraw(self.runtime_file)
+            self.runtime_file = None
         if self.store is not None:
             if self.store.url.embedded:
                 remove_collector_info(self.store.url.path)

@@ -108,29 +108,45 @@ def table_status(client: Client) -> list[TableStatus]:
     return result
 
 
-def source_health(metrics_url: str, timeout_s: float = 2.0) -> dict[str, float]:
-    """stepline_source_up per source, read from a running collector's /metrics."""
+@dataclass(frozen=True)
+class SourceHealth:
+    """One source of a running collector: whether its last poll succeeded, and if not, why."""
+
+    up: bool
+    error: str
+
+
+def source_health(metrics_url: str, timeout_s: float = 2.0) -> dict[str, SourceHealth]:
+    """stepline_source_up per source, with stepline_source_last_error_info's reason, from a collector's /metrics."""
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
         text = response.read().decode("utf-8")
-    return {
-        sample.labels["source"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "stepline_source_up"
-        for sample in family.samples
-    }
+    up: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name == "stepline_source_up":
+                up[sample.labels["source"]] = sample.value
+            elif family.name == "stepline_source_last_error_info" and sample.value:
+                errors[sample.labels["source"]] = sample.labels.get("error", "")
+    return {name: SourceHealth(bool(value), "" if value else errors.get(name, "")) for name, value in up.items()}
 
 
-def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
-    """Rows as an aligned text table."""
-    cells = [[_cell(v, max_width) for v in row] for row in rows]
+def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60,
+                 cut_note: str = "") -> str:
+    """Rows as an aligned text table, each value on one line and at most `max_width` characters; when a value had
+    to be cut, `cut_note` (if any) follows the table, once."""
+    texts = [[_text(v) for v in row] for row in rows]
+    cut = any(len(t) > max_width for row in texts for t in row)
+    cells = [[t if len(t) <= max_width else t[: max_width - 1] + "…" for t in row] for row in texts]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+    if cut and cut_note:
+        lines.append(cut_note)
     return "\n".join(lines)
 
 
-def _cell(value: Any, max_width: int) -> str:
+def _text(value: Any) -> str:
     text = f"{value:.6g}" if isinstance(value, float) else str(value)
-    text = " ".join(text.split())
-    return text if len(text) <= max_width else text[: max_width - 1] + "…"
+    return " ".join(text.split())

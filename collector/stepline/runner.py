@@ -131,7 +131,7 @@ class Runner:
             self._publish_counts(name, source.stats())
         if ok and name in self._last_error:
             log.info("source %s recovered", name)
-            del self._last_error[name]
+            self._metrics.source_last_error.remove(name, _error_label(self._last_error.pop(name)))
         return ok
 
     def _in_range(self, name: str, rows: list[Row]) -> tuple[list[Row], int]:
@@ -165,8 +165,13 @@ class Runner:
 
     def _failed(self, name: str, message: str, *, traceback: bool) -> None:
         self._metrics.source_errors.labels(name).inc()
-        first = self._last_error.get(name) != message
+        previous = self._last_error.get(name)
+        first = previous != message
         self._last_error[name] = message
+        if first:  # one series per source: `stepline status` shows it beside DOWN
+            if previous is not None:
+                self._metrics.source_last_error.remove(name, _error_label(previous))
+            self._metrics.source_last_error.labels(name, _error_label(message)).set(1)
         if traceback:
             log.exception("source %s failed: %s", name, message)
             # An unexpected failure is a stepline bug: it also goes on the timeline, once per message.
@@ -189,3 +194,8 @@ class Runner:
             if next_at < now:
                 next_at = now + item.interval_s - ((now - next_at) % item.interval_s)
             self._stop.wait(next_at - now)
+
+
+def _error_label(message: str) -> str:
+    line = " ".join(message.split())
+    return line if len(line) <= 200 else line[:199] + "…"

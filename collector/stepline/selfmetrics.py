@@ -46,6 +46,10 @@ class SelfMetrics:
         self.source_errors = Counter(
             "stepline_source_errors", "Polls of the source that failed.", ["source"], registry=r
         )
+        self.source_last_error = Gauge(
+            "stepline_source_last_error_info", "1 while the source's last poll failed, with why (one line, at most "
+            "200 characters); absent while it succeeds.", ["source", "error"], registry=r,
+        )
         self.source_counts = Counter(
             "stepline_source_counts", "What a source counted: datagrams, malformed input, data the engine side "
             "dropped, spans rejected.", ["source", "counter"], registry=r,

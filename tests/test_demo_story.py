@@ -68,9 +68,10 @@ def test_default_demo_ends_when_it_says(default_workload: Workload, default_repl
 
 
 def test_default_demo_replayed_fast_diagnoses_prefill_interference(
-        default_workload: Workload, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        default_workload: Workload, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The session's embedded engine (chDB hosts one path per process), in a database of this test's own.
     args = _args("--fast", "--workload", default_workload.name, "--duration", str(default_workload.duration_s),
-                 "--store", f"chdb://{tmp_path / 'store'}")
+                 "--store", store_url)
     assert demo.workload_for(args) == default_workload
     assert demo.run(args) == 0
     out = capsys.readouterr().out

@@ -30,6 +30,19 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VLLM_METRICS_FIXTURE = FIXTURES / "vllm-0.33.0-metrics.txt"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where the collectors the tests start announce themselves: the session's own, never the user's."""
+    path = tmp_path_factory.mktemp("run")
+    before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The session's embedded store directory.

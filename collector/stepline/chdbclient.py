@@ -9,7 +9,8 @@ call, this client runs one query of its own whose answer it throws away, before 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from clickhouse_connect.driver._chdbclient import ChdbClient
 from clickhouse_connect.driver.exceptions import DatabaseError
@@ -18,6 +19,7 @@ from clickhouse_connect.driver.query import QueryContext, QueryResult
 from stepline.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _drain_failures = RateLimitedLog(log, 60.0)
 
 
@@ -25,22 +27,17 @@ class SafeChdbClient(ChdbClient):
     """A ChdbClient whose connection holds no leftover output after a failed query."""
 
     def _query_with_context(self, context: QueryContext) -> QueryResult:
-        try:
-            return super()._query_with_context(context)
-        except DatabaseError:
-            self._drain()
-            raise
+        return self._drained(super()._query_with_context, context)
 
     def raw_query(self, *args: Any, **kwargs: Any) -> bytes:
-        try:
-            return super().raw_query(*args, **kwargs)
-        except DatabaseError:
-            self._drain()
-            raise
+        return self._drained(super().raw_query, *args, **kwargs)
 
     def command(self, *args: Any, **kwargs: Any) -> Any:
+        return self._drained(super().command, *args, **kwargs)
+
+    def _drained(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
-            return super().command(*args, **kwargs)
+            return call(*args, **kwargs)
         except DatabaseError:
             self._drain()
             raise

@@ -52,21 +52,28 @@ def _concatenate(blocks: Iterator[bytes]) -> Iterator[bytes]:
     return blocks
 
 
-def _text_headed(lines: int) -> Joiner:
+def _without_repeated_header(header_end: Callable[[bytes], int]) -> Joiner:
+    """Every block repeats the first block's header (`header_end` finds where it ends): keep it once."""
     def join(blocks: Iterator[bytes]) -> Iterator[bytes]:
         header: bytes | None = None
         for block in blocks:
             if header is None:
-                end = 0
-                for _ in range(lines):  # names and types are escaped: a header line holds no raw newline
-                    end = block.index(b"\n", end) + 1
-                header = block[:end]
+                header = block[:header_end(block)]
                 yield block
             elif block.startswith(header):
                 yield block[len(header):]
             else:
-                raise ValueError("a block of a headed text format does not start with the first block's header")
+                raise ValueError("a block does not start with the header the first block had")
     return join
+
+
+def _text_headed(lines: int) -> Joiner:
+    def header_end(block: bytes) -> int:
+        end = 0
+        for _ in range(lines):  # names and types are escaped: a header line holds no raw newline
+            end = block.index(b"\n", end) + 1
+        return end
+    return _without_repeated_header(header_end)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -82,21 +89,13 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def _row_binary_headed(types: bool) -> Joiner:
     """RowBinaryWithNames[AndTypes]: a column count, then names (and types) as length-prefixed strings."""
-    def join(blocks: Iterator[bytes]) -> Iterator[bytes]:
-        header: bytes | None = None
-        for block in blocks:
-            if header is None:
-                count, pos = _varint(block, 0)
-                for _ in range(count * (2 if types else 1)):
-                    size, pos = _varint(block, pos)
-                    pos += size
-                header = block[:pos]
-                yield block
-            elif block.startswith(header):
-                yield block[len(header):]
-            else:
-                raise ValueError("a RowBinary block does not start with the first block's header")
-    return join
+    def header_end(block: bytes) -> int:
+        count, pos = _varint(block, 0)
+        for _ in range(count * (2 if types else 1)):
+            size, pos = _varint(block, pos)
+            pos += size
+        return pos
+    return _without_repeated_header(header_end)
 
 
 _JSON_DATA_OPEN = b'\n\t"data":\n\t[\n'

@@ -71,7 +71,7 @@ def test_around_prints_buckets_with_throttle_flags(filled: Store) -> None:
     every = timeline.around(filled, filled.database, datetime.fromtimestamp(T0 + 7, UTC), window_s=1, bucket_s=0)
     assert len(every.splitlines()) - 1 == 2 * 5
     empty = timeline.around(filled, filled.database, datetime.fromtimestamp(T0 - 3600, UTC))
-    assert empty.startswith("no engine steps with GPU samples")
+    assert empty.startswith("no engine steps between")
 
 
 @pytest.mark.parametrize(
@@ -118,3 +118,20 @@ def test_the_printed_headers_that_are_not_column_names_are_explained(filled: Sto
     for printed, column in (("prefill", "num_ctx_tokens"), ("decoding", "num_generation_requests")):
         assert f" {printed} " in header
         assert "`stepline timeline`" in comments[column] and re.search(rf"\b{printed}\b", comments[column])
+
+
+def test_steps_without_gpu_samples_are_shown_with_empty_gpu_columns(store: Store) -> None:
+    # A CPU engine (or a host without NVML) has steps and no GPU samples: the steps still make the timeline.
+    store.insert("steps", [_step(T0 + i * 0.5, 7 if i % 4 else 230, 0 if i % 4 else 1024, engine="cpu")
+                           for i in range(20)], Step._fields)
+    moment = datetime.fromtimestamp(T0 + 5, UTC)
+    text = timeline.around(store, store.database, moment, window_s=5)
+    lines = text.splitlines()
+    assert lines[0].startswith("time (UTC)"), text
+    assert len(lines) - 1 == 10  # one-second buckets T0 .. T0+9, no GPU to multiply them
+    first = lines[1].split()
+    assert first[1] == "cpu" and first[2] == "-" and first[3] == "2" and first[4] == "230ms"
+    assert first[7:11] == ["-", "-", "-", "-"] and first[-1] == "-"
+    every = timeline.around(store, store.database, moment, window_s=1, bucket_s=0)
+    assert len(every.splitlines()) - 1 == 5 and all(" cpu " in line for line in every.splitlines()[1:])
+    assert timeline.around(store, store.database, moment, window_s=5, engine="other").startswith("no engine steps")

@@ -16,6 +16,18 @@ _BOUNDS_STEPS = (" AND s.ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
                  " AND ({engine:String} = '' OR s.engine = {engine:String})")
 _BOUNDS_GPU = (" AND ts >= fromUnixTimestamp64Micro({from_us:Int64} - 10000000, 'UTC')"
                " AND ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')")
+# The view joins steps to their engine's GPUs, so an engine with no GPU sample (a CPU engine, a host without
+# NVML, samples not attributed to it) would vanish: its steps are added with empty GPU columns.
+_STEPS_WITHOUT_GPU = """
+SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
+       s.elapsed_ms AS elapsed_ms, s.num_ctx_tokens AS prefill_tokens, s.num_generation_requests AS decoding,
+       s.running AS running, s.waiting AS waiting, s.kv_cache_usage AS kv_cache_usage,
+       CAST(NULL, 'Nullable(UInt8)') AS gpu_index, NULL AS gpu_ts, NULL AS sm_clock_mhz, NULL AS power_w,
+       NULL AS dram_bw_util_pct, NULL AS tensor_active_pct, NULL AS util_gpu_pct, NULL AS nvlink_bytes_per_s,
+       CAST([], 'Array(LowCardinality(String))') AS clock_event_flags
+FROM DB.steps AS s
+WHERE (s.host, s.engine) NOT IN (SELECT DISTINCT host, engine FROM DB.gpu_samples WHERE engine != '' GPU_FILTER)
+STEP_FILTER"""
 
 
 def parse_moment(text: str, now: datetime | None = None) -> datetime:
@@ -49,7 +61,7 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
         lo, hi = moment - timedelta(seconds=window_s), moment + timedelta(seconds=window_s)
     except OverflowError:
         raise SettingsError(f"{window_s} s around {moment:%Y-%m-%d %H:%M:%S} leaves the calendar") from None
-    inner = timeline_sql(database, _BOUNDS_STEPS, _BOUNDS_GPU)
+    inner = timeline_sql(database, _BOUNDS_STEPS, _BOUNDS_GPU) + "\nUNION ALL" + _steps_without_gpu(database)
     if bucket_s > 0:
         sql = ("SELECT toStartOfInterval(ts, toIntervalMillisecond({bucket_ms:UInt64})) AS t, engine, gpu_index,"
                " count() AS steps, max(elapsed_ms) AS step_max_ms, sum(prefill_tokens) AS prefill,"
@@ -65,14 +77,20 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
     parameters = {"from_us": _us(lo), "to_us": _us(hi), "engine": engine, "bucket_ms": max(1, round(bucket_s * 1000))}
     rows = reader.query(sql, parameters=parameters).result_rows
     if not rows:
-        return (f"no engine steps with GPU samples between {lo:%H:%M:%S} and {hi:%H:%M:%S} UTC"
-                + (f" for engine {engine}" if engine else "") + " (steps come from the plugin, GPUs from NVML)")
+        return (f"no engine steps between {lo:%H:%M:%S} and {hi:%H:%M:%S} UTC"
+                + (f" for engine {engine}" if engine else "") + " (steps come from the plugin)")
     lines = [f"{'time (UTC)':<12} {'engine':<12} {'gpu':>3} {'steps':>5} {'step max':>9} {'prefill':>8} "
              f"{'decoding':>8} {'SM MHz':>7} {'power W':>7} {'DRAM %':>6} {'tensor %':>8}  clock events"]
     for t, eng, gpu, steps, step_max, prefill, decoding, sm, power, dram, tensor, flags in rows:
-        lines.append(f"{t:%H:%M:%S.%f}"[:12] + f" {eng[:12]:<12} {gpu:>3} {steps:>5} {step_max:>7.0f}ms {prefill:>8}"
-                     f" {decoding:>8.0f} {_n(sm):>7} {_n(power):>7} {_n(dram):>6} {_n(tensor):>8}  {flags or '-'}")
+        lines.append(f"{t:%H:%M:%S.%f}"[:12] + f" {eng[:12]:<12} {_n(gpu):>3} {steps:>5} {step_max:>7.0f}ms"
+                     f" {prefill:>8} {decoding:>8.0f} {_n(sm):>7} {_n(power):>7} {_n(dram):>6} {_n(tensor):>8}"
+                     f"  {flags or '-'}")
     return "\n".join(lines)
+
+
+def _steps_without_gpu(database: str) -> str:
+    return (_STEPS_WITHOUT_GPU.replace("DB.", f"`{database}`." if database else "")
+            .replace("GPU_FILTER", _BOUNDS_GPU).replace("STEP_FILTER", _BOUNDS_STEPS))
 
 
 def _us(moment: datetime) -> int:

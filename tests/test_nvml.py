@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import time
 from typing import Any
@@ -13,6 +14,8 @@ import pytest
 from stepline import schema
 from stepline.clock import ManualClock
 from stepline.rows import Event, GpuSample, Row, micros
+from stepline.runner import Runner, Scheduled, next_poll_at
+from stepline.selfmetrics import SelfMetrics
 from stepline.sources import nvml
 from stepline.sources.base import SourceContext, SourceError
 from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
@@ -28,6 +31,8 @@ from stepline.sources.nvml import (
     nvml_error,
 )
 from stepline.store import Store
+from stepline.testing import MemorySink
+from stepline.writer import Writers
 
 TICK = 0.125  # exact in binary, so 8 ticks are exactly one second
 
@@ -268,6 +273,64 @@ def test_no_nvml_is_a_state_retried_every_minute() -> None:
         _poll(source)
     clock.advance(30.0)
     assert len(_samples(_poll(source))) == 2
+
+
+def _count(metrics: SelfMetrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name, {"source": "gpu"}) or 0.0
+
+
+def test_no_nvml_under_the_runner_is_one_attempt_a_minute_not_one_a_poll(caplog: pytest.LogCaptureFixture) -> None:
+    # The runner polls the GPU source at 10 Hz; without NVML it must wait for the source's own retry time.
+    fake = FakeNvml(2, missing=True)
+    source, clock = _source(fake)
+    metrics = SelfMetrics()
+    runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
+    polls = errors = 0
+    next_at = clock.monotonic()
+    with caplog.at_level(logging.DEBUG, logger="stepline.runner"):
+        while clock.monotonic() < 300.0 + 1_700_000_000.0:  # five minutes of a 10 Hz schedule
+            polls += 1
+            ok = runner.poll_once(source)
+            errors += not ok
+            now = clock.monotonic()
+            next_at = next_poll_at(next_at, now, 0.1, source.retry_in_s())
+            clock.set(next_at)
+    assert polls == errors == 5 and fake.calls[("init", -1)] == 5  # at 0, 60, 120, 180, 240 s
+    assert _count(metrics, "stepline_source_errors_total") == 5
+    assert _count(metrics, "stepline_source_up") == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["source gpu: no NVML: NVML Shared Library Not Found (next attempt in 60 s)"]
+    fake.missing = False  # the driver came up: the next attempt (a minute later) samples
+    assert source.retry_in_s() == pytest.approx(60.0 - (clock.monotonic() - 1_700_000_240.0))
+    clock.set(1_700_000_300.0)
+    with caplog.at_level(logging.INFO, logger="stepline.runner"):
+        assert runner.poll_once(source)
+    assert source.retry_in_s() == 0 and "source gpu recovered" in caplog.text
+    assert _count(metrics, "stepline_source_up") == 1
+
+
+def test_no_nvml_the_running_collector_polls_once_and_waits(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeNvml(2, missing=True)
+    source, _ = _source(fake)  # its clock stands still: the retry is always a minute away
+    metrics = SelfMetrics()
+    writers = Writers(MemorySink(), metrics, flush_interval_s=0.01)
+    runner = Runner([Scheduled(source, 0.01)], writers, metrics, "h")
+    with caplog.at_level(logging.DEBUG, logger="stepline.runner"):
+        runner.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        runner.stop()
+    assert time.monotonic() - started < 1.0  # the minute's wait does not hold up the stop
+    assert fake.calls[("init", -1)] == 1
+    assert _count(metrics, "stepline_source_errors_total") == 1 and _count(metrics, "stepline_source_up") == 0
+    assert sum("NVML" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_next_poll_keeps_the_cadence_and_honours_a_retry() -> None:
+    assert next_poll_at(10.0, 10.02, 0.1) == pytest.approx(10.1)
+    assert next_poll_at(10.0, 10.35, 0.1) == pytest.approx(10.4)  # missed ticks are skipped, not bunched
+    assert next_poll_at(10.0, 10.02, 0.1, 60.0) == pytest.approx(70.02)
+    assert next_poll_at(10.0, 10.02, 0.1, 0.05) == pytest.approx(10.1)
 
 
 def test_real_nvml_on_a_machine_without_a_gpu() -> None:

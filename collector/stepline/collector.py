@@ -17,6 +17,7 @@ from stepline import runtimefile
 from stepline import sources as source_registry
 from stepline.clock import Clock, SystemClock
 from stepline.dedup import RecentRequests
+from stepline.events_ingest import EventsIngest
 from stepline.queryserver import QueryEndpoint
 from stepline.rows import Event, micros
 from stepline.runner import Runner, Scheduled
@@ -57,6 +58,7 @@ class Collector:
         self.runner: Runner | None = None
         self.metrics_server: MetricsServer | None = None
         self.query_endpoint: QueryEndpoint | None = None
+        self.events_ingest: EventsIngest | None = None
         self.watchdog: Watchdog | None = None
         self.sources: list[Source] = []
         self._stopped = threading.Event()
@@ -96,6 +98,9 @@ class Collector:
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
             metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
+            # The CLI's events (matrix runs) reach the store through here while this process holds it.
+            self.events_ingest = EventsIngest(self.writers.write, s.listen, s.events_port, extra_token=s.otlp_token)
+            self.events_ingest.start()
             if isinstance(sink, Store):
                 self.query_endpoint = QueryEndpoint(sink.reader(), host=s.listen, port=s.query_port,
                                                     password=s.query_password, database=sink.database,
@@ -120,9 +125,11 @@ class Collector:
 
     def _announce(self, url: StoreUrl, metrics_url: str) -> None:
         try:
+            ingest = self.events_ingest
             self.runtime_file = runtimefile.announce(
                 runtimefile.store_without_password(url), self.query_endpoint.url if self.query_endpoint else "",
-                metrics_url, self._runtime_dir)
+                metrics_url, self._runtime_dir, events_url=ingest.url if ingest else "",
+                events_token=ingest.token if ingest else "")
         except OSError as exc:  # a convenience for the CLI: collecting goes on without it
             log.warning("cannot write the runtime file in %s (`stepline query` and `status` find this collector "
                         "only with --store): %s", self._runtime_dir or runtimefile.runtime_dir(), exc)
@@ -159,6 +166,8 @@ class Collector:
         self._close()
 
     def _close(self) -> None:
+        if self.events_ingest is not None:  # it writes through the writers: it stops before them
+            self.events_ingest.stop()
         if self.watchdog is not None:  # its events go through the writers: it stops first
             self.watchdog.stop()
         if self.writers is not None:

@@ -5,7 +5,13 @@ uncached prompt, sent once every stream has its first token so that its prefill 
 decodes; (c) the same with that long prompt again, now a prefix-cache hit (it is sent once more to
 warm the cache first). Every token is stamped on the client as its SSE line arrives, so the figures
 are what a user sees: TTFT and inter-token latency (ITL) percentiles and the worst gap of the
-decode streams, and the long prompt's own TTFT.
+decode streams, and the long prompt's own TTFT. An engine may send several tokens in one SSE event: the matrix
+asks for vLLM's running usage in every event, so each event's gap is shared by the tokens it carried, and it says
+how many tokens the events carried. The long prompt is sized to the model's `max_model_len` from /v1/models
+(counted by the engine's /tokenize where it has one), leaving room for its output.
+
+The runs are stored as `matrix_run` events: through the running collector that holds the store (its events
+endpoint, with the token from its runtime file), else straight into the store.
 
 The matrix cannot change server settings: for `--sweep NAME=v1,v2` the user restarts the engine
 with each value when asked, and the value only labels the runs.
@@ -14,6 +20,7 @@ with each value when asked, and the value only labels the runs.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import threading
@@ -24,13 +31,26 @@ from dataclasses import dataclass
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from stepline.matrix_client import Endpoint, MatrixError, StreamResult, prompt_text
+from stepline.events_ingest import EventsRefused, post_events
+from stepline.matrix_client import (
+    DEFAULT_LONG_PROMPT_TOKENS,
+    LONG_MAX_TOKENS,
+    Endpoint,
+    MatrixError,
+    StreamResult,
+    long_prompt,
+    prompt_text,
+    size_long_prompt,
+)
 from stepline.rows import Event, micros
+from stepline.runtimefile import collector_for, locate_store, store_without_password
 from stepline.store import Store, StoreError, StoreLocked
-from stepline.storeurl import StoreUrlError, default_store_url
+from stepline.storeurl import StoreUrlError, parse_store_url
 
 RUNS = (("a", "decode-only"), ("b", "+ uncached long prompt"), ("c", "+ cached long prompt"))
-LONG_MAX_TOKENS = 8
+# Events closer than this came out of the server together (one write, one read), not from separate steps.
+BUNCHED_GAP_S = 0.001
+BUNCHED_SHARE_NOTED = 0.25
 NEW_STORE_RETENTION_DAYS = 30  # the collector's default, for a store the matrix is the first to open
 
 
@@ -51,6 +71,15 @@ class RunStats:
     worst_gap: float
     long_ttft: float | None
     finished_ts: float
+    events_received: int = 0  # SSE events that carried tokens
+    tokens_per_event_max: int = 1
+    events_counted: bool = True  # every event's token count came from the engine's running usage
+    bunched_share: float = 0.0  # share of event gaps under BUNCHED_GAP_S
+
+    @property
+    def tokens_per_event(self) -> float:
+        """Mean tokens per SSE event."""
+        return self.tokens_received / self.events_received if self.events_received else 0.0
 
     def figures(self) -> dict[str, float]:
         """The latency figures by name, in seconds."""
@@ -71,6 +100,8 @@ class MatrixResult:
     repeat: int
     runs: tuple[RunStats, ...]
     sweep: str | None = None
+    max_model_len: int | None = None
+    long_prompt_note: str = ""  # how the long prompt's length was chosen
 
     def run(self, key: str) -> RunStats:
         """The run called `key` ("a", "b" or "c")."""
@@ -94,37 +125,45 @@ def run_matrix(
     streams: int,
     prompt_tokens: int,
     max_tokens: int,
-    long_prompt_tokens: int,
+    long_prompt_tokens: int | None,
     repeat: int,
     timeout_s: float,
     model: str | None = None,
     sweep: str | None = None,
 ) -> MatrixResult:
-    """Run the matrix against `base_url`; raise MatrixError with one line when the engine cannot be measured."""
+    """Run the matrix against `base_url`; raise MatrixError with one line when the engine cannot be measured.
+
+    `long_prompt_tokens` None: the default, or less where the model's max_model_len is smaller."""
     for name, value in (("streams", streams), ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens),
                         ("long_prompt_tokens", long_prompt_tokens), ("repeat", repeat), ("timeout_s", timeout_s)):
-        if value <= 0:
+        if value is not None and value <= 0:
             raise MatrixError(f"{name} must be positive, got {value}")
     endpoint = Endpoint(base_url, timeout_s)
-    model = model or endpoint.first_model()
+    listed = endpoint.models()
+    model = model or next(iter(listed))
+    max_model_len = listed.get(model)
+    if max_model_len is not None and prompt_tokens + max_tokens > max_model_len:
+        raise MatrixError(f"a decode stream needs {prompt_tokens} prompt + {max_tokens} output tokens, over "
+                          f"{model}'s max_model_len {max_model_len}: lower --prompt-tokens or --max-tokens")
+    sized = size_long_prompt(endpoint, model, long_prompt_tokens, max_model_len)
     decode: dict[str, list[StreamResult]] = {key: [] for key, _ in RUNS}
     long: dict[str, list[StreamResult]] = {key: [] for key, _ in RUNS}
     finished: dict[str, float] = {}
     for _ in range(repeat):
         nonce = uuid.uuid4().hex[:16]
-        long_prompt = prompt_text(long_prompt_tokens, f"stepline-matrix-{nonce}-long")
+        prompt = long_prompt(sized.size, nonce)
         for key, _ in RUNS:
             if key == "c":
-                endpoint.stream(model, long_prompt, 1)  # (b) prefilled it already; make sure it is cached
+                endpoint.stream(model, prompt, 1)  # (b) prefilled it already; make sure it is cached
             results, long_result = _one_run(endpoint, model, streams, prompt_tokens, max_tokens,
-                                            long_prompt if key != "a" else None, f"stepline-matrix-{nonce}-{key}")
+                                            prompt if key != "a" else None, f"stepline-matrix-{nonce}-{key}")
             decode[key].extend(results)
             if long_result is not None:
                 long[key].append(long_result)
             finished[key] = time.time()
     runs = tuple(_stats(key, label, decode[key], long[key], max_tokens, finished[key]) for key, label in RUNS)
-    return MatrixResult(endpoint.url, model, streams, prompt_tokens, max_tokens, long_prompt_tokens, repeat, runs,
-                        sweep)
+    return MatrixResult(endpoint.url, model, streams, prompt_tokens, max_tokens, sized.tokens, repeat, runs,
+                        sweep, max_model_len, sized.note)
 
 
 def _one_run(endpoint: Endpoint, model: str, streams: int, prompt_tokens: int, max_tokens: int,
@@ -176,13 +215,16 @@ def _one_run(endpoint: Endpoint, model: str, streams: int, prompt_tokens: int, m
 def _stats(key: str, label: str, results: list[StreamResult], long: list[StreamResult], max_tokens: int,
            finished_ts: float) -> RunStats:
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
-    itls = [gap for r in results for gap in r.itls_s]
+    itls = [itl for r in results for itl in r.itls_s]
+    gaps = [gap for r in results for gap in r.event_gaps_s]
     long_ttfts = [r.ttft_s for r in long if r.ttft_s is not None]
     return RunStats(
-        key, label, len(results) * max_tokens, sum(len(r.token_ns) for r in results),
+        key, label, len(results) * max_tokens, sum(r.tokens for r in results),
         percentile(ttfts, 50), percentile(ttfts, 95), percentile(ttfts, 99),
-        percentile(itls, 50), percentile(itls, 95), percentile(itls, 99), max(itls, default=0.0),
+        percentile(itls, 50), percentile(itls, 95), percentile(itls, 99), max(gaps, default=0.0),
         percentile(long_ttfts, 50) if long_ttfts else None, finished_ts,
+        sum(len(r.event_ns) for r in results), max((n for r in results for n in r.event_tokens), default=1),
+        all(r.counted for r in results), sum(gap < BUNCHED_GAP_S for gap in gaps) / len(gaps) if gaps else 0.0,
     )
 
 
@@ -191,7 +233,7 @@ def render(result: MatrixResult) -> str:
     sweep = f", {result.sweep}" if result.sweep else ""
     lines = [
         f"engine {result.engine_url}, model {result.model}{sweep}: {result.streams} decode streams x "
-        f"{result.max_tokens} tokens (prompts ~{result.prompt_tokens} tokens), long prompt ~"
+        f"{result.max_tokens} tokens (prompts ~{result.prompt_tokens} tokens), long prompt "
         f"{result.long_prompt_tokens} tokens, {result.repeat} repeat(s); milliseconds, client-side",
         f"{'run':<27}{'tokens':>12}{'TTFT p50':>10}{'p95':>8}{'p99':>8}{'ITL p50':>9}{'p95':>8}{'p99':>8}"
         f"{'worst':>8}{'long TTFT':>11}",
@@ -211,7 +253,31 @@ def render(result: MatrixResult) -> str:
     ratios = ", ".join(f"{run.key} {run.itl_p99 / base.itl_p99:.1f}x" for run in result.runs[1:]
                        if base.itl_p99 > 0)
     lines.append(f"ITL p99 against decode-only: {ratios}")
-    return "\n".join(lines)
+    return "\n".join(lines + per_event_notes(result))
+
+
+def per_event_notes(result: MatrixResult) -> list[str]:
+    """How the long prompt was sized, the tokens per SSE event, and what that means for the ITL figures."""
+    lines = [f"long prompt: {result.long_prompt_note}"] if result.long_prompt_note else []
+    lines.append("tokens per SSE event (mean/max): " + ", ".join(
+        f"{run.key} {run.tokens_per_event:.2f}/{run.tokens_per_event_max if run.events_counted else '?'}"
+        for run in result.runs))
+    most = max(run.tokens_per_event_max for run in result.runs)
+    if not all(run.events_counted for run in result.runs):
+        if any(run.tokens_received > run.events_received for run in result.runs):
+            lines.append("the engine did not say how many tokens each SSE event carried (no "
+                         "stream_options.continuous_usage_stats), and it sent more tokens than events: the ITL "
+                         "figures are gaps between events, not between tokens")
+    elif most > 1:
+        lines.append(f"SSE events carried up to {most} tokens each: ITL is each event's gap divided by the tokens "
+                     "it carried (read per event, several tokens in one event would show 0.0 between them); "
+                     "'worst' is the longest gap between events")
+    bunched = [f"{run.key} {run.bunched_share:.0%}" for run in result.runs if run.bunched_share >= BUNCHED_SHARE_NOTED]
+    if bunched:
+        lines.append(f"SSE events less than {BUNCHED_GAP_S * 1e3:g} ms after the one before: {', '.join(bunched)} of "
+                     "the gaps: the server wrote them together, so those ITL figures show how it writes, not how "
+                     "long its steps take")
+    return lines
 
 
 def events(result: MatrixResult, engine: str, host: str) -> list[Event]:
@@ -225,6 +291,9 @@ def events(result: MatrixResult, engine: str, host: str) -> list[Event]:
             "max_tokens": str(result.max_tokens), "long_prompt_tokens": str(result.long_prompt_tokens),
             "repeat": str(result.repeat), "tokens_received": str(run.tokens_received),
             "tokens_expected": str(run.tokens_expected), "sweep": result.sweep or "",
+            "max_model_len": str(result.max_model_len or ""), "long_prompt_note": result.long_prompt_note,
+            "sse_events": str(run.events_received), "tokens_per_event_mean": f"{run.tokens_per_event:.3f}",
+            "tokens_per_event_max": str(run.tokens_per_event_max) if run.events_counted else "",
         }
         for name, value in run.figures().items():
             attributes[f"{name}_ms"] = f"{value * 1e3:.3f}"
@@ -233,7 +302,8 @@ def events(result: MatrixResult, engine: str, host: str) -> list[Event]:
         if run.long_ttft is not None:
             attributes["long_ttft_ms"] = f"{run.long_ttft * 1e3:.3f}"
         message = (f"matrix {run.key} {run.label}: ITL p50/p99 {run.itl_p50 * 1e3:.1f}/{run.itl_p99 * 1e3:.1f} ms, "
-                   f"worst gap {run.worst_gap * 1e3:.1f} ms, TTFT p99 {run.ttft_p99 * 1e3:.1f} ms")
+                   f"worst gap {run.worst_gap * 1e3:.1f} ms, TTFT p99 {run.ttft_p99 * 1e3:.1f} ms, "
+                   f"{run.tokens_per_event:.2f} tokens per SSE event")
         rows.append(Event(micros(run.finished_ts), host, engine, "matrix", "matrix_run", "info", message, attributes))
     return rows
 
@@ -255,6 +325,26 @@ def store_results(store_url: str, rows: Sequence[Event]) -> str:
     return f"stored {len(rows)} matrix_run events in {store.url.redacted()}"
 
 
+def deliver(rows: Sequence[Event], store: str | None, collector: str | None) -> str:
+    """Store the events through the collector that holds the store (found by its runtime file, or `collector`),
+    else straight into the store; the returned line says where they went.
+
+    Raises EventsRefused (the collector did not take them), StoreError, StoreLocked, StoreUrlError."""
+    if collector:
+        token = os.environ.get("STEPLINE_OTLP_TOKEN", "")
+        if not token:
+            raise EventsRefused("--collector needs the token the collector runs with in $STEPLINE_OTLP_TOKEN")
+        taken = post_events(collector, token, rows)
+        return f"handed {taken} matrix_run events to the collector at {collector}, which writes them into its store"
+    located = locate_store(store)
+    running = located.collector or collector_for(store_without_password(parse_store_url(located.url)))
+    if running is None or not running.events_url:
+        return store_results(located.url, rows)
+    taken = post_events(running.events_url, running.events_token, rows)
+    return (f"handed {taken} matrix_run events to the running collector (pid {running.pid}), which writes them "
+            f"into {running.store}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `stepline matrix` options to `parser`."""
     parser.add_argument("--engine", required=True, metavar="[NAME=]URL",
@@ -266,17 +356,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt of each decode stream, in tokens (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens each decode stream generates (default: %(default)s)")
-    parser.add_argument("--long-prompt-tokens", type=int, default=100_000,
-                        help="the long prompt, in tokens: about one token per word of generated text "
-                             "(default: %(default)s)")
+    parser.add_argument("--long-prompt-tokens", type=int,
+                        help="the long prompt, in tokens: about one token per word of generated text (default: "
+                             f"{DEFAULT_LONG_PROMPT_TOKENS}; always cut to fit the model's max_model_len as "
+                             "/v1/models reports it, with room for its output)")
     parser.add_argument("--repeat", type=int, default=3, help="times each run is repeated (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, dest="timeout_s", metavar="SECONDS",
                         help="longest wait for any answer or token (default: %(default)s)")
     parser.add_argument("--sweep", metavar="NAME=V1,V2",
                         help="label the matrix with each value in turn; restart the engine with each when asked "
                              "(the matrix cannot change server settings itself)")
-    parser.add_argument("--store", help="store URL for the matrix_run events (default: $STEPLINE_STORE, "
-                                        "else chdb://./stepline-data)")
+    parser.add_argument("--store", help="store URL for the matrix_run events (default: $STEPLINE_STORE, else "
+                                        "./stepline-data when it exists, else the running collector's store); "
+                                        "when a running collector holds it, the events go through that collector")
+    parser.add_argument("--collector", metavar="URL",
+                        help="hand the events to the collector whose events endpoint is at URL (`stepline collect` "
+                             "logs it; the token is the collector's $STEPLINE_OTLP_TOKEN, read from the same "
+                             "variable here) instead of finding it through its runtime file")
     parser.add_argument("--no-store", action="store_true", help="only print the results")
 
 
@@ -316,11 +412,12 @@ def run(args: argparse.Namespace) -> int:
     engine = name or Endpoint(url, 1.0).host_port
     rows = [row for result in results for row in events(result, engine, socket.gethostname())]
     try:
-        print(f"stepline matrix: {store_results(args.store or default_store_url(), rows)}")
+        print(f"stepline matrix: {deliver(rows, args.store, args.collector)}")
     except StoreLocked:
-        print("stepline matrix: not stored: the embedded store is held by a running collector "
-              "(the collector still records the timeline)", file=sys.stderr)
-    except (StoreError, StoreUrlError) as exc:
+        print("stepline matrix: not stored: the embedded store is held by a running collector that announced no "
+              "events endpoint (no runtime file of it here, or an older stepline): --collector URL sends them "
+              "through it (the collector still records the timeline)", file=sys.stderr)
+    except (StoreError, StoreUrlError, EventsRefused) as exc:
         print(f"stepline matrix: not stored: {exc}", file=sys.stderr)
         return 2
     return 0

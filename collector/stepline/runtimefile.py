@@ -2,7 +2,8 @@
 
 A collector writes `collector-<pid>.json` into `runtime_dir()` when it starts: its pid and that process's start
 time (so a reused pid is not taken for it), the store it writes (never with a password), its read-only query
-endpoint (embedded stores only) and its /metrics. It removes the file when it stops cleanly. A reader ignores, says
+endpoint (embedded stores only), its /metrics, and its events endpoint with the token made for it at start (the
+file is the user's alone: mode 0600). It removes the file when it stops cleanly. A reader ignores, says
 so, and removes a file whose process is gone (a collector killed with -9).
 
 `runtime_dir()`: $XDG_RUNTIME_DIR/stepline (per user, gone at logout), else $XDG_CACHE_HOME/stepline, else
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from stepline.storeurl import DEFAULT_DATABASE, DEFAULT_STORE_DIR, StoreUrl
@@ -38,6 +39,8 @@ class RunningCollector:
     store: str  # the store URL without its password
     query_url: str  # "" for a server store: the CLI reads the server itself
     metrics_url: str
+    events_url: str = ""  # where the CLI hands events (matrix runs) to the collector, "" when it takes none
+    events_token: str = field(default="", repr=False)  # that endpoint's token: this file is the owner's alone
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,14 @@ def store_without_password(url: StoreUrl) -> str:
     return url.redacted()
 
 
-def announce(store: str, query_url: str, metrics_url: str, directory: Path | None = None) -> Path:
+def announce(store: str, query_url: str, metrics_url: str, directory: Path | None = None, *, events_url: str = "",
+             events_token: str = "") -> Path:
     """Write this process's runtime file (atomically: a reader never sees half of it); returns its path."""
     folder = directory or runtime_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     pid = os.getpid()
-    info = RunningCollector(pid, process_started(pid), time.time(), store, query_url, metrics_url)
+    info = RunningCollector(pid, process_started(pid), time.time(), store, query_url, metrics_url, events_url,
+                            events_token)
     path = folder / f"collector-{pid}.json"
     tmp = folder / f".collector-{pid}.json.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -101,7 +106,8 @@ def running(directory: Path | None = None) -> tuple[list[tuple[Path, RunningColl
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             info = RunningCollector(int(raw["pid"]), str(raw.get("started", "")), float(raw.get("started_at", 0)),
-                                    str(raw["store"]), str(raw.get("query_url", "")), str(raw.get("metrics_url", "")))
+                                    str(raw["store"]), str(raw.get("query_url", "")), str(raw.get("metrics_url", "")),
+                                    str(raw.get("events_url", "")), str(raw.get("events_token", "")))
         except FileNotFoundError:
             continue  # removed by its collector while we looked
         except (OSError, ValueError, KeyError, TypeError):

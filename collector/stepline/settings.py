@@ -36,6 +36,7 @@ class Settings:
     gpu_interval_s: float = 0.1
     plugin_socket: str = "/tmp/stepline-plugin.sock"
     otlp_port: int = 4318
+    events_port: int = 0  # the CLI's write path (matrix runs); 0: a free port, announced in the runtime file
     otlp_token: str | None = field(default=None, repr=False)
     plugin_token: str | None = field(default=None, repr=False)
     writer_max_rows: int = 200_000
@@ -72,7 +73,7 @@ class Settings:
             raise SettingsError(str(exc)) from None
         if self.retention_days < 1:
             raise SettingsError(f"retention must be at least 1 day, got {self.retention_days}")
-        for name in ("metrics_port", "query_port", "otlp_port"):
+        for name in ("metrics_port", "query_port", "otlp_port", "events_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise SettingsError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
@@ -182,6 +183,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("engine_processes", "STEPLINE_ENGINE_PROCESSES", _csv),
     ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
     ("otlp_port", "STEPLINE_OTLP_PORT", int),
+    ("events_port", "STEPLINE_EVENTS_PORT", int),
     ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
     ("plugin_token", "STEPLINE_PLUGIN_TOKEN", str),
     ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),

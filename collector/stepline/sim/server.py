@@ -7,6 +7,11 @@ tokenizer: a string prompt counts as ceil(characters / 4) tokens (prose runs ~4 
 token, code ~3: send a list of token ids for an exact count). A prompt sent before, verbatim, is a
 prefix-cache hit (the last few thousand prompts are remembered by hash); the extra field
 `cached_prompt_tokens` sets the hit explicitly.
+
+As vLLM does, /v1/models reports each model's `max_model_len` (default: what the KV cache holds) and a
+request longer than that is refused with vLLM's 400; `POST /tokenize` answers the count. A stream can carry
+several tokens per SSE event (`tokens_per_event`, as an engine that batches its output does), and with
+`stream_options.continuous_usage_stats` every event carries the usage so far, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -62,10 +67,36 @@ class Completion:
     stream: bool
     include_usage: bool
     cached_prompt_tokens: int | None
+    continuous_usage: bool = False
 
 
-def parse_completion(body: bytes, model: str) -> Completion:
+def parse_completion(body: bytes, model: str, max_model_len: int | None = None) -> Completion:
     """Validate a /v1/completions body; raise ApiError naming what is wrong."""
+    raw = _parse_body(body, model)
+    tokens, key = _prompt(raw)
+    max_tokens = raw.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise ApiError(400, "BadRequestError", f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if max_model_len is not None and tokens + max_tokens > max_model_len:
+        raise ApiError(400, "BadRequestError",
+                       f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{tokens + max_tokens} tokens ({tokens} in the messages, {max_tokens} in the completion). "
+                       "Please reduce the length of the messages or completion.")
+    cached = raw.get("cached_prompt_tokens")
+    if cached is not None and (type(cached) is not int or cached < 0):
+        raise ApiError(400, "BadRequestError", f"cached_prompt_tokens must be a non-negative integer, got {cached!r}")
+    options = raw.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+    return Completion(tokens, key, max_tokens, bool(raw.get("stream", False)), include_usage, cached, continuous)
+
+
+def parse_tokenize(body: bytes, model: str) -> int:
+    """The prompt's token count for a /tokenize body (the simulator's rule: ceil(characters / 4))."""
+    return _prompt(_parse_body(body, model))[0]
+
+
+def _parse_body(body: bytes, model: str) -> dict[str, Any]:
     try:
         raw = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -74,6 +105,10 @@ def parse_completion(body: bytes, model: str) -> Completion:
         raise ApiError(400, "BadRequestError", "the body must be a JSON object")
     if raw.get("model") not in (None, model):
         raise ApiError(404, "NotFoundError", f"The model `{raw['model']}` does not exist.")
+    return raw
+
+
+def _prompt(raw: dict[str, Any]) -> tuple[int, str]:
     prompt = raw.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -85,15 +120,7 @@ def parse_completion(body: bytes, model: str) -> Completion:
         key = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
     else:
         raise ApiError(400, "BadRequestError", "prompt must be a non-empty string or list of token ids")
-    max_tokens = raw.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if type(max_tokens) is not int or max_tokens < 1:
-        raise ApiError(400, "BadRequestError", f"max_tokens must be a positive integer, got {max_tokens!r}")
-    cached = raw.get("cached_prompt_tokens")
-    if cached is not None and (type(cached) is not int or cached < 0):
-        raise ApiError(400, "BadRequestError", f"cached_prompt_tokens must be a non-negative integer, got {cached!r}")
-    options = raw.get("stream_options")
-    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    return Completion(tokens, key, max_tokens, bool(raw.get("stream", False)), include_usage, cached)
+    return tokens, key
 
 
 class _HttpServer(ThreadingHTTPServer):
@@ -107,8 +134,15 @@ class _HttpServer6(_HttpServer):
 class SimServer:
     """A running simulated vLLM server: `/metrics`, `/health`, `/v1/models`, `/v1/completions`."""
 
-    def __init__(self, simulation: Simulation, host: str, port: int, speed: float, clock: Clock, tick_s: float) -> None:
+    def __init__(self, simulation: Simulation, host: str, port: int, speed: float, clock: Clock, tick_s: float, *,
+                 max_model_len: int | None = None, tokens_per_event: int = 1) -> None:
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if tokens_per_event < 1:
+            raise ValueError(f"tokens_per_event must be at least 1, got {tokens_per_event}")
         self.simulation = simulation
+        self.max_model_len = max_model_len or simulation.config.kv_capacity_tokens
+        self.tokens_per_event = tokens_per_event
         self._lock = threading.Lock()
         self._clock = clock
         self._speed = speed
@@ -225,6 +259,7 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
                 "owned_by": "vllm",
                 "root": model,
                 "parent": None,
+                "max_model_len": server.max_model_len,
             }
         ],
     }
@@ -243,7 +278,7 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
-            if path != "/v1/completions":
+            if path not in ("/v1/completions", "/tokenize"):
                 self._reply(404, "application/json", b'{"detail":"Not Found"}')
                 return
             try:
@@ -254,10 +289,20 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
             if not 0 <= length <= MAX_BODY_BYTES:
                 self._error(ApiError(413, "BadRequestError", f"the body is over {MAX_BODY_BYTES} bytes"))
                 return
+            if path == "/tokenize":
+                try:
+                    count = parse_tokenize(self.rfile.read(length), model)
+                except ApiError as exc:
+                    self._error(exc)
+                    return
+                # Only the count: the simulator has no tokenizer, so it has no token ids to give.
+                self._reply(200, "application/json",
+                            json.dumps({"count": count, "max_model_len": server.max_model_len}).encode())
+                return
             request_id = f"cmpl-{uuid.uuid4().hex}"
             tokens: queue.Queue[Token] = queue.Queue()
             try:
-                completion = parse_completion(self.rfile.read(length), model)
+                completion = parse_completion(self.rfile.read(length), model, server.max_model_len)
                 cached = server.submit(request_id, completion, tokens)
             except ApiError as exc:
                 self._error(exc)
@@ -288,11 +333,19 @@ def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
             # Small writes must leave at once: Nagle plus delayed ACKs would add ~40 ms to inter-token gaps.
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             created = int(time.time())
+            held: list[Token] = []
             for token in self._tokens(tokens):
-                choice = {"index": 0, "text": _token_text(token.index), "logprobs": None,
+                held.append(token)
+                if len(held) < server.tokens_per_event and not token.finished:
+                    continue  # an engine that batches its output sends several tokens in one event
+                choice = {"index": 0, "text": "".join(_token_text(t.index) for t in held), "logprobs": None,
                           "finish_reason": "length" if token.finished else None, "stop_reason": None}
-                self._event({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": [choice]})
+                chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                         "model": model, "choices": [choice]}
+                if completion.continuous_usage:
+                    chunk["usage"] = _usage(completion, cached, token.index)
+                self._event(chunk)
+                held = []
                 if token.finished:
                     if completion.include_usage:
                         self._event({"id": request_id, "object": "text_completion", "created": created,
@@ -331,9 +384,10 @@ def _token_text(index: int) -> str:
     return _TOKEN_TEXTS[(index - 1) % len(_TOKEN_TEXTS)]
 
 
-def _usage(completion: Completion, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.max_tokens,
-            "total_tokens": completion.prompt_tokens + completion.max_tokens,
+def _usage(completion: Completion, cached: int, generated: int | None = None) -> dict[str, Any]:
+    done = completion.max_tokens if generated is None else generated
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": done,
+            "total_tokens": completion.prompt_tokens + done,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
@@ -348,10 +402,17 @@ def serve(
     clock: Clock | None = None,
     tick_s: float = 0.05,
     on_step: StepCallback | None = None,
+    max_model_len: int | None = None,
+    tokens_per_event: int = 1,
 ) -> SimServer:
-    """Start serving a simulated engine; port 0 picks a free one. Call `.stop()` when done."""
+    """Start serving a simulated engine; port 0 picks a free one. Call `.stop()` when done.
+
+    `max_model_len` (default: what the KV cache holds) is reported and enforced as vLLM does; `tokens_per_event`
+    tokens go in each streamed SSE event.
+    """
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     clock = clock or SystemClock()
     simulation = Simulation(workload, config, clock, repeat=repeat, on_step=on_step)
-    return SimServer(simulation, host, port, speed, clock, tick_s)
+    return SimServer(simulation, host, port, speed, clock, tick_s, max_model_len=max_model_len,
+                     tokens_per_event=tokens_per_event)

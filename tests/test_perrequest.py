@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from stepline import perrequest
-from stepline.dedup import RecentRequests
+from stepline.dedup import RecentRequests, known_fields
 from stepline.rows import Request, Step, micros
 from stepline.selfmetrics import SelfMetrics
 from stepline.store import Store
@@ -90,9 +91,23 @@ def test_a_request_reported_by_the_plugin_and_by_otlp_is_written_once() -> None:
 def test_the_dedup_memory_is_bounded_in_time_and_count() -> None:
     now = [0.0]
     recent = RecentRequests(window_s=60, max_entries=3, monotonic=lambda: now[0])
-    assert recent.first_time("e", "a") and not recent.first_time("e", "a")
+    a = _request("a", T0, 0.1, 0.2, 1.0)
+    assert recent.adds_fields(a) and not recent.adds_fields(a)
     for rid in "bcd":
-        assert recent.first_time("e", rid)
-    assert len(recent) == 3 and recent.first_time("e", "a")  # "a" was pushed out by count
+        assert recent.adds_fields(a._replace(request_id=rid))
+    assert len(recent) == 3 and recent.adds_fields(a)  # "a" was pushed out by count
     now[0] = 61.0
-    assert recent.first_time("e", "b")  # and "b" by age
+    assert recent.adds_fields(a._replace(request_id="b"))  # and "b" by age
+
+
+def test_a_report_is_written_again_only_for_a_field_the_earlier_ones_lacked() -> None:
+    recent = RecentRequests()
+    span = _request("a", T0, 0.1, 0.2, 1.0, source="otlp")._replace(finish_reason="", cached_tokens=0,
+                                                                     mean_tpot_seconds=math.nan)
+    assert recent.adds_fields(span)
+    plugin = _request("a", T0, 0.1, 0.2, 1.0)._replace(cached_tokens=900)
+    assert recent.adds_fields(plugin)  # finish reason, cached tokens, TPOT: new
+    assert not recent.adds_fields(span) and not recent.adds_fields(plugin)
+    assert recent.adds_fields(span._replace(preemptions=1))  # a count nobody gave yet
+    assert known_fields(span) & ~known_fields(plugin) == 0
+    assert known_fields(plugin._replace(cached_tokens=0, model_name="")) < known_fields(plugin)

@@ -14,7 +14,7 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
 from stepline import schema
-from stepline.rows import micros
+from stepline.rows import Request, micros
 from stepline.store import Store, StoreError, StoreLocked, embedded_store_locked
 from stepline.storeurl import StoreUrlError, parse_store_url
 
@@ -54,7 +54,10 @@ def test_tables_follow_the_timeline_conventions(store: Store) -> None:
         "SELECT concat(table, '.', name), type FROM system.columns WHERE database = {db:String}",
         parameters={"db": store.database}).result_rows}
     for table in schema.TABLES:
-        assert types[f"{table.name}.ts"] == "DateTime64(6, 'UTC')"
+        ts = "DateTime64(6, 'UTC')"
+        if table.name == "requests":  # it merges its reports: the earliest ts stays (reads as a plain DateTime64)
+            ts = f"SimpleAggregateFunction(min, {ts})"
+        assert types[f"{table.name}.ts"] == ts
         assert types[f"{table.name}.host"] == "LowCardinality(String)"
         assert types[f"{table.name}.engine"] == "LowCardinality(String)"
 
@@ -83,7 +86,8 @@ def test_every_ddl_statement_parses_with_clickhouse_own_parser(store: Store, clu
     if cluster:
         assert text.count("ON CLUSTER `fleet`") == len(statements)
         assert text.count("ENGINE = Distributed(`fleet`") == len(schema.TABLES)
-        assert text.count("ReplicatedMergeTree(") == len(schema.TABLES) + 1
+        assert text.count("ReplicatedMergeTree(") == len(schema.TABLES)  # requests: ReplicatedAggregatingMergeTree
+        assert text.count("ReplicatedAggregatingMergeTree(") == 1
     else:
         assert "ON CLUSTER" not in text and "Replicated" not in text
 
@@ -186,9 +190,12 @@ def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.Lo
     db = store.database
     store.client.command(f"ALTER TABLE `{db}`.`events` DROP COLUMN attributes")
     store.client.command(f"ALTER TABLE `{db}`.`steps` COMMENT COLUMN elapsed_ms '', COMMENT COLUMN step ''")
+    store.client.command(f"CREATE TABLE `{db}`.`requests_local` (ts DateTime64(6, 'UTC')) ENGINE = MergeTree "
+                         "ORDER BY ts")  # as version 1 made it
     monkeypatch.setattr(store, "_on_cluster", lambda: True)
     with caplog.at_level("WARNING"):
         store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
+    assert "requests_local is not today's AggregatingMergeTree table" in caplog.text
     assert "lack events.attributes" in caplog.text
     assert "comments on 2 columns of steps" in caplog.text
     assert _comments(store)[("steps", "elapsed_ms")] == ""
@@ -261,7 +268,7 @@ def test_both_tables_of_the_cluster_rendering_carry_the_comments(store: Store, t
     over = next(s for s in statements if s.split("\n")[0].endswith(f"`{db}`.`{table}`"))
     try:
         store.client.command(f"CREATE DATABASE `{db}`")
-        store.client.command(re.sub(r"ReplicatedMergeTree\('[^']*', '[^']*'\)", "MergeTree", local))
+        store.client.command(re.sub(r"Replicated(\w*)MergeTree\('[^']*', '[^']*'\)", r"\1MergeTree", local))
         store.client.command(over.split("ENGINE = Distributed")[0] + f"ENGINE = Merge(`{db}`, '^{table}_local$')")
         comments = {(str(t), str(n)): str(c) for t, n, c in store.query(
             "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
@@ -282,3 +289,67 @@ def test_a_query_failing_part_way_leaves_nothing_for_the_next_one(store: Store) 
     with pytest.raises(DatabaseError):
         store.raw("SELECT number, throwIf(number = 500000) FROM numbers(1000000)", "TabSeparated")
     assert store.raw("SELECT 7", "TabSeparated") == b"7\n"
+
+
+def _v1_store(store_url: str) -> Store:
+    """A store as stepline's schema version 1 made it (before column comments), with no rows."""
+    old = Store.open(store_url)
+    ddl = (FIXTURES / "schema-v1-without-comments.sql").read_text().replace("`DB`", f"`{old.database}`")
+    for statement in ddl.split(";\n\n"):
+        old.client.command(statement.strip().rstrip(";"))
+    old.insert("schema_version", [[1, 0]], ["version", "applied_at"])
+    return old
+
+
+def _request(rid: str, source: str, at: float) -> Request:
+    if source == "plugin":
+        return Request(micros(at), "h", "e", 1, "m", rid, "plugin", "stop", micros(at - 2), 0.1, 0.2, 1.7, 1.9, 2.0,
+                       0.3, 0.1, 5000, 4096, 18, 64, 1)
+    return Request(micros(at + 0.002), "h", "e", 0, "m", rid, "otlp", "", micros(at - 2), 0.1, float("nan"), 1.7,
+                   1.9, 2.0, 0.3, 0.1, 5000, 0, 18, 64, 0)
+
+
+def test_a_version_1_store_gets_requests_that_merge_in_place(store_url: str) -> None:
+    old = _v1_store(store_url)
+    db = old.database
+    try:
+        t = time.time() - 60
+        # Version 1 wrote the first report only: "a" came from OTLP (no cached tokens), "b" from the plugin.
+        old.insert("requests", [_request("a", "otlp", t), _request("b", "plugin", t)], Request._fields)
+        old.client.command(f"CREATE TABLE `{db}`.`requests_rebuild` (x UInt8) ENGINE = Memory")  # a stop mid-way
+        old.ensure_schema(30)
+        assert old.schema_version() == schema.SCHEMA_VERSION == 2
+        engines = {str(n): str(e) for n, e in old.query(
+            "SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
+        assert engines["requests"] == "AggregatingMergeTree" and "requests_rebuild" not in engines
+        assert old.query("SELECT request_id, source, cached_tokens FROM requests FINAL ORDER BY request_id"
+                         ).result_rows == [("a", "otlp", 0), ("b", "plugin", 4096)]
+        _assert_every_column_described(old)
+        # The plugin's report of "a", written after the upgrade, completes it; "b"'s span changes nothing.
+        old.insert("requests", [_request("a", "plugin", t), _request("b", "otlp", t)], Request._fields)
+        assert old.query("SELECT request_id, source, finish_reason, cached_tokens, preemptions, engine_index "
+                         "FROM requests FINAL ORDER BY request_id").result_rows == [
+            ("a", "plugin", "stop", 4096, 1, 1), ("b", "plugin", "stop", 4096, 1, 1)]
+        old.ensure_schema(30)  # the next open finds nothing to rebuild
+        assert old.query("SELECT count() FROM requests FINAL").result_rows == [(2,)]
+    finally:
+        old.client.command(f"DROP DATABASE IF EXISTS `{db}`")
+        old.close()
+
+
+def test_a_store_stopped_after_the_exchange_drops_the_old_table_at_the_next_open(store: Store) -> None:
+    store.client.command(f"CREATE TABLE `{store.database}`.`requests_rebuild` AS `{store.database}`.`events`")
+    store.ensure_schema(30)
+    assert "requests_rebuild" not in _tables(store)
+
+
+def test_recent_requests_are_read_merged(store: Store) -> None:
+    t = time.time() - 60
+    store.insert("requests", [_request("a", "otlp", t), _request("a", "plugin", t),
+                              _request("old", "plugin", t - 3600)], Request._fields)
+    (recent,) = store.recent_requests("h", 600)
+
+    def rounded(r: Request) -> tuple[object, ...]:  # the seconds are Float32 in the store
+        return tuple(round(v, 6) if isinstance(v, float) else v for v in r)
+
+    assert rounded(recent) == rounded(_request("a", "plugin", t))

@@ -189,8 +189,9 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
                                   engine=engine, bucket_s=5))
         counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
                              parameters=params).result_rows
-        tables = {table: store.query(f"SELECT count() FROM {table} WHERE {window}", parameters=params
-                                     ).result_rows[0][0]
+        # A request's reports merge into one row (FINAL): count requests, not reports.
+        tables = {table: store.query(f"SELECT count() FROM {table}{' FINAL' if table == 'requests' else ''} "
+                                     f"WHERE {window}", parameters=params).result_rows[0][0]
                   for table in ("engine_samples", "steps", "requests", "gpu_samples")}
         # The host is sampled in real time, also while a fast replay runs: its rows are the collector's own.
         tables["host_samples"] = store.query("SELECT count() FROM host_samples WHERE ts >= fromUnixTimestamp64Micro("

@@ -31,7 +31,7 @@ WITH slow AS (
            toUnixTimestamp64Micro(ts) AS finish_us,
            arrival_us + toInt64(queue_seconds * 1e6) AS scheduled_us,
            arrival_us + toInt64(ttft_seconds * 1e6) AS first_token_us
-    FROM requests
+    FROM requests FINAL
     WHERE ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
       AND ({engine:String} = '' OR engine = {engine:String})
       AND isFinite(ORDER_COLUMN)
@@ -131,7 +131,7 @@ SELECT multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prom
        quantileExact(0.5)(ttft_seconds) AS ttft_p50, quantileExact(0.99)(ttft_seconds) AS ttft_p99,
        quantileExactIf(0.5)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS rate_p50,
        quantileExactIf(0.01)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS rate_p1
-FROM requests
+FROM requests FINAL
 WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') AND isFinite(ttft_seconds)
 GROUP BY band ORDER BY lo
 """
@@ -141,7 +141,7 @@ _AROUND = """
 WITH big AS (
     SELECT request_id, prompt_tokens, arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS start,
            arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)) AS first_token
-    FROM requests
+    FROM requests FINAL
     WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') AND isFinite(ttft_seconds)
     ORDER BY prompt_tokens DESC LIMIT 1
 )
@@ -190,7 +190,7 @@ def _rate(value: Any) -> str:
 def largest_prefill_start(reader: Reads, engine: str, since: float) -> datetime | None:
     """When the largest prompt since `since` began its prefill (UTC), if there is one."""
     rows = reader.query(
-        "SELECT arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) FROM requests "
+        "SELECT arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) FROM requests FINAL "
         "WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') "
         "AND isFinite(queue_seconds) ORDER BY prompt_tokens DESC LIMIT 1",
         parameters={"engine": engine, "since": round(since * 1e6)}).result_rows

@@ -8,7 +8,9 @@ from typing import NamedTuple
 
 # Bump when a table changes shape; `Store` refuses a store that holds a newer version. Comments are not shape:
 # `Store` gives any store today's comments, so an older stepline can still open a store a newer one described.
-SCHEMA_VERSION = 1
+# 2: `requests` became an AggregatingMergeTree keyed by (host, engine, request_id) that merges the plugin's and
+# OTLP's reports of a request field by field (`Store` rebuilds a version-1 table in place).
+SCHEMA_VERSION = 2
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
@@ -36,6 +38,18 @@ class Projection:
         return f"SELECT {keys}, {', '.join(self.aggregates)} GROUP BY {keys}"
 
 
+def merged(type_: str, function: str = "max") -> str:
+    """A column of an AggregatingMergeTree whose rows of one key merge to one value by `function` (codec kept).
+
+    `max` is what merging two partial reports needs: an unknown value is the type's least ('' for text, 0 for
+    counts, NaN for seconds, which max passes over), so the report that knows a field gives it, in any order,
+    and merging a report with itself (a retry, a replayed batch) changes nothing. `min` and `max` are the
+    functions whose state is the value itself, so the column reads as its plain type.
+    """
+    base, codec = type_.split(" CODEC(", 1) if " CODEC(" in type_ else (type_, "")
+    return f"SimpleAggregateFunction({function}, {base})" + (f" CODEC({codec}" if codec else "")
+
+
 class Column(NamedTuple):
     """One column: its name, its type (codec included) and its comment: what it holds, in which unit, from where."""
 
@@ -53,6 +67,7 @@ class Table:
     order_by: tuple[str, ...]
     comment: str
     projections: tuple[Projection, ...] = ()
+    engine: str = "MergeTree"  # the MergeTree family member; on a cluster, its Replicated form
 
     @property
     def columns(self) -> tuple[tuple[str, str], ...]:
@@ -204,50 +219,63 @@ TABLES: tuple[Table, ...] = (
         "One row per engine iteration, from the stat-logger plugin.",
         (STEPS_PER_SECOND, STEPS_PER_MINUTE),
     ),
+    # Both the plugin and OTLP report a finished request, each knowing fields the other does not (the plugin:
+    # finish reason, cached tokens, preemptions, engine index; OTLP: whatever it was sent). Each report is a row;
+    # rows of one (host, engine, request_id) merge into one with each field's largest value (`merged`), in
+    # whichever order and however often they arrive: after a collector restart, from a replayed spool, or
+    # retried. The collector writes a report only when it adds a field (stepline.dedup), so most requests are
+    # one row from the start; until ClickHouse merges the rest in the background, readers use FINAL. The two
+    # reports' times differ by milliseconds (the plugin's step against the span's end): the earlier stays.
     Table(
         "requests",
         (
-            *_key("When the request finished: the plugin's step timestamp, or the OTLP span's end",
-                  f"Engine name: {_PLUGIN_ENGINE}; for spans, the resource attribute stepline.engine, else "
-                  "service.name."),
-            Column("engine_index", "UInt16", "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
-            Column("model_name", DIM, "The served model: the engine's configuration (plugin), or "
-                   "gen_ai.response.model, else gen_ai.request.model (OTLP)."),
+            Column("ts", merged(TIME, "min"), "When the request finished: the plugin's step timestamp, or the OTLP "
+                   "span's end, the earlier where both report it; UTC, microseconds."),
+            Column("host", DIM, _HOST_COMMENT),
+            Column("engine", DIM, f"Engine name: {_PLUGIN_ENGINE}; for spans, the resource attribute "
+                   "stepline.engine, else service.name."),
+            Column("engine_index", merged("UInt16"), "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
+            Column("model_name", merged(DIM), "The served model: the engine's configuration (plugin), or "
+                   "gen_ai.response.model, else gen_ai.request.model (OTLP); the larger where both name one."),
             Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id)."),
-            Column("source", DIM, "Who reported the request first: 'plugin' or 'otlp' (a request both report is "
-                   "stored once)."),
-            Column("finish_reason", DIM, "Why it finished: stop, length, abort, error or repetition "
-                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons)."),
-            Column("arrival_ts", TIME, "When the request reached the server: ts less e2e_seconds (plugin), or the "
-                   "span's start (OTLP); UTC, microseconds."),
-            Column("queue_seconds", SMALL_GAUGE, "Time waiting before first scheduled, s "
+            Column("source", merged(DIM), "'plugin' when the stat-logger plugin reported the request (finish_reason, "
+                   "cached_tokens and preemptions are then vLLM's), 'otlp' when only an OTLP span did. A request "
+                   "both report is one row with the fields of both (read it with FINAL)."),
+            Column("finish_reason", merged(DIM), "Why it finished: stop, length, abort, error or repetition "
+                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons); '' when "
+                   "no report said."),
+            Column("arrival_ts", merged(TIME, "min"), "When the request reached the server: ts less e2e_seconds "
+                   "(plugin), or the span's start (OTLP), the earlier where both report it; UTC, microseconds."),
+            Column("queue_seconds", merged(SMALL_GAUGE), "Time waiting before first scheduled, s "
                    "(FinishedRequestStats.queued_time; gen_ai.latency.time_in_queue)."),
-            Column("prefill_seconds", SMALL_GAUGE, "Time from first scheduled to first token, s "
+            Column("prefill_seconds", merged(SMALL_GAUGE), "Time from first scheduled to first token, s "
                    "(FinishedRequestStats.prefill_time; gen_ai.latency.time_in_model_prefill)."),
-            Column("decode_seconds", SMALL_GAUGE, "Time from first token to last, s "
+            Column("decode_seconds", merged(SMALL_GAUGE), "Time from first token to last, s "
                    "(FinishedRequestStats.decode_time; gen_ai.latency.time_in_model_decode)."),
-            Column("inference_seconds", SMALL_GAUGE, "Time from first scheduled to finish (prefill + decode), s "
-                   "(FinishedRequestStats.inference_time; gen_ai.latency.time_in_model_inference)."),
-            Column("e2e_seconds", SMALL_GAUGE, "Time from arrival to finish, s (FinishedRequestStats.e2e_latency; "
-                   "gen_ai.latency.e2e)."),
-            Column("ttft_seconds", SMALL_GAUGE, "Time from arrival to first token, s: e2e less decode (plugin), or "
-                   "gen_ai.latency.time_to_first_token (OTLP)."),
-            Column("mean_tpot_seconds", SMALL_GAUGE, "Mean time per output token after the first, s "
+            Column("inference_seconds", merged(SMALL_GAUGE), "Time from first scheduled to finish (prefill + "
+                   "decode), s (FinishedRequestStats.inference_time; gen_ai.latency.time_in_model_inference)."),
+            Column("e2e_seconds", merged(SMALL_GAUGE), "Time from arrival to finish, s "
+                   "(FinishedRequestStats.e2e_latency; gen_ai.latency.e2e)."),
+            Column("ttft_seconds", merged(SMALL_GAUGE), "Time from arrival to first token, s: e2e less decode "
+                   "(plugin), or gen_ai.latency.time_to_first_token (OTLP)."),
+            Column("mean_tpot_seconds", merged(SMALL_GAUGE), "Mean time per output token after the first, s "
                    "(FinishedRequestStats.mean_time_per_output_token; OTLP: decode / (generation_tokens - 1), NaN "
                    "under 2 tokens)."),
-            Column("prompt_tokens", COUNT, "Prompt length, tokens (FinishedRequestStats.num_prompt_tokens; "
+            Column("prompt_tokens", merged(COUNT), "Prompt length, tokens (FinishedRequestStats.num_prompt_tokens; "
                    "gen_ai.usage.prompt_tokens)."),
-            Column("cached_tokens", COUNT, "Prompt tokens served from the prefix cache "
-                   "(FinishedRequestStats.num_cached_tokens); 0 from OTLP, whose spans do not carry it."),
-            Column("generation_tokens", COUNT, "Tokens generated (FinishedRequestStats.num_generation_tokens; "
+            Column("cached_tokens", merged(COUNT), "Prompt tokens served from the prefix cache "
+                   "(FinishedRequestStats.num_cached_tokens); OTLP spans do not carry it: 0 where source is 'otlp'."),
+            Column("generation_tokens", merged(COUNT), "Tokens generated (FinishedRequestStats.num_generation_tokens; "
                    "gen_ai.usage.completion_tokens)."),
-            Column("max_tokens", COUNT, "The request's max_tokens (FinishedRequestStats.max_tokens_param; "
+            Column("max_tokens", merged(COUNT), "The request's max_tokens (FinishedRequestStats.max_tokens_param; "
                    "gen_ai.request.max_tokens); 0 when unset."),
-            Column("preemptions", COUNT, "Times the request was preempted (FinishedRequestStats.num_preemptions); 0 "
-                   "from OTLP."),
+            Column("preemptions", merged(COUNT), "Times the request was preempted "
+                   "(FinishedRequestStats.num_preemptions); OTLP spans do not carry it: 0 where source is 'otlp'."),
         ),
-        ("host", "engine", "ts", "request_id", "source"),
-        "One row per finished request (ts = finish time), from the plugin and/or OTLP spans.",
+        ("host", "engine", "request_id"),
+        "One row per finished request (ts = finish time), the plugin's and OTLP's reports merged field by field: "
+        "read it with FINAL (SELECT ... FROM requests FINAL) for one row per request.",
+        engine="AggregatingMergeTree",
     ),
     Table(
         "engine_samples",
@@ -478,6 +506,12 @@ def _quote(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def create_table_sql(database: str, table: Table, retention_days: int, name: str | None = None) -> str:
+    """The statement that creates one table on one node (under `name`, when not its own)."""
+    return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{name or table.name}`\n(\n{_columns_sql(table)}\n)\n"
+            f"ENGINE = {table.engine}\n{_storage_sql(table, retention_days)}")
+
+
 def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[str]:
     """The statements that create the store: database, tables, and the schema-version table."""
     if retention_days < 1:
@@ -487,14 +521,13 @@ def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[
     for table in TABLES:
         if cluster is None:
             statements.append(
-                f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}`\n(\n{_columns_sql(table)}\n)\n"
-                f"ENGINE = MergeTree\n{_storage_sql(table, retention_days)}"
+                create_table_sql(database, table, retention_days)
             )
             continue
         local = f"{table.name}_local"
         statements.append(
             f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on_cluster}\n(\n{_columns_sql(table)}\n)\n"
-            f"ENGINE = ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}')\n"
+            f"ENGINE = Replicated{table.engine}('/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}')\n"
             f"{_storage_sql(table, retention_days)}"
         )
         # Shard by (host, engine) so one engine's timeline stays on one shard.

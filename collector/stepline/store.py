@@ -22,6 +22,7 @@ from clickhouse_connect.driver.query import QueryResult
 
 from stepline import schema
 from stepline.chdbclient import open_client
+from stepline.rows import Request
 from stepline.storeurl import StoreUrl, parse_store_url
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,10 @@ class Store:
                 if missing:
                     log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
                                 "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
+                for table in self._outdated_engines(suffix="_local"):
+                    log.warning("the cluster's %s_local is not today's %s table: until it is rebuilt ON CLUSTER "
+                                "(see `stepline schema --cluster`), a request reported by the plugin and by OTLP "
+                                "may be two rows", table.name, table.engine)
                 undescribed = self._undescribed()
                 if undescribed:
                     log.warning("the cluster's tables lack today's comments on %d columns of %s: set them with ALTER "
@@ -193,6 +198,7 @@ class Store:
                 if statement not in views:
                     self.client.command(statement)
             self._add_missing_columns()
+            self._rebuild_outdated_engines(retention_days)
             self._describe()
             self._add_missing_projections()
             for statement in views:  # over the tables as they now are
@@ -240,6 +246,42 @@ class Store:
                     self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
                                         f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
                 previous = column.name
+
+    def _engines(self) -> dict[str, str]:
+        """The engine of each table in the store's database."""
+        return {str(n): str(e) for n, e in self.client.query(
+            "SELECT name, engine FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+
+    def _outdated_engines(self, suffix: str = "") -> list[schema.Table]:
+        """The tables (`table` + suffix) whose engine is not this stepline's (Replicated or not)."""
+        engines = self._engines()
+        return [table for table in schema.TABLES
+                if engines.get(table.name + suffix, table.engine).removeprefix("Replicated") != table.engine]
+
+    def _rebuild_outdated_engines(self, retention_days: int) -> None:
+        """A table whose engine changed (version 1's MergeTree `requests`) is copied into today's, then swapped in.
+
+        The copy is made under `<table>_rebuild` and exchanged with the table in one atomic step, so a stop at
+        any point leaves either the old table whole (the next open starts over) or the new one whole (the next
+        open only drops the leftover). Rows merge as they are copied (two reports of one request become one).
+        """
+        for table in self._outdated_engines():
+            spare = f"`{self.database}`.`{table.name}_rebuild`"
+            rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
+            log.info("rebuilding %s as %s ordered by (%s): %d rows", table.name, table.engine,
+                     ", ".join(table.order_by), rows)
+            columns = ", ".join(f"`{name}`" for name in table.column_names)
+            self.client.command(f"DROP TABLE IF EXISTS {spare}")
+            self.client.command(schema.create_table_sql(self.database, table, retention_days,
+                                                        name=f"{table.name}_rebuild"))
+            self.client.command(f"INSERT INTO {spare} ({columns}) SELECT {columns} "
+                                f"FROM `{self.database}`.`{table.name}`")
+            self.client.command(f"EXCHANGE TABLES `{self.database}`.`{table.name}` AND {spare}")
+        engines = self._engines()
+        for table in schema.TABLES:  # the old table after an exchange (or what a stop right after one left)
+            if f"{table.name}_rebuild" in engines:
+                self.client.command(f"DROP TABLE `{self.database}`.`{table.name}_rebuild`")
 
     def _undescribed(self) -> dict[str, list[str]]:
         """Per table, its columns whose comment is not this stepline's: none yet (an older store), or older words."""
@@ -315,10 +357,13 @@ class Store:
         self.client.raw_insert(f"`{self.database}`.`{table}`", list(column_names), data, settings=settings,
                                fmt="Native")
 
-    def recent_requests(self, host: str, window_s: float) -> list[tuple[str, str]]:
-        """(engine, request id) of the requests this host finished within the last `window_s` seconds."""
-        return [(str(engine), str(request_id)) for engine, request_id in self.client.query(
-            f"SELECT engine, request_id FROM `{self.database}`.`requests` "
+    def recent_requests(self, host: str, window_s: float) -> list[Request]:
+        """The requests this host finished within the last `window_s` seconds, each with what its reports gave."""
+        times = ("ts", "arrival_ts")
+        columns = ", ".join(f"toUnixTimestamp64Micro(`{name}`)" if name in times else f"`{name}`"
+                            for name in Request._fields)
+        return [Request._make(row) for row in self.client.query(
+            f"SELECT {columns} FROM `{self.database}`.`requests` FINAL "
             "WHERE host = {host:String} AND ts >= now64(6) - toIntervalMillisecond({ms:UInt64})",
             parameters={"host": host, "ms": round(window_s * 1000)},
         ).result_rows]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, cast
 
 from clickhouse_connect.driver.exceptions import DatabaseError
@@ -244,12 +244,12 @@ class Writers:
     def write(self, rows: Iterable[Row]) -> int:
         """Queue typed rows for their tables; returns how many were accepted."""
         by_table: dict[str, list[Row]] = {}
-        first_time, table_of = self._recent.first_time, TABLE_OF
+        adds_fields, table_of = self._recent.adds_fields, TABLE_OF
         for row in rows:
             kind = type(row)
             if kind is Request:
                 request = cast(Request, row)
-                if not first_time(request.engine, request.request_id):
+                if not adds_fields(request):
                     self._duplicate(request.source)
                     continue
             batch = by_table.get(table_of[kind])
@@ -268,14 +268,26 @@ class Writers:
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
 
-    def remember_requests(self, pairs: Iterable[tuple[str, str]]) -> None:
-        """Requests already written (or waiting in the spool): a later report of one is a duplicate."""
-        for engine, request_id in pairs:
-            self._recent.first_time(engine, request_id)
+    def remember_requests(self, requests: Iterable[Request]) -> None:
+        """Reports already written (or waiting in the spool): a later report is written only if it adds a field."""
+        for request in requests:
+            self._recent.adds_fields(request)
 
-    def _spooled_requests(self) -> Iterator[tuple[str, str]]:
-        for segment in self.spool.pending("requests"):
-            yield from segment.requests
+    def _spooled_requests(self) -> list[Request]:
+        """The reports waiting in the spool, oldest first; of a long outage's, only as many as can be remembered."""
+        newest: list[list[Request]] = []
+        count = 0
+        for segment in reversed(self.spool.pending("requests")):
+            if count >= self._recent.max_entries:
+                break
+            data = self.spool.load(segment)
+            if data is None:
+                continue  # unreadable: the spool dropped and counted it
+            names, rows = native.decode(data)
+            if names == Request._fields:
+                newest.append([Request._make(row) for row in rows])
+                count += len(rows)
+        return [request for batch in reversed(newest) for request in batch]
 
     def _drop(self, table: str, rows: int, reason: str) -> None:
         writer = self._writers.get(table)

@@ -36,14 +36,14 @@ _DECODED = "mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation
 _BANDS = f"""
 SELECT {_BAND},
        {_RATES}
-FROM requests
+FROM requests FINAL
 WHERE engine = {{engine:String}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
   AND {_DECODED}
 GROUP BY band ORDER BY lo
 """
 _BANDS_BY_ENGINE = f"""
 SELECT engine, {_BAND}, {_RATES}
-FROM requests
+FROM requests FINAL
 WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}} AND {_DECODED}
 GROUP BY engine, band ORDER BY engine, lo
 """

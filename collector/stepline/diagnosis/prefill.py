@@ -34,7 +34,7 @@ _LONG_PREFILLS = f"""
 SELECT engine, request_id, prompt_tokens, cached_tokens,
        arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS prefill_start,
        arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)) AS prefill_end
-FROM requests
+FROM requests FINAL
 WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND arrival_ts <= {{end:DateTime64(6)}}
   AND isFinite(queue_seconds) AND isFinite(ttft_seconds)
   AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {{min_uncached:UInt32}}
@@ -65,7 +65,7 @@ FROM (SELECT *, ts >= {prefill_start:DateTime64(6)} AND ts <= {prefill_end:DateT
 _QUEUED_BEHIND = """
 SELECT count() AS queued, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
-FROM requests
+FROM requests FINAL
 WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds >= 1
   AND arrival_ts < {prefill_end:DateTime64(6)}
   AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) > {prefill_start:DateTime64(6)}
@@ -101,7 +101,7 @@ GROUP BY engine
 _QUEUED_BEHIND_EACH = """
 SELECT k, count(), sum(queue_seconds), max(queue_seconds),
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
-FROM requests
+FROM requests FINAL
 ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i] AND request_id != {ids:Array(String)}[i]
     AND arrival_ts < fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC')
     AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))

@@ -14,7 +14,8 @@ TOKEN_VAR = "STEPLINE_PLUGIN_TOKEN"
 
 # (section of VllmConfig, attribute, name on the timeline)
 FIELDS = (
-    ("model_config", "model", "model"),
+    ("model_config", "model", "model"),  # the path or hub id the weights came from
+    ("model_config", "served_model_name", "served_model_name"),  # /metrics' model_name label; the timeline's name
     ("model_config", "max_model_len", "max_model_len"),
     ("scheduler_config", "max_num_batched_tokens", "max_num_batched_tokens"),
     ("scheduler_config", "max_num_seqs", "max_num_seqs"),
@@ -30,6 +31,7 @@ FIELDS = (
     ("parallel_config", "data_parallel_size", "data_parallel_size"),
     ("speculative_config", "method", "speculative_method"),
     ("speculative_config", "num_speculative_tokens", "num_speculative_tokens"),
+    ("observability_config", "enable_logging_iteration_details", "enable_logging_iteration_details"),
 )
 
 
@@ -41,11 +43,21 @@ def describe_config(vllm_config: Any, engine_index: int = 0) -> dict[str, Any]:
         if section is None:
             continue
         value = getattr(section, attribute, None)
+        if isinstance(value, (list, tuple)):  # several served names: vLLM labels its metrics with the first
+            value = value[0] if value else None
         if value is None:
             continue
         described[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     described["speculative_decoding"] = getattr(vllm_config, "speculative_config", None) is not None
+    if "served_model_name" not in described and "model" in described:
+        described["served_model_name"] = described["model"]  # what vLLM serves (and labels) without --served-model-name
     return described
+
+
+def model_name(config: Mapping[str, Any]) -> str:
+    """The name the timeline gives an engine's model: the served name, as vLLM's /metrics labels it; the model
+    path only from a plugin that predates sending the served name."""
+    return str(config.get("served_model_name") or config.get("model") or "")
 
 
 def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:

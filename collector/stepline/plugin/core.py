@@ -3,9 +3,18 @@
 Transport: a Unix datagram socket, non-blocking. Chosen over UDP on loopback because every failure
 is visible to the sender: no listener is an immediate error, a full receive queue is EAGAIN. UDP
 would drop silently in both cases, and a plugin that cannot count its drops hides the very stalls
-stepline exists to show. Records are batched into datagrams of up to 60 KB and sent at most every
-`flush_interval_s` (and on vLLM's periodic `log()`), which keeps `record()` to an encode and an append
-on most calls and makes the kernel's short datagram queue (net.unix.max_dgram_qlen) hold many steps.
+stepline exists to show. `record()` encodes and appends to the open batch; batches of up to 60 KB are
+sealed every `flush_interval_s` (at once when the engine goes idle: 0 running, 0 waiting) and sent by
+the outbox's own thread (outbox.py), which waits for the socket when the sidecar's short queue
+(net.unix.max_dgram_qlen) is full, so a backlog drains whether or not vLLM still calls.
+
+Steps. With `--enable-logging-iteration-details` every engine iteration carries its details (its index,
+batch and time); a row in `steps` is one of those. vLLM also hands its loggers scheduler stats without
+details (a 0-token step, e.g. while idle): those are not iterations, so they make no step row; their
+prefix-cache, preemption and spec-decode counts (deltas vLLM would otherwise add to its counters) are
+added to the engine's next step, so the steps' sums still match vLLM's counters; their queue and KV
+gauges are left to /metrics. Without iteration details (the engine's setting, or none seen yet when
+the setting is not known), every set of scheduler stats is one step, numbered by the plugin.
 
 With a token (STEPLINE_PLUGIN_TOKEN, the collector's too), every datagram carries the credential derived
 from it (see wire.py); the credential is computed once here, so `record()` costs the same with or without.
@@ -16,14 +25,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
-import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from stepline.plugin import wire
+from stepline.plugin.outbox import Outbox
 
 log = logging.getLogger("stepline.plugin")
 
@@ -45,8 +52,19 @@ def finish_reason_name(reason: Any) -> str:
     return name.lower() if isinstance(name, str) else str(reason).lower()
 
 
+class _Carried:
+    """Counts from scheduler stats without iteration details, waiting for the engine's next step."""
+
+    __slots__ = ("accepted", "draft_tokens", "drafts", "hits", "itl", "preempted", "queries", "ttft")
+
+    def __init__(self) -> None:
+        self.queries = self.hits = self.preempted = self.drafts = self.draft_tokens = self.accepted = 0
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+
 class PluginCore:
-    """Turns each `record()` call into compact records and ships them in batches to the sidecar."""
+    """Turns each `record()` call into compact records and hands them to the outbox, which ships them."""
 
     def __init__(
         self,
@@ -57,49 +75,54 @@ class PluginCore:
         flush_interval_s: float = 0.05,
         reconnect_interval_s: float = 5.0,
         log_interval_s: float = 60.0,
+        exit_timeout_s: float = 1.0,
         token: str | None = None,
+        iteration_details: bool | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """`iteration_details`: whether the engine logs them (vLLM's enable_logging_iteration_details); None
+        when not known, in which case stats without details count as steps until a step with details is seen."""
         self.engine = engine
         self.socket_path = socket_path
-        self._engine_bytes = engine.encode("utf-8", errors="replace")[: wire.MAX_ENGINE_NAME]
-        self._credential = wire.credential_for(token) if token else b""  # the token itself is not kept
-        self._body_limit = wire.MAX_DATAGRAM - wire.HEADER.size - len(self._engine_bytes) - len(self._credential)
-        self._max_buffer_bytes = max_buffer_bytes
-        self._flush_interval_s = flush_interval_s
-        self._reconnect_interval_s = reconnect_interval_s
-        self._log_interval_s = log_interval_s
-        self._monotonic = monotonic
+        engine_bytes = engine.encode("utf-8", errors="replace")[: wire.MAX_ENGINE_NAME]
+        credential = wire.credential_for(token) if token else b""  # the token itself is not kept
+        self._outbox = Outbox(socket_path, engine_bytes, credential, max_buffer_bytes=max_buffer_bytes,
+                              flush_interval_s=flush_interval_s, reconnect_interval_s=reconnect_interval_s,
+                              log_interval_s=log_interval_s, exit_timeout_s=exit_timeout_s, monotonic=monotonic)
         self._wall = wall
-        self._pid = os.getpid() & wire.U32
-        self._instance = random.getrandbits(32)
-        self._sequence = 0
-        self._pending = bytearray()
-        self._pending_records = 0
-        self._queue: deque[tuple[bytes, int]] = deque()  # sealed batch bodies and their record counts
-        self._queued_bytes = 0
-        self._sock: socket.socket | None = None
-        self._next_connect = 0.0
-        self._last_flush = monotonic()
+        self._details = iteration_details
         self._iteration: dict[int, int] = {}
+        self._carried: dict[int, _Carried] = {}
         self._reason_codes: dict[Any, int] = {}
-        # Counters: cumulative, exposed for tests and the benchmark; drops also logged once per interval.
-        self.records_sent = 0
-        self.datagrams_sent = 0
-        self.dropped: dict[str, int] = {}
         self.internal_errors = 0
-        self._dropped_since_log: dict[str, int] = {}
-        self._last_log = monotonic()
+        self.stats_without_details = 0  # scheduler stats that were not a step (their counts went to the next one)
+
+    # Counters: cumulative, for tests, the benchmarks and the simulator; drops are also logged, rate-limited.
+    @property
+    def records_sent(self) -> int:
+        return self._outbox.records_sent
+
+    @property
+    def datagrams_sent(self) -> int:
+        return self._outbox.datagrams_sent
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return self._outbox.dropped
 
     @property
     def dropped_total(self) -> int:
-        return sum(self.dropped.values())
+        return self._outbox.dropped_total
 
     @property
     def records_held(self) -> int:
         """Records encoded but neither sent nor dropped yet: the open batch and batches waiting for the socket."""
-        return self._pending_records + sum(n for _, n in self._queue)
+        return self._outbox.records_held
+
+    def accounting(self) -> tuple[int, dict[str, int], int]:
+        """(sent, dropped by reason, held), read together, so that they add up to every record made."""
+        return self._outbox.accounting()
 
     # -- what vLLM calls ---------------------------------------------------------------------------
 
@@ -107,86 +130,112 @@ class PluginCore:
         """Encode one engine-core output batch; never raises, never blocks."""
         try:
             ts = getattr(iteration_stats, "iteration_timestamp", None) or self._wall()
+            records: list[bytes] = []
+            idle = False
             if scheduler_stats is not None:
-                self._add(self._step(ts, scheduler_stats, iteration_stats, engine_idx))
+                step = self._step(ts, scheduler_stats, iteration_stats, engine_idx)
+                if step is not None:
+                    records.append(step)
+                # The engine just went idle: what it did last goes out now, not a flush interval later.
+                idle = scheduler_stats.num_running_reqs == 0 and scheduler_stats.num_waiting_reqs == 0
             if iteration_stats is not None:
                 for finished in iteration_stats.finished_requests:
-                    self._add(self._request(ts, finished, engine_idx))
-            if self._monotonic() - self._last_flush >= self._flush_interval_s:
-                self.flush()
+                    records.append(self._request(ts, finished, engine_idx))
+            self._outbox.put(records, idle)
         except Exception:  # vLLM's serving path must never see our failure; it is counted and logged
             self.internal_errors += 1
-            self._drop("plugin_error", 1)
+            self._outbox.drop("plugin_error", 1)
             if self.internal_errors == 1:
                 log.exception("stepline plugin: could not encode a step (counted; later failures are counted only)")
 
     def engine_initialized(self, config: dict[str, Any]) -> None:
-        """Send the engine's configuration once, ahead of its steps."""
+        """Send the engine's configuration once, ahead of its steps; start the sender off the hot path."""
         try:
-            self._add(wire.encode_config(config))
-            self.flush()
+            self._outbox.put((wire.encode_config(config),))
+            self._outbox.flush()
+            self._outbox.start()
         except Exception:
             self.internal_errors += 1
             log.exception("stepline plugin: could not send the engine configuration")
 
     def flush(self) -> None:
-        """Seal what is pending and send what the socket takes now; also reports drops, rate-limited."""
+        """vLLM's periodic `log()`: seal what is pending, send what the socket takes now, report drops."""
         try:
-            now = self._monotonic()
-            self._last_flush = now
-            self._seal()
-            self._send_queued(now)
-            if self._dropped_since_log and now - self._last_log >= self._log_interval_s:
-                self._log_drops(now)
+            self._outbox.flush()
         except Exception:
             self.internal_errors += 1
             if self.internal_errors == 1:
                 log.exception("stepline plugin: flush failed (counted; later failures are counted only)")
 
     def close(self, drain_timeout_s: float = 2.0) -> None:
-        """Send what is buffered, waiting up to drain_timeout_s for a busy sidecar; then count the rest."""
-        deadline = self._monotonic() + drain_timeout_s
-        self.flush()
-        while (self._queue or self._pending_records) and self._sock is not None and self._monotonic() < deadline:
-            time.sleep(0.005)
-            self.flush()
-        self._drop_queue("closed")
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Send what is buffered, waiting up to drain_timeout_s for a busy sidecar; then count and log the rest."""
+        self._outbox.close(drain_timeout_s)
 
     # -- reading vLLM's stats --------------------------------------------------------------------------
     # The hot path: attributes go straight into one struct.pack; wire.pack_record cleans odd values only
     # when that pack fails, so well-formed stats cost no per-field Python work.
 
-    def _step(self, ts: float, s: Any, it: Any, engine_idx: int) -> bytes:
+    def _step(self, ts: float, s: Any, it: Any, engine_idx: int) -> bytes | None:
         details = s.iteration_details
         prefix = s.prefix_cache_stats
         spec = getattr(s, "spec_decoding_stats", None)
         if details is not None:
             iteration = details.iteration_index
             self._iteration[engine_idx] = iteration
+            self._details = True
             flags = (wire.STEP_DUMMY if details.is_dummy else 0) | wire.STEP_HAS_DETAILS
             work = (details.elapsed_ms, details.num_ctx_requests, details.num_ctx_tokens,
                     details.num_generation_requests, details.num_generation_tokens)
+        elif self._details:
+            self._carry(engine_idx, prefix, spec, it)
+            return None
         else:
             iteration = self._iteration.get(engine_idx, -1) + 1
             self._iteration[engine_idx] = iteration
             flags = 0
             work = (math.nan, 0, 0, 0, getattr(it, "num_generation_tokens", 0))
         if it is not None:
-            n_ttft, n_itl, samples = wire.pack_samples(it.time_to_first_tokens_iter, it.inter_token_latencies_iter)
-            preempted = it.num_preempted_reqs
+            ttft, itl, preempted = it.time_to_first_tokens_iter, it.inter_token_latencies_iter, it.num_preempted_reqs
         else:
-            n_ttft, n_itl, samples, preempted = 0, 0, b"", 0
+            ttft, itl, preempted = (), (), 0
+        queries = prefix.queries if prefix is not None else 0
+        hits = prefix.hits if prefix is not None else 0
+        drafts = spec.num_drafts if spec is not None else 0
+        draft_tokens = spec.num_draft_tokens if spec is not None else 0
+        accepted = spec.num_accepted_tokens if spec is not None else 0
+        if self._carried:
+            carried = self._carried.pop(engine_idx, None)
+            if carried is not None:
+                queries, hits, preempted = queries + carried.queries, hits + carried.hits, preempted + carried.preempted
+                drafts, draft_tokens = drafts + carried.drafts, draft_tokens + carried.draft_tokens
+                accepted += carried.accepted
+                ttft, itl = [*carried.ttft, *(ttft or ())], [*carried.itl, *(itl or ())]
+        n_ttft, n_itl, samples = wire.pack_samples(ttft, itl)
         return wire.pack_record(wire.STEP_RECORD, wire.STEP, (
             ts, iteration, engine_idx, *work, s.num_running_reqs, s.num_waiting_reqs,
             getattr(s, "num_skipped_waiting_reqs", 0), s.kv_cache_usage,
             # Preempted requests re-query the cache; vLLM's own counters keep them apart, and so do we.
-            prefix.queries if prefix is not None else 0, prefix.hits if prefix is not None else 0, preempted,
-            spec.num_drafts if spec is not None else 0, spec.num_draft_tokens if spec is not None else 0,
-            spec.num_accepted_tokens if spec is not None else 0, flags, n_ttft, n_itl,
+            queries, hits, preempted, drafts, draft_tokens, accepted, flags, n_ttft, n_itl,
         ), samples)
+
+    def _carry(self, engine_idx: int, prefix: Any, spec: Any, it: Any) -> None:
+        """Keep the counts of scheduler stats that are not a step for the engine's next step."""
+        self.stats_without_details += 1
+        carried = self._carried.get(engine_idx)
+        if carried is None:
+            carried = self._carried[engine_idx] = _Carried()
+        if prefix is not None:
+            carried.queries += _count(prefix.queries)
+            carried.hits += _count(prefix.hits)
+        if spec is not None:
+            carried.drafts += _count(spec.num_drafts)
+            carried.draft_tokens += _count(spec.num_draft_tokens)
+            carried.accepted += _count(spec.num_accepted_tokens)
+        if it is not None:
+            carried.preempted += _count(it.num_preempted_reqs)
+            # Bounded by the wire's own sample caps, however long the engine goes without a step.
+            carried.ttft.extend(list(it.time_to_first_tokens_iter or ())[: 4096 - len(carried.ttft)])
+            carried.itl.extend(list(it.inter_token_latencies_iter or ())[: 8192 - len(carried.itl)])
 
     def _request(self, ts: float, f: Any, engine_idx: int) -> bytes:
         request_id = f.request_id
@@ -204,87 +253,11 @@ class PluginCore:
             getattr(f, "num_cached_tokens", 0), getattr(f, "num_preemptions", 0), code, len(encoded),
         ), encoded)
 
-    # -- batching and sending --------------------------------------------------------------------------
 
-    def _add(self, record: bytes) -> None:
-        if len(record) > self._body_limit:
-            self._drop("too_large", 1)
-            return
-        if len(self._pending) + len(record) > self._body_limit:
-            self._seal()
-        self._pending += record
-        self._pending_records += 1
-
-    def _seal(self) -> None:
-        if not self._pending_records:
-            return
-        body = bytes(self._pending)
-        self._queue.append((body, self._pending_records))
-        self._queued_bytes += len(body)
-        self._pending.clear()
-        self._pending_records = 0
-        # Bounded: when the sidecar is slow, the oldest batches go first, and are counted.
-        while self._queued_bytes > self._max_buffer_bytes and len(self._queue) > 1:
-            old, count = self._queue.popleft()
-            self._queued_bytes -= len(old)
-            self._drop("buffer_full", count)
-
-    def _send_queued(self, now: float) -> None:
-        sock = self._connected(now)
-        if sock is None:
-            self._drop_queue("no_sidecar")
-            return
-        while self._queue:
-            body, count = self._queue[0]
-            header = wire.encode_header(self._engine_bytes, self._pid, self._instance, self._sequence,
-                                        self.dropped_total, self._credential)
-            try:
-                sock.send(header + body)
-            except BlockingIOError:
-                return  # the sidecar's queue is full: keep the batch, try on the next flush
-            except OSError:
-                # The sidecar went away (ECONNREFUSED; EPIPE while it stops; ENOENT after a restart): reconnect later.
-                sock.close()
-                self._sock = None
-                self._next_connect = now + self._reconnect_interval_s
-                self._drop_queue("no_sidecar")
-                return
-            self._queue.popleft()
-            self._queued_bytes -= len(body)
-            self._sequence += 1
-            self.datagrams_sent += 1
-            self.records_sent += count
-
-    def _connected(self, now: float) -> socket.socket | None:
-        if self._sock is not None:
-            return self._sock
-        if now < self._next_connect:
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            self._next_connect = now + self._reconnect_interval_s
-            return None
-        self._sock = sock
-        return sock
-
-    def _drop_queue(self, reason: str) -> None:
-        count = sum(n for _, n in self._queue)
-        self._queue.clear()
-        self._queued_bytes = 0
-        if count:
-            self._drop(reason, count)
-
-    def _drop(self, reason: str, count: int) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + count
-        self._dropped_since_log[reason] = self._dropped_since_log.get(reason, 0) + count
-
-    def _log_drops(self, now: float) -> None:
-        parts = ", ".join(f"{n} ({reason})" for reason, n in sorted(self._dropped_since_log.items()))
-        log.warning("stepline plugin: dropped %s records in the last %.0f s; sidecar socket %s",
-                    parts, now - self._last_log, self.socket_path)
-        self._dropped_since_log.clear()
-        self._last_log = now
+def _count(value: Any) -> int:
+    """A count from vLLM's stats as a non-negative int (odd values count as 0, as the wire would clean them)."""
+    try:
+        number = int(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return max(0, number)

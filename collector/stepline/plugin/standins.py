@@ -3,13 +3,14 @@
 vLLM (and its GPU stack) is not installed where stepline is tested, so these carry the shapes the
 plugin reads: `SchedulerStats` with `SchedulerIterationDetails`, `PrefixCacheStats` and
 `SpecDecodingStats`; `IterationStats` with `FinishedRequestStats`. The simulator feeds the plugin
-through them too.
+through them too. `write_vllm_package` writes a stand-in `vllm` package with the plugin's base class.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class FinishReason(enum.IntEnum):
@@ -111,3 +112,37 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     num_corrupted_reqs: int = 0
+
+
+# vLLM's module that stat-logger plugins import, with its ABC as vLLM 0.32/0.33 declare it: for tests that load
+# the plugin class as vLLM would, in a process where vLLM itself is not installed.
+STAT_LOGGER_BASE_SOURCE = '''
+from abc import ABC, abstractmethod
+
+
+class StatLoggerBase(ABC):
+    @abstractmethod
+    def __init__(self, vllm_config, engine_index=0): ...
+
+    @abstractmethod
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0): ...
+
+    @abstractmethod
+    def log_engine_initialized(self): ...
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, is_awake, level):
+        pass
+'''
+
+
+def write_vllm_package(root: Path) -> Path:
+    """Write a stand-in `vllm` package (just `vllm.v1.metrics.loggers.StatLoggerBase`) under `root`; returns root."""
+    loggers = root / "vllm" / "v1" / "metrics"
+    loggers.mkdir(parents=True, exist_ok=True)
+    for package in (root / "vllm", root / "vllm" / "v1", loggers):
+        (package / "__init__.py").write_text("")
+    (loggers / "loggers.py").write_text(STAT_LOGGER_BASE_SOURCE)
+    return root

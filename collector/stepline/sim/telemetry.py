@@ -1,6 +1,7 @@
 """What a simulated engine sends besides /metrics: plugin datagrams and OTLP `llm_request` spans.
 
-The plugin is the real one (PluginCore, fed vLLM-shaped stand-ins per step); the spans go through
+The plugin is the real one (PluginCore, fed vLLM-shaped stand-ins per step, and its periodic path called
+about every 10 s of wall time, idle or not, as vLLM calls a stat logger's `log()`); the spans go through
 the real opentelemetry-sdk and its OTLP/HTTP exporter, with the attributes vLLM sets.
 """
 
@@ -21,6 +22,8 @@ from stepline.plugin.config import token_from_env
 from stepline.plugin.core import PluginCore
 from stepline.sim.config import EngineConfig
 from stepline.sim.records import FinishedRequest, StepRecord
+
+LOG_INTERVAL_S = 10.0  # vLLM's do_log_stats cadence (VLLM_LOG_STATS_INTERVAL's default)
 
 _REASONS = {"stop": standins.FinishReason.STOP, "length": standins.FinishReason.LENGTH,
             "abort": standins.FinishReason.ABORT}
@@ -80,6 +83,7 @@ def engine_config(config: EngineConfig) -> dict[str, Any]:
     """The configuration the plugin reports at engine start-up."""
     return {
         "model": config.model,
+        "served_model_name": config.model,  # the simulator serves (and labels /metrics with) its model name
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "max_num_seqs": config.max_num_seqs,
         "enable_chunked_prefill": True,
@@ -96,7 +100,8 @@ class Telemetry:
     """Sends each simulated step through the plugin and each finished request as an OTLP span."""
 
     def __init__(self, engine: str, config: EngineConfig, *, plugin_socket: str | None = None,
-                 otlp_endpoint: str | None = None, plugin_token: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, plugin_token: str | None = None,
+                 log_interval_s: float = LOG_INTERVAL_S) -> None:
         """`plugin_token` defaults to STEPLINE_PLUGIN_TOKEN (or _FILE), as a collector started from the same
         environment reads it, so the demo's and the scenarios' collectors accept the simulated engine's data."""
         token = plugin_token if plugin_token is not None else token_from_env()
@@ -110,8 +115,18 @@ class Telemetry:
             ))
         self._tracer = self._provider.get_tracer("stepline.sim") if self._provider else None
         self._model = config.model
+        self._closed = threading.Event()
+        self._logger: threading.Thread | None = None
         if self.plugin is not None:
             self.plugin.engine_initialized(engine_config(config))
+            self._logger = threading.Thread(target=self._log_periodically, args=(self.plugin, log_interval_s),
+                                            name=f"stepline-sim-log-{engine}", daemon=True)
+            self._logger.start()
+
+    def _log_periodically(self, plugin: PluginCore, interval_s: float) -> None:
+        """vLLM's periodic `log()` to every stat logger, whether or not the engine steps."""
+        while not self._closed.wait(interval_s):
+            plugin.flush()
 
     def on_step(self, step: StepRecord) -> None:
         """Report one finished step, as vLLM's output processor would."""
@@ -143,6 +158,9 @@ class Telemetry:
 
     def close(self) -> None:
         """Send everything still buffered."""
+        self._closed.set()
+        if self._logger is not None:
+            self._logger.join()
         if self.plugin is not None:
             self.plugin.close()
         if self._provider is not None:

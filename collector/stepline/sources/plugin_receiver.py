@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from stepline.plugin import wire
+from stepline.plugin.config import model_name
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event, Request, Row, Step, micros
 from stepline.sources.base import Emit, SourceContext
@@ -213,7 +214,7 @@ class PluginReceiver:
                                      f[8], f[11], f[9], f[10], f[12])))
                 requests += 1
             else:
-                model = str(first.get("model", ""))
+                model = model_name(first)  # the served name, as /metrics labels it; the path stays in the event
                 self._models[engine] = model
                 append(_config_event(first, host, engine, self._ctx.clock.time()))
         return rows, steps, requests
@@ -271,8 +272,8 @@ def _listening(path: str) -> bool:
 
 
 def _config_event(config: dict[str, object], host: str, engine: str, now: float) -> Event:
-    shown = ", ".join(f"{k}={config[k]}" for k in ("model", "max_num_batched_tokens", "max_num_seqs",
-                                                    "long_prefill_token_threshold", "enable_chunked_prefill")
-                      if k in config)
+    shown = ", ".join(f"{k}={config[k]}" for k in ("served_model_name", "model", "max_num_batched_tokens",
+                                                    "max_num_seqs", "long_prefill_token_threshold",
+                                                    "enable_chunked_prefill") if k in config)
     return Event(micros(now), host, engine, "plugin", "engine_config", "info", f"engine {engine} configured: {shown}",
                  {str(k): str(v) for k, v in config.items()})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
     ALONE,
     APPROXIMATE,
@@ -230,7 +231,7 @@ WHERE kind = 'gpu_xid' AND ({engine:String} = '' OR engine = {engine:String} OR 
 ORDER BY ts
 """
 _SLOW_STEPS = """
-SELECT engine, countIf(elapsed_ms > {slow_ms:Float64})
+SELECT engine, countIf(elapsed_ms > transform(toString(engine), {engines:Array(String)}, {slow_ms:Array(Float64)}, inf))
 FROM steps
 WHERE engine IN {engines:Array(String)} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
 GROUP BY engine
@@ -246,16 +247,21 @@ def gpu_xid(reader: Reads, window: Window) -> list[Finding]:
     # An XID of a GPU no engine was seen on (engine '') concerns every engine.
     by_engine = {engine: [r[1:] for r in events if r[0] in (engine, "")] for engine in engines(reader, window)}
     affected = sorted(engine for engine, rows in by_engine.items() if rows)
-    slow = {str(r[0]): int(r[1]) for r in Query(_SLOW_STEPS, engines=affected, slow_ms=1000.0, start=window.start,
-                                                 end=window.end).rows(reader)} if affected else {}
+    # Slow for each engine: SLOW_STEP of its own decode-only step p50 (none counted without one).
+    base = baselines(reader, window, affected) if affected else {}
+    slow_ms = {e: SLOW_STEP * base.get(e, NO_BASELINE).decode_step_ms or math.inf for e in affected}
+    slow = {str(r[0]): int(r[1]) for r in Query(_SLOW_STEPS, engines=affected, slow_ms=[slow_ms[e] for e in affected],
+                                                 start=window.start, end=window.end).rows(reader)} if affected else {}
     for engine in affected:
         rows = by_engine[engine]
-        query = Query(_XID, engine=engine, start=window.start, end=window.end, slow_ms=1000.0)
+        query = Query(_XID, engine=engine, start=window.start, end=window.end, slow_ms=slow_ms[engine])
         xids = sorted({str(r[2]) for r in rows if r[2]})
         findings.append(Finding(
             "gpu_xid", "critical", engine, utc(rows[0][0]), utc(rows[-1][0]),
             clip(f"{len(rows)} GPU XID error(s) {', '.join(xids)} from {hms(rows[0][0])}"),
             {"xid_events": len(rows), "xids": xids, "first_message": str(rows[0][1])[:200],
-             "slow_steps_over_1s_in_window": slow.get(engine, 0)},
+             "slow_steps_in_window": slow.get(engine, 0),
+             "slow_step_from_ms": round(slow_ms[engine], 1) if math.isfinite(slow_ms[engine]) else None,
+             "baseline_decode_step_p50_ms": round(base.get(engine, NO_BASELINE).decode_step_ms, 1)},
             query.literal(), "check the XID in NVIDIA's table; drain and reset or replace the GPU", float(len(rows))))
     return findings

@@ -5,15 +5,21 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from stepline.diagnosis.baseline import (
+    MIN_BUCKET_LOOKUP_BUDGETS,
+    NO_BASELINE,
+    SLOW_STEP,
+    WEDGE_MIN_BUDGET_S,
+    WEDGE_STEP_MULTIPLE,
+    baselines,
+    budgets,
+)
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.summary import Reads
 
-MIN_BUCKET_QUERIES = 1000  # prefix-cache lookups (tokens) in a bucket before its hit rate means anything
-WEDGE_MIN_BUDGET_S = 30.0
-WEDGE_STEP_MULTIPLE = 10.0  # the progress budget: this many of the slowest recent step, so long work never trips it
-GPU_IDLE_PCT = 5.0
+GPU_IDLE_PCT = 5.0  # a share of the GPU's time, the same on every GPU
 
 _BUCKETS = """
 SELECT toStartOfInterval(ts, toIntervalSecond({bucket_s:UInt32})) AS t,
@@ -50,9 +56,13 @@ def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
     """The windowed hit rate fell far below the engine's own baseline earlier in the window."""
     findings = []
     buckets = _buckets(reader, window)
+    known = budgets(reader, window)
     for engine in engines(reader, window):
         query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
-        rows = [r for r in buckets.get(engine, []) if int(r[2]) >= MIN_BUCKET_QUERIES]
+        # Enough lookups for a hit rate: a share of one step's token budget of this engine.
+        budget, budget_from = known.get(engine, (0, "unknown"))
+        min_lookups = round(MIN_BUCKET_LOOKUP_BUDGETS * budget)
+        rows = [r for r in buckets.get(engine, []) if int(r[2]) >= max(1, min_lookups)]
         if len(rows) < 3:
             continue
         # The baseline is the earliest fifth of the buckets, unweighted: a burst's many lookups must not define it.
@@ -69,7 +79,8 @@ def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
             clip(f"prefix-cache hit rate {low_rate:.1%} vs {baseline:.1%} earlier"),
             {"hit_rate_baseline": round(baseline, 3), "hit_rate_low": round(low_rate, 3),
              "low_buckets": len(low), "bucket_s": _bucket_s(window),
-             "tokens_recomputed_beyond_baseline": round(missed)},
+             "tokens_recomputed_beyond_baseline": round(missed), "bucket_min_lookup_tokens": min_lookups,
+             "token_budget": budget, "token_budget_from": budget_from},
             query.literal(),
             "the burst's prompts share little prefix (or evict each other): check KV headroom "
             "(num_gpu_blocks), cache-aware routing, and whether clients still send the shared system prompt",
@@ -187,6 +198,7 @@ def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
     """Requests wait, no step for longer than the work in flight explains, GPUs idle: a wedge pages; slow is not one."""
     findings = []
     progress = _progress(reader, window)
+    base = baselines(reader, window, sorted(progress)) if progress else {}
     for engine in engines(reader, window):
         query = Query(_PROGRESS, engine=engine, start=window.start, end=window.end)
         if engine not in progress:
@@ -209,11 +221,16 @@ def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
                 evidence, query.literal(),
                 "the engine holds requests but schedules nothing: look for leaked slots (client disconnects), "
                 "then restart the engine", stalled_s))
-        elif stalled_s <= budget_s and number(recent_p50) >= 1000:
+            continue
+        # Slow for this engine: its last minute's step p50 against its own decode-only steps.
+        usual_ms = base.get(engine, NO_BASELINE).decode_step_ms
+        if stalled_s <= budget_s and usual_ms > 0 and number(recent_p50) >= SLOW_STEP * usual_ms:
             findings.append(Finding(
                 "legitimately_slow", "info", engine, last - timedelta(minutes=1), last,
                 clip(f"steps still progress, slowly: p50 {number(recent_p50) / 1000:.1f}s per step"),
-                {**evidence, "recent_step_p50_ms": round(number(recent_p50), 1)}, query.literal(),
+                {**evidence, "recent_step_p50_ms": round(number(recent_p50), 1),
+                 "baseline_decode_step_p50_ms": round(usual_ms, 1),
+                 "slowdown": f"{number(recent_p50) / usual_ms:.1f}x (slow from {SLOW_STEP:g}x)"}, query.literal(),
                 "not a fault: a huge prefill or long-context decode is in flight; watchdogs should budget for it",
                 0.0))
     return findings

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from stepline.diagnosis.baseline import (
+    CRITICAL_SLOWDOWN,
+    HOL_QUEUE_STEPS,
+    ITL_STALL_S,
+    LONG_PROMPT_CHUNKS,
+    NO_BASELINE,
+    SEVERE_SLOWDOWN,
+    SLOWDOWN,
+    Baseline,
+    baselines,
+    budgets,
+    times,
+)
 from stepline.diagnosis.common import (
-    APPROXIMATE,
     EACH_ENGINE,
-    EXACT_MAX_STEPS,
     Query,
     clip,
     config_int,
@@ -20,16 +31,13 @@ from stepline.diagnosis.common import (
     window_summary,
 )
 from stepline.diagnosis.findings import Finding, Window
-from stepline.diagnosis.rollup import whole_minutes
 from stepline.summary import Reads
 
-# A prompt this many uncached tokens long spans several default (8192-token) chunks: worth a look.
-MIN_UNCACHED_TOKENS = 16384
-SLOWDOWN = 5.0  # prefill-window step p50 over decode-only step p50 before it counts as interference
-MIN_SLOW_STEP_MS = 100.0
 MIN_QUEUED = 10  # requests queued behind one prefill before it counts as head-of-line blocking
 
-# The largest uncached prompts of every engine (the window's engine only, when it names one).
+# The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
+# when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).
+# Their span runs from the end of their queue time to their first token, then narrows to the steps (_CARRIED).
 _LONG_PREFILLS = f"""
 SELECT engine, request_id, prompt_tokens, cached_tokens,
        arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS prefill_start,
@@ -37,9 +45,25 @@ SELECT engine, request_id, prompt_tokens, cached_tokens,
 FROM requests FINAL
 WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND arrival_ts <= {{end:DateTime64(6)}}
   AND isFinite(queue_seconds) AND isFinite(ttft_seconds)
-  AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {{min_uncached:UInt32}}
+  AND prompt_tokens - least(cached_tokens, prompt_tokens) >= transform(toString(engine),
+      {{budget_engines:Array(String)}}, {{min_uncached:Array(UInt64)}}, {{unknown:UInt64}})
 ORDER BY engine, prompt_tokens DESC, request_id
 LIMIT 5 BY engine
+"""
+
+# The steps that carried each candidate's prefill: those with prefill tokens between the end of its queue time and
+# its first token. vLLM's queue time leaves out tokenisation, so the first chunk runs a little after the queue time
+# ends (0.13 s on a CPU engine): the span starts at the first chunk, not at the queue's end, and so holds no
+# decode-only step of before the prefill.
+_CARRIED = """
+SELECT k, min(ts), max(ts), argMin(elapsed_ms, ts)
+FROM steps
+ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i]
+    AND ts >= fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC')
+    AND ts <= fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC'), arrayEnumerate({engines:Array(String)})) AS k
+WHERE engine IN {engines:Array(String)} AND num_ctx_tokens > 0 AND ts >= {lo:DateTime64(6)}
+  AND ts <= {hi:DateTime64(6)}
+GROUP BY k
 """
 
 # Steps inside the prefill interval against the window's decode-only steps (those carrying no prefill chunk, so
@@ -66,14 +90,15 @@ _QUEUED_BEHIND = """
 SELECT count() AS queued, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
 FROM requests FINAL
-WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds >= 1
+WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds > 0
+  AND queue_seconds >= {min_queue_s:Float64}
   AND arrival_ts < {prefill_end:DateTime64(6)}
   AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) > {prefill_start:DateTime64(6)}
 """
 
-# _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine, read from
-# the steps up to EXACT_MAX_STEPS of them, from the per-minute projection beyond. INSIDE_ANY and WHICH are the
-# prefills' (engine, interval) conditions joined with OR, and as multiIf cases numbering them.
+# _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
+# (baseline.baselines). INSIDE_ANY and WHICH are the prefills' (engine, interval) conditions joined with OR, and as
+# multiIf cases numbering them.
 _INSIDE = """
 SELECT k, count(), quantileExact(0.5)(elapsed_ms), max(num_ctx_tokens), sum(length(itl_seconds)),
        quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * (num_generation_requests + waiting)) / 1000,
@@ -82,34 +107,24 @@ FROM (SELECT *, multiIf(WHICH, -1) AS k FROM steps WHERE INSIDE_ANY)
 WHERE k >= 0
 GROUP BY k
 """
-_BASELINES_EXACT = """
-SELECT engine, quantileExactIf(0.5)(elapsed_ms, num_ctx_tokens = 0 AND num_generation_requests > 0),
-       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
-FROM steps
-WHERE engine IN {engines:Array(String)} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
-GROUP BY engine
-"""
-_BASELINES_APPROXIMATE = """
-WITH toStartOfMinute(ts) AS bucket
-SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, num_ctx_tokens = 0 AND num_generation_requests > 0)[1],
-       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
-FROM steps
-WHERE engine IN {engines:Array(String)} AND bucket >= {lo:DateTime64(6)} AND bucket < {hi:DateTime64(6)}
-GROUP BY engine
-"""
-# Every request queued behind any long prefill of its engine, once per prefill it waited behind (k, 1-based).
+# Every request queued behind any long prefill of its engine, once per prefill it waited behind (k, 1-based), when
+# it queued at least that prefill's min_queue_s (HOL_QUEUE_STEPS of its engine's decode-only steps).
 _QUEUED_BEHIND_EACH = """
 SELECT k, count(), sum(queue_seconds), max(queue_seconds),
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
 FROM requests FINAL
 ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i] AND request_id != {ids:Array(String)}[i]
+    AND queue_seconds >= {min_queue_s:Array(Float64)}[i]
     AND arrival_ts < fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC')
     AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))
         > fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC'), arrayEnumerate({ids:Array(String)})) AS k
-WHERE engine IN {engines:Array(String)} AND queue_seconds >= 1 AND arrival_ts < {hi:DateTime64(6)}
+WHERE engine IN {engines:Array(String)} AND queue_seconds > 0 AND arrival_ts < {hi:DateTime64(6)}
   AND ts > {lo:DateTime64(6)}
 GROUP BY k
 """
+# The first token comes with the step of the last chunk (both stamped with vLLM's iteration timestamp), but arrival
+# plus TTFT, in float seconds, can land a microsecond or so before that step's stamp.
+ROUNDING = timedelta(milliseconds=1)
 # A request queued behind a prefill finished after the prefill started: its row lies after that (with slack for
 # clocks that disagree), which bounds what _QUEUED_BEHIND_EACH reads.
 FINISH_SLACK = timedelta(minutes=1)
@@ -117,44 +132,48 @@ FINISH_SLACK = timedelta(minutes=1)
 
 @dataclass(frozen=True)
 class LongPrefill:
-    """One finished request whose uncached prompt took many steps to prefill."""
+    """One finished request whose uncached prompt took many steps to prefill, over the steps that carried it."""
 
     request_id: str
     prompt_tokens: int
     cached_tokens: int
-    start: datetime
-    end: datetime
+    start: datetime  # its first chunk's step (the end of its queue time when no step carried it)
+    end: datetime  # its last chunk's step (its first token when no step carried it)
+    queue_end: datetime  # arrival + queue time, as the engine reports it
+    min_uncached_tokens: int  # what made it long on its engine (LONG_PROMPT_CHUNKS token budgets)
+    first_chunk_ran: timedelta = timedelta(0)  # the first chunk's step time: it started that long before `start`
 
 
 def long_prefills(reader: Reads, window: Window) -> dict[str, list[LongPrefill]]:
     """engine -> the largest uncached prompts prefilled in the window, largest first, none overlapping a larger one."""
+    known = budgets(reader, window)
+    names = sorted(known)
+    minimums = {e: round(LONG_PROMPT_CHUNKS * known[e][0]) for e in names}
+    candidates = [(str(engine), LongPrefill(str(rid), int(prompt), int(cached), utc(start), utc(end), utc(start),
+                                            minimums.get(str(engine), 0)))
+                  for engine, rid, prompt, cached, start, end in Query(
+                      _LONG_PREFILLS, engine=window.engine, start=window.start, end=window.end,
+                      budget_engines=names, min_uncached=[minimums[e] for e in names], unknown=2**63).rows(reader)]
     found: dict[str, list[LongPrefill]] = {}
-    for engine, rid, prompt, cached, start, end in Query(
-            _LONG_PREFILLS, engine=window.engine, start=window.start, end=window.end,
-            min_uncached=MIN_UNCACHED_TOKENS).rows(reader):
-        big = LongPrefill(str(rid), int(prompt), int(cached), utc(start), utc(end))
-        others = found.setdefault(str(engine), [])
+    for engine, big in _carried(reader, candidates):
+        others = found.setdefault(engine, [])
         if not any(big.start <= other.end and other.start <= big.end for other in others):
             others.append(big)
     return found
 
 
-def _baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, tuple[float, Any, bool]]:
-    """engine -> (decode-only step p50 ms, decode-only ITL [p50, p99] s, approximate?) over the whole window."""
-    summary = window_summary(reader, window)
-    minutes = whole_minutes(window.start, window.end)
-    big = sorted(e for e in names if summary.get(e, {}).get("steps", 0) > EXACT_MAX_STEPS and minutes is not None)
-    small = sorted(set(names) - set(big))
-    out: dict[str, tuple[float, Any, bool]] = {}
-    if small:
-        for engine, step_ms, itl in Query(_BASELINES_EXACT, engines=small, start=window.start,
-                                          end=window.end).rows(reader):
-            out[str(engine)] = (number(step_ms), itl, False)
-    if big and minutes is not None:
-        for engine, step_ms, itl in Query(_BASELINES_APPROXIMATE, engines=big, lo=minutes[0],
-                                          hi=minutes[1]).rows(reader):
-            out[str(engine)] = (number(step_ms), itl, True)
-    return out
+def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[tuple[str, LongPrefill]]:
+    """The candidates, each span narrowed to the steps that carried prefill tokens within it (_CARRIED)."""
+    if not candidates:
+        return candidates
+    rows = Query(_CARRIED, engines=[e for e, _ in candidates],
+                 starts=[round(b.start.timestamp() * 1e6) for _, b in candidates],
+                 ends=[round((b.end + ROUNDING).timestamp() * 1e6) for _, b in candidates],
+                 lo=min(b.start for _, b in candidates), hi=max(b.end for _, b in candidates) + ROUNDING).rows(reader)
+    spans = {int(k) - 1: (utc(first), utc(last), timedelta(milliseconds=number(first_ms)))
+             for k, first, last, first_ms in rows}
+    return [(engine, replace(big, start=spans[i][0], end=spans[i][1], first_chunk_ran=spans[i][2])
+             if i in spans else big) for i, (engine, big) in enumerate(candidates)]
 
 
 def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]]
@@ -181,34 +200,27 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
     configs = engine_configs(reader, window)
     prefills = long_prefills(reader, window)
     inside = _inside(reader, window, prefills)
-    baselines = _baselines(reader, window, sorted({engine for engine, _ in inside})) if inside else {}
+    base = baselines(reader, window, sorted({engine for engine, _ in inside})) if inside else {}
     for engine in engines(reader, window):
         config = configs.get(engine, {})
+        b = base.get(engine, NO_BASELINE)
         for k, big in enumerate(prefills.get(engine, [])):
             query = Query(_INTERFERENCE, engine=engine, start=window.start, end=window.end,
                           prefill_start=big.start, prefill_end=big.end)
             if (engine, k) not in inside or not inside[engine, k][0]:
                 continue
             _n, step_in, chunk, itl_n, itl_in, delayed, waiting = inside[engine, k]
-            step_out, itl_out, approximate = baselines.get(engine, (0.0, [], False))
-            step_in, step_out = number(step_in), number(step_out)
-            if itl_n == 0 or step_in < MIN_SLOW_STEP_MS or step_in < SLOWDOWN * step_out:
+            step_in = number(step_in)
+            # Relative to this engine's own decode-only steps; without any there is nothing to compare with.
+            if itl_n == 0 or b.decode_step_ms <= 0 or step_in < SLOWDOWN * b.decode_step_ms:
                 continue
             itl50_in, itl99_in = number(itl_in[0]), number(itl_in[1])
-            itl50_out, itl99_out = (number(itl_out[0]), number(itl_out[1])) if itl_out else (0.0, 0.0)
-            critical = itl99_in > 1.0 and itl99_in > 10 * itl99_out
+            itl99_out = b.itl_p99_s
+            critical = _critical(itl99_in, itl99_out)
             uncached = big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens)
-            evidence = {
-                "request_id": big.request_id, "prompt_tokens": big.prompt_tokens,
-                "cached_tokens": big.cached_tokens, "uncached_tokens": uncached, "chunk_tokens": int(chunk),
-                "prefill_s": round((big.end - big.start).total_seconds(), 1),
-                "step_p50_inside_ms": round(step_in, 1), "step_p50_decode_only_outside_ms": round(step_out, 1),
-                "itl_p50_inside_s": round(itl50_in, 3), "itl_p99_inside_s": round(itl99_in, 3),
-                "itl_p50_outside_s": round(itl50_out, 3), "itl_p99_outside_s": round(itl99_out, 3),
-                "itl_over_step_inside": round(itl50_in * 1000 / step_in, 2) if step_in else None,
-                "waiting_max_inside": int(waiting), "delayed_request_s": round(number(delayed), 1)}
-            if approximate:
-                evidence["outside_quantiles"] = APPROXIMATE
+            evidence = _evidence(big, b, uncached, int(chunk), step_in, (itl50_in, itl99_in))
+            evidence.update({"itl_over_step_inside": round(itl50_in * 1000 / step_in, 2) if step_in else None,
+                             "waiting_max_inside": int(waiting), "delayed_request_s": round(number(delayed), 1)})
             findings.append(Finding(
                 "prefill_interference", "critical" if critical else "warning", engine, big.start, big.end,
                 clip(f"{big.request_id} ({uncached // 1000}k uncached) prefill: ITL p99 {itl99_in:.2f}s vs "
@@ -217,24 +229,53 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
     return findings
 
 
+def _critical(itl99_in: float, itl99_out: float) -> bool:
+    """SEVERE_SLOWDOWN of the engine's own ITL p99 on any engine, or CRITICAL_SLOWDOWN where readers see stalls."""
+    if itl99_out <= 0:
+        return False
+    slowdown = itl99_in / itl99_out
+    return slowdown >= SEVERE_SLOWDOWN or (slowdown >= CRITICAL_SLOWDOWN and itl99_in >= ITL_STALL_S)
+
+
+def _evidence(big: LongPrefill, b: Baseline, uncached: int, chunk: int, step_in: float,
+              itl_in: tuple[float, float]) -> dict[str, Any]:
+    """The figures compared first (a terminal shows the first eight), then what they were compared with."""
+    itl50_in, itl99_in = itl_in
+    return {
+        "request_id": big.request_id, "uncached_tokens": uncached,
+        "step_p50_inside_ms": round(step_in, 1), "step_p50_decode_only_outside_ms": round(b.decode_step_ms, 1),
+        "step_slowdown": f"{times(step_in, b.decode_step_ms)} (interference from {SLOWDOWN:g}x)",
+        "itl_p99_inside_s": round(itl99_in, 3), "itl_p99_outside_s": round(b.itl_p99_s, 3),
+        "itl_p99_slowdown": f"{times(itl99_in, b.itl_p99_s)} (critical from {SEVERE_SLOWDOWN:g}x, or "
+                            f"{CRITICAL_SLOWDOWN:g}x with ITL p99 >= {ITL_STALL_S:g}s)",
+        "itl_p50_inside_s": round(itl50_in, 3), "itl_p50_outside_s": round(b.itl_p50_s, 3),
+        "prompt_tokens": big.prompt_tokens, "cached_tokens": big.cached_tokens, "chunk_tokens": chunk,
+        "long_from_uncached_tokens": big.min_uncached_tokens, **b.evidence(),
+        "prefill_s": round((big.end - big.start).total_seconds(), 1),
+        "first_chunk_after_queue_end_s": round((big.start - big.first_chunk_ran - big.queue_end).total_seconds(), 3),
+    }
+
+
 def _chunk_lever(config: dict[str, str], chunk: int) -> str:
     threshold = config_int(config, "long_prefill_token_threshold")
     budget = config_int(config, "max_num_batched_tokens")
     now = ", ".join(f"{k}={v}" for k, v in (("long_prefill_token_threshold", threshold),
                                              ("max_num_batched_tokens", budget)) if v is not None)
-    smaller = max(512, chunk // 4)
+    smaller = max(1, chunk // 4)
     return (f"bound each step's prefill: set --long-prefill-token-threshold (e.g. {smaller}) and/or lower "
             f"--max-num-batched-tokens (chunk size, {chunk} tokens seen in one step)"
             + (f"; configured now: {now}" if now else "")
             + "; or route monster prompts to an engine of their own")
 
 
-def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]]) -> dict[tuple[str, int], tuple[Any, ...]]:
+def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_queue_s: dict[str, float]
+                   ) -> dict[tuple[str, int], tuple[Any, ...]]:
     """(engine, k) -> the row _QUEUED_BEHIND gives for prefills[engine][k], when any request queued behind it."""
     flat = [(engine, k, big) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
     if not flat:
         return {}
     rows = Query(_QUEUED_BEHIND_EACH, engines=[e for e, _, _ in flat], ids=[b.request_id for _, _, b in flat],
+                 min_queue_s=[min_queue_s.get(e, 0.0) for e, _, _ in flat],
                  starts=[round(b.start.timestamp() * 1e6) for _, _, b in flat],
                  ends=[round(b.end.timestamp() * 1e6) for _, _, b in flat],
                  lo=min(b.start for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat)).rows(reader)
@@ -245,11 +286,14 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
     """Many requests waited in the queue while one long prefill held the engine."""
     findings = []
     prefills = long_prefills(reader, window)
-    queued_behind = _queued_behind(reader, prefills)
+    base = baselines(reader, window, sorted(prefills)) if prefills else {}
+    # Held up by a prefill: queued for HOL_QUEUE_STEPS of the engine's own decode-only steps.
+    min_queue_s = {engine: HOL_QUEUE_STEPS * b.decode_step_ms / 1000 for engine, b in base.items()}
+    queued_behind = _queued_behind(reader, prefills, min_queue_s)
     for engine in engines(reader, window):
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id,
-                          prefill_start=big.start, prefill_end=big.end)
+            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.start,
+                          prefill_end=big.end, min_queue_s=min_queue_s.get(engine, 0.0))
             row = queued_behind.get((engine, k))
             if row is None or int(row[0]) < MIN_QUEUED:
                 continue
@@ -260,7 +304,12 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
                      f"prompt), up to {worst_s:.0f}s"),
                 {"request_id": big.request_id, "prompt_tokens": big.prompt_tokens, "queued_requests": queued,
                  "queue_total_s": round(total, 1), "queue_max_s": round(worst_s, 1),
-                 "longest_queued": [f"{rid} {q:.1f}s" for rid, q in worst]},
+                 "longest_queued": [f"{rid} {q:.1f}s" for rid, q in worst],
+                 "counted_from_queue_s": round(min_queue_s.get(engine, 0.0), 3),
+                 "counted_from": f"{HOL_QUEUE_STEPS:g} decode-only steps of "
+                                 f"{base.get(engine, NO_BASELINE).decode_step_ms:.1f} ms (p50)",
+                 "uncached_tokens": big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens),
+                 "long_from_uncached_tokens": big.min_uncached_tokens},
                 query.literal(),
                 "admit long prompts apart from short ones (a separate engine or a priority policy), and bound "
                 "per-step prefill (--long-prefill-token-threshold) so short prompts are scheduled beside it",

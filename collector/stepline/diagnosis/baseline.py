@@ -1,0 +1,157 @@
+"""Each engine's own baseline, and every detector limit as a multiple of it, in one place (STYLE rule 14).
+
+A limit is a fact about the engine in front of you: a CPU engine with 7 ms decode steps and 1,024-token chunks
+and an H200 with 30 ms steps and 8,192-token chunks, each slowed 30x by a long prefill, are found the same way.
+The figures, per engine over the diagnosis window:
+- its decode-only steps (no prefill token, something decoding): step time p50, ITL p50 and p99; when the
+  window holds none (it lies inside a long prefill), those of the BASELINE_LOOKBACK before it;
+- its token budget: max_num_batched_tokens from its engine_config event, else the largest chunk it ran.
+Findings print the figures they compared (`Baseline.evidence`), and the limit they were compared with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from stepline.diagnosis.common import (
+    APPROXIMATE,
+    EXACT_MAX_STEPS,
+    Query,
+    config_int,
+    engine_configs,
+    number,
+    window_summary,
+)
+from stepline.diagnosis.findings import Window
+from stepline.diagnosis.rollup import whole_minutes
+from stepline.summary import Reads
+
+# prefill_interference and head_of_line_blocking
+LONG_PROMPT_CHUNKS = 2.0  # an uncached prompt of at least this many token budgets (chunks) is a long prefill
+SLOWDOWN = 5.0  # step p50 while the prefill ran over the decode-only step p50: interference from here
+# Severity: ITL p99 while the prefill ran over the decode-only ITL p99. Critical from SEVERE_SLOWDOWN on any engine,
+# or from CRITICAL_SLOWDOWN when a stream's reader sees stalls: ITL_STALL_S is the one absolute figure here,
+# because it is a fact about the reader (a token a second or worse), not about the engine.
+CRITICAL_SLOWDOWN = 10.0
+SEVERE_SLOWDOWN = 100.0
+ITL_STALL_S = 1.0
+HOL_QUEUE_STEPS = 100.0  # a request queued this many decode-only steps (p50) behind a prefill was held up by it
+# legitimately_slow and gpu_xid
+SLOW_STEP = 10.0  # a step this many decode-only step p50s long is slow for this engine
+# prefix_cache_collapse: a bucket with fewer prefix-cache lookups (tokens) than this share of one step's token
+# budget says nothing about the hit rate
+MIN_BUCKET_LOOKUP_BUDGETS = 0.125
+# `stepline requests` tok·pf: a step carrying at least this share of the engine's token budget in prefill
+# tokens carries a long prefill chunk
+LONG_CHUNK_SHARE = 0.5
+# Not a fact about the engine but about its telemetry: an idle vLLM reports stats only every ~10 s (log()), and a
+# scrape every few seconds, so a stall shorter than this can be delivery lag. The wedge budget is the larger of
+# this and WEDGE_STEP_MULTIPLE times the engine's slowest recent step.
+WEDGE_MIN_BUDGET_S = 30.0
+WEDGE_STEP_MULTIPLE = 10.0
+
+BASELINE_LOOKBACK = timedelta(hours=1)
+
+DECODE_ONLY = "num_ctx_tokens = 0 AND num_generation_requests > 0"
+
+_EXACT = f"""
+SELECT engine, quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY}),
+       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
+FROM steps
+WHERE engine IN {{engines:Array(String)}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+GROUP BY engine
+"""
+_APPROXIMATE = f"""
+WITH toStartOfMinute(ts) AS bucket
+SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1],
+       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
+FROM steps
+WHERE engine IN {{engines:Array(String)}} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}
+GROUP BY engine
+"""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One engine's own figures over the window; 0 where it had no such steps (nothing to compare with)."""
+
+    decode_step_ms: float  # p50 of its decode-only steps
+    itl_p50_s: float  # ITL p50 and p99 of the steps that carried no prefill token
+    itl_p99_s: float
+    budget_tokens: int  # max_num_batched_tokens, else the largest chunk seen; 0 when neither is known
+    budget_from: str  # "engine_config", "largest chunk seen", "largest step seen" or "unknown"
+    approximate: bool = False  # quantiles from the per-minute projection
+    before_window: bool = False  # the window had no decode-only step: figures from the BASELINE_LOOKBACK before it
+
+    def evidence(self) -> dict[str, Any]:
+        """The baseline figures a finding was compared with, as evidence."""
+        out: dict[str, Any] = {"baseline_decode_step_p50_ms": round(self.decode_step_ms, 1),
+                               "token_budget": self.budget_tokens, "token_budget_from": self.budget_from}
+        if self.approximate:
+            out["baseline_quantiles"] = APPROXIMATE
+        if self.before_window:
+            out["baseline_from"] = f"decode-only steps in the {BASELINE_LOOKBACK} before the window"
+        return out
+
+    @property
+    def long_prompt_tokens(self) -> int:
+        """Uncached prompt tokens from which a prompt is a long prefill on this engine (0: budget unknown)."""
+        return round(LONG_PROMPT_CHUNKS * self.budget_tokens)
+
+
+NO_BASELINE = Baseline(0.0, 0.0, 0.0, 0, "unknown")
+
+
+def budgets(reader: Reads, window: Window) -> dict[str, tuple[int, str]]:
+    """engine -> (token budget, where it came from), for every engine with a configuration or steps."""
+    out: dict[str, tuple[int, str]] = {}
+    for engine, s in window_summary(reader, window).items():
+        chunk, step = int(s.get("max_single_prefill") or 0), int(s.get("max_step_tokens") or 0)
+        if chunk > 0:
+            out[engine] = (chunk, "largest chunk seen")
+        elif step > 0:
+            out[engine] = (step, "largest step seen")
+    for engine, config in engine_configs(reader, window).items():
+        budget = config_int(config, "max_num_batched_tokens")
+        if budget:
+            out[engine] = (budget, "engine_config")
+    return out
+
+
+def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Baseline]:
+    """engine -> its Baseline, for each of `names` (NO_BASELINE's figures where it has none)."""
+    summary = window_summary(reader, window)
+    minutes = whole_minutes(window.start, window.end)
+    big = sorted(e for e in names if summary.get(e, {}).get("steps", 0) > EXACT_MAX_STEPS and minutes is not None)
+    small = sorted(set(names) - set(big))
+    figures: dict[str, tuple[float, Any, bool]] = {}
+    if small:
+        for engine, step_ms, itl in Query(_EXACT, engines=small, start=window.start, end=window.end).rows(reader):
+            figures[str(engine)] = (number(step_ms), itl, False)
+    if big and minutes is not None:
+        for engine, step_ms, itl in Query(_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
+            figures[str(engine)] = (number(step_ms), itl, True)
+    # A window inside a long prefill has no decode-only step: the engine's figures from just before it.
+    missing = sorted(e for e in names if figures.get(e, (0.0,))[0] <= 0)
+    earlier: set[str] = set()
+    if missing:
+        for engine, step_ms, itl in Query(_EXACT, engines=missing, start=window.start - BASELINE_LOOKBACK,
+                                          end=window.start).rows(reader):
+            if number(step_ms) > 0:
+                figures[str(engine)] = (number(step_ms), itl, False)
+                earlier.add(str(engine))
+    known = budgets(reader, window)
+    out = {}
+    for engine in names:
+        step_ms, itl, approximate = figures.get(engine, (0.0, [], False))
+        budget, source = known.get(engine, (0, "unknown"))
+        itl50, itl99 = (number(itl[0]), number(itl[1])) if itl else (0.0, 0.0)
+        out[engine] = Baseline(step_ms, itl50, itl99, budget, source, approximate, engine in earlier)
+    return out
+
+
+def times(value: float, baseline: float) -> str:
+    """value / baseline as evidence reads it: '32.4x'; 'n/a' without a baseline."""
+    return f"{value / baseline:.1f}x" if baseline > 0 else "n/a (no baseline)"

@@ -7,7 +7,7 @@ import time
 
 from stepline import perrequest
 from stepline.dedup import RecentRequests, known_fields
-from stepline.rows import Request, Step, micros
+from stepline.rows import Event, Request, Step, micros
 from stepline.selfmetrics import SelfMetrics
 from stepline.store import Store
 from stepline.testing import MemorySink
@@ -111,3 +111,21 @@ def test_a_report_is_written_again_only_for_a_field_the_earlier_ones_lacked() ->
     assert recent.adds_fields(span._replace(preemptions=1))  # a count nobody gave yet
     assert known_fields(span) & ~known_fields(plugin) == 0
     assert known_fields(plugin._replace(cached_tokens=0, model_name="")) < known_fields(plugin)
+
+
+def test_a_long_chunk_is_long_for_the_engines_own_budget(store: Store) -> None:
+    # An engine whose budget is 1,024 tokens (a real vLLM CPU engine): 7 ms decode steps, 230 ms 1,024-token chunks.
+    store.insert("events", [Event(micros(T0 - 60), "h", "cpu", "plugin", "engine_config", "info", "configured",
+                                  {"max_num_batched_tokens": "1024"})], Event._fields)
+    steps = [_step(T0 + i * 0.007, 7, 0, engine="cpu") for i in range(300)]
+    steps += [_step(T0 + 2.1 + i * 0.23, 230, 1024, engine="cpu") for i in range(10)]
+    steps += [_step(T0 + 4.5 + i * 0.007, 7, 0, engine="cpu") for i in range(300)]
+    store.insert("steps", steps, Step._fields)
+    store.insert("requests", [_request("beside", T0 + 1.0, 0.1, 0.2, 5.0, engine="cpu")], Request._fields)
+    beside, = perrequest.slowest(store, since=T0 - 60)
+    assert beside.tokens_beside_long_prefill == 10
+    text = perrequest.render([beside])
+    assert "long prefill chunk on cpu: a step carrying >= 512 prefill tokens: 0.5 of its token budget 1024 " \
+           "(engine_config)." in text
+    # An explicit size still wins.
+    assert perrequest.slowest(store, since=T0 - 60, long_prefill_tokens=2048)[0].tokens_beside_long_prefill == 0

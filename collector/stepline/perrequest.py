@@ -9,10 +9,12 @@ its time went to someone else's prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, budgets
+from stepline.diagnosis.findings import Window
 from stepline.summary import Reads
 
 ORDER_BY = {
@@ -48,7 +50,9 @@ SELECT slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_to
        slow.generation_tokens, slow.queue_seconds, slow.ttft_seconds, slow.mean_tpot_seconds, slow.e2e_seconds,
        sumIf(near.elapsed_ms, near.num_ctx_tokens > 0 AND near.step_us > slow.arrival_us
              AND near.step_us <= slow.scheduled_us) / 1000 AS queued_during_prefill_s,
-       countIf(near.num_ctx_tokens >= {long_prefill:UInt32} AND near.step_us > slow.first_token_us
+       countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {budget_engines:Array(String)},
+                                                {long_chunk:Array(UInt64)}, {unknown:UInt64})
+               AND near.step_us > slow.first_token_us
                AND near.step_us <= slow.finish_us) AS tokens_beside_long_prefill,
        quantileExactIf(0.99)(near.elapsed_ms, near.step_us > slow.first_token_us
                              AND near.step_us <= slow.finish_us) AS step_p99_ms,
@@ -80,18 +84,34 @@ class SlowRequest:
     tokens_beside_long_prefill: int
     step_p99_ms: float
     worst_step_ms: float
+    long_chunk: str = ""  # what a long prefill chunk was for tokens_beside_long_prefill, e.g. ">= 512 (1024 / 2)"
 
 
 def slowest(reader: Reads, *, since: float, limit: int = 20, by: str = "e2e", engine: str = "",
-            long_prefill_tokens: int = 2048) -> list[SlowRequest]:
-    """The `limit` slowest requests finished since `since` (epoch seconds), slowest first."""
+            long_prefill_tokens: int | None = None) -> list[SlowRequest]:
+    """The `limit` slowest requests finished since `since` (epoch seconds), slowest first.
+
+    A long prefill chunk is a step carrying at least `long_prefill_tokens` prefill tokens; by default,
+    LONG_CHUNK_SHARE of its engine's token budget (max_num_batched_tokens, else the largest chunk it ran).
+    """
     if by not in ORDER_BY:
         raise ValueError(f"--by must be one of {', '.join(ORDER_BY)}, got {by!r}")
     # The column comes from ORDER_BY, never from the caller's text: safe to splice.
     sql = _SLOWEST.replace("ORDER_COLUMN", ORDER_BY[by])
-    rows = reader.query(sql, parameters={"since": round(since * 1e6), "engine": engine, "limit": limit,
-                                         "long_prefill": long_prefill_tokens}).result_rows
-    return [SlowRequest(*row) for row in rows]
+    chunks: dict[str, tuple[int, str]] = {}
+    if long_prefill_tokens is None:
+        window = Window(datetime.fromtimestamp(since, UTC), datetime.now(UTC), engine)
+        for name, (budget, source) in budgets(reader, window).items():
+            chunks[name] = (max(1, round(LONG_CHUNK_SHARE * budget)),
+                            f"{LONG_CHUNK_SHARE:g} of its token budget {budget} ({source})")
+    parameters = {"since": round(since * 1e6), "engine": engine, "limit": limit,
+                  "budget_engines": sorted(chunks), "long_chunk": [chunks[e][0] for e in sorted(chunks)],
+                  "unknown": long_prefill_tokens if long_prefill_tokens is not None else 2**63}
+    rows = reader.query(sql, parameters=parameters).result_rows
+    given = f">= {long_prefill_tokens} prefill tokens (as asked)"
+    return [replace(SlowRequest(*row), long_chunk=given if long_prefill_tokens is not None else
+                    (f">= {chunks[row[1]][0]} prefill tokens: {chunks[row[1]][1]}" if row[1] in chunks
+                     else "unknown (no token budget seen)")) for row in rows]
 
 
 def render(requests: Sequence[SlowRequest]) -> str:
@@ -108,6 +128,8 @@ def render(requests: Sequence[SlowRequest]) -> str:
         )
     lines.append("q·pf: seconds of prefill steps while it queued; tok·pf: its tokens decoded beside a long prefill "
                  "chunk; p99 st / worst: step times while it decoded (its ITL tail).")
+    for engine, long_chunk in sorted({(r.engine, r.long_chunk) for r in requests}):
+        lines.append(f"long prefill chunk on {engine}: a step carrying {long_chunk}.")
     return "\n".join(lines)
 
 

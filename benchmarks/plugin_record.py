@@ -19,6 +19,11 @@ The benchmark runs calls back to back, far faster than an engine steps. So that 
 often as it would while serving (every `flush_interval_s` = 50 ms of engine time), its monotonic clock
 runs ahead by `--step-ms` (default 10 ms, a decode step of 32 requests) per call: it flushes every
 5th call, not every ~1,500th. `--step-ms 0` gives it the real clock (rare flushes, a rosier p99).
+A flush in `record()` seals the batch and wakes the plugin's sender thread, which sends from this
+process as it would inside vLLM's: the time it holds the GIL lands in the timed calls, as it would.
+Back to back, the calls make ~70,000 steps/s, 70x a busy engine, so "sidecar up" also drops the oldest
+batches (buffer_full) whenever the sender waits for its turn at the GIL; the sustained-rate figures are
+benchmarks/receiver_throughput.py's and benchmarks/plugin_backlog.py's.
 
 Prints figures; always exits 0. Missed targets are printed as "TARGET MISSED" lines.
 """

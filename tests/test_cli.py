@@ -223,3 +223,9 @@ def test_demo_fills_gpu_and_host_samples_and_the_timeline_joins_them(demo_store:
     around = _stepline("timeline", "--around", moment, "--window", "10", "--store", url)
     assert around.returncode == 0, around.stderr
     assert "sw_power_cap" in around.stdout and around.stdout.startswith("time (UTC)")
+
+
+def test_requests_leaves_the_long_chunk_to_the_engines_own_budget() -> None:
+    # A fixed default (2,048) read 0 tok·pf on an engine whose whole budget is 1,024 tokens.
+    assert build_parser("requests").parse_args(["requests", "--slowest", "3"]).long_prefill is None
+    assert build_parser("requests").parse_args(["requests", "--long-prefill", "512"]).long_prefill == 512

@@ -122,9 +122,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     requests_p.add_argument("--since", default="1h", metavar="DURATION",
                             help="how far back, e.g. 30m, 2h, 1d (default 1h)")
     requests_p.add_argument("--engine", default="", help="only this engine (default: all)")
-    requests_p.add_argument("--long-prefill", type=_count, default=2048, metavar="TOKENS",
-                            help="a step carrying at least this many prefill tokens counts as a long prefill "
-                                 "(default 2048)")
+    requests_p.add_argument("--long-prefill", type=_count, default=None, metavar="TOKENS",
+                            help="a step carrying at least this many prefill tokens counts as a long prefill chunk "
+                                 "(default: half of the engine's max_num_batched_tokens, else of its largest chunk)")
     requests_p.add_argument("--store", help=READ_STORE_HELP)
     requests_p.set_defaults(func=_requests)
 

@@ -32,6 +32,7 @@ class Run:
     diagnosis: list[dict[str, object]]
     diagnose_rc: int
     long_prompt_tokens: int
+    long_request_ids: list[str]  # the long prompt's two requests: uncached, then cached
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
     with harness.collector(setup):
         with harness.engine(setup):
-            prompt = harness.drive(setup, LONG_WORDS)
+            long_tokens = harness.drive(setup, LONG_WORDS)  # as vLLM counted them (the matrix's differs)
             matrix = harness.stepline(setup, "matrix", "--engine", f"{harness.SERVED_NAME}={setup.engine_url}",
                                       "--streams", "4", "--max-tokens", "48", "--prompt-tokens", "32",
                                       "--repeat", "1", "--timeout", "120")
@@ -54,10 +55,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             time.sleep(3)  # stopped a few seconds after the load, not after a long drain
         iterations = harness.iterations_logged(setup)
     diagnose = harness.stepline(setup, "diagnose", "--store", setup.store, "--since", "1h", "--json")
-    long_tokens = int(harness.one(setup, "SELECT max(prompt_tokens) FROM requests")[0])
-    assert prompt and long_tokens > 8 * harness.BUDGET_TOKENS
+    assert long_tokens > 8 * harness.BUDGET_TOKENS
+    long_ids = [r[0] for r in harness.query(setup, (
+        f"SELECT request_id FROM requests WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
     yield Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
-              long_tokens)
+              long_tokens, long_ids)
 
 
 def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:
@@ -75,8 +77,10 @@ def test_every_request_has_its_plugin_fields(run: Run) -> None:
     missing = harness.query(run.setup, (
         "SELECT request_id, finish_reason, model_name FROM requests WHERE finish_reason = '' OR model_name = ''"))
     assert missing == []
-    cached_long = harness.query(run.setup, (
-        f"SELECT cached_tokens FROM requests WHERE prompt_tokens = {run.long_prompt_tokens} ORDER BY ts"))
+    assert len(run.long_request_ids) == 2
+    ids = ", ".join(f"'{i}'" for i in run.long_request_ids)
+    cached_long = harness.query(run.setup, f"SELECT cached_tokens FROM requests WHERE request_id IN ({ids}) "
+                                           "ORDER BY ts")
     assert [int(c[0]) > 0 for c in cached_long] == [False, True]  # uncached first, then a prefix-cache hit
 
 
@@ -98,11 +102,10 @@ def test_one_model_name_across_tables(run: Run) -> None:
 
 def test_diagnose_names_the_uncached_long_prompt(run: Run) -> None:
     assert run.diagnose_rc == 0 and not any(f.get("severity") == "critical" for f in run.diagnosis), run.diagnosis
-    interference = [f for f in run.diagnosis if f.get("kind") == "prefill_interference"]
-    assert interference, run.diagnosis
-    first_long = harness.one(run.setup, (
-        f"SELECT request_id FROM requests WHERE prompt_tokens = {run.long_prompt_tokens} ORDER BY ts LIMIT 1"))[0]
-    assert first_long in json.dumps(interference[0])
+    interference = [json.dumps(f) for f in run.diagnosis if f.get("kind") == "prefill_interference"]
+    uncached, cached = run.long_request_ids
+    assert any(uncached in f for f in interference), run.diagnosis
+    assert not any(cached in f for f in interference), run.diagnosis  # a prefix-cache hit interferes with nothing
 
 
 def test_matrix_runs_against_the_engine_and_is_stored(run: Run) -> None:

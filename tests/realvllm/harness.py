@@ -165,15 +165,14 @@ def engine_metrics(setup: Setup) -> dict[str, float]:
 
 
 def _complete(setup: Setup, prompt: str, max_tokens: int, stream: bool) -> int:
-    """One completion; the number of streamed events (or 1)."""
+    """One completion; the number of streamed events, or (not streamed) its prompt's tokens as vLLM counted them."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                        "temperature": 0, "stream": stream}).encode()
     request = urllib.request.Request(f"{setup.engine_url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         if not stream:
-            response.read()
-            return 1
+            return int(json.loads(response.read())["usage"]["prompt_tokens"])
         return sum(1 for line in response if line.startswith(b"data: {"))
 
 
@@ -182,27 +181,29 @@ def long_prompt(tag: str, words: int) -> str:
     return f"{tag} " + " ".join(f"w{(i * 7919) % 1000}" for i in range(words))
 
 
-def streams_beside(setup: Setup, prompt: str | None, streams: int, max_tokens: int, delay_s: float) -> None:
-    """`streams` decoding streams; `prompt`, if any, sent `delay_s` after them, while they decode."""
+def streams_beside(setup: Setup, prompt: str | None, streams: int, max_tokens: int, delay_s: float) -> int:
+    """`streams` decoding streams; `prompt`, if any, sent `delay_s` after them, while they decode (its tokens)."""
     threads = [threading.Thread(target=_complete, args=(setup, f"stream {i} {time.time_ns()} the engine step",
                                                         max_tokens, True)) for i in range(streams)]
     for t in threads:
         t.start()
+    tokens = 0
     if prompt is not None:
         time.sleep(delay_s)
-        _complete(setup, prompt, 8, False)
+        tokens = _complete(setup, prompt, 8, False)
     for t in threads:
         t.join()
+    return tokens
 
 
-def drive(setup: Setup, long_words: int) -> str:
+def drive(setup: Setup, long_words: int) -> int:
     """Short streams alone; the same beside one uncached long prompt; the same beside that prompt again, now a
-    prefix-cache hit. Returns the long prompt."""
+    prefix-cache hit. Returns the long prompt's tokens."""
     streams_beside(setup, None, 8, 32, 0.0)
     prompt = long_prompt(f"uncached-{time.time_ns()}", long_words)
+    tokens = streams_beside(setup, prompt, 8, 400, 0.3)
     streams_beside(setup, prompt, 8, 400, 0.3)
-    streams_beside(setup, prompt, 8, 400, 0.3)
-    return prompt
+    return tokens
 
 
 def stepline(setup: Setup, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:

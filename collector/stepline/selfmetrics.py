@@ -67,8 +67,8 @@ class SelfMetrics:
             registry=r,
         )
         self.requests_deduplicated = Counter(
-            "stepline_requests_deduplicated", "Finished requests already written from another source, by the source "
-            "whose report was skipped.", ["source"], registry=r,
+            "stepline_requests_deduplicated", "Request reports not written because they added no field to what "
+            "earlier reports of the same request gave, by the source of the skipped report.", ["source"], registry=r,
         )
         self.queries = Counter(
             "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],

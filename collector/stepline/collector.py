@@ -24,6 +24,7 @@ from stepline.runner import Runner, Scheduled
 from stepline.selfmetrics import MetricsServer, SelfMetrics
 from stepline.settings import Settings
 from stepline.sources.base import Source, SourceContext
+from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store import (
     CollectorInfo,
     LazyStore,
@@ -61,6 +62,7 @@ class Collector:
         self.events_ingest: EventsIngest | None = None
         self.watchdog: Watchdog | None = None
         self.sources: list[Source] = []
+        self._plugin_receivers: list[PluginReceiver] = []
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -71,6 +73,7 @@ class Collector:
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
         if self._extra is not None:
             scheduled += self._extra(ctx)
+        self._plugin_receivers = [item.source for item in scheduled if isinstance(item.source, PluginReceiver)]
         url = parse_store_url(s.store)
         sink: Store | LazyStore
         if url.embedded:
@@ -91,6 +94,7 @@ class Collector:
                                    flush_interval_s=s.flush_interval_s)
             if self.store is not None:
                 self._remember_written_requests(self.store)
+                self._remember_engine_models(self.store)
             self.writers.start()
             self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
                                      reader_factory=sink.reader)
@@ -139,6 +143,7 @@ class Collector:
         self.store = store
         if self.writers is not None:
             self._remember_written_requests(store)
+        self._remember_engine_models(store)
 
     def _remember_written_requests(self, store: Store) -> None:
         # A request written before a restart must not be written again when its other report arrives.
@@ -148,6 +153,18 @@ class Collector:
         except ClickHouseError as exc:
             log.warning("cannot read the requests written before this start (a restart may write some twice): %s",
                         " ".join(str(exc).split())[:200])
+
+    def _remember_engine_models(self, store: Store) -> None:
+        # A running engine announces its model once, at its start: a restarted collector reads it back.
+        try:
+            models = store.engine_models(self.settings.host_name)
+        except ClickHouseError as exc:
+            log.warning("cannot read the engines' model names from the store (steps and requests of engines "
+                        "that started before this collector carry none until they restart): %s",
+                        " ".join(str(exc).split())[:200])
+            return
+        for receiver in self._plugin_receivers:
+            receiver.remember_models(models)
 
     def event(self, kind: str, severity: str, message: str, attributes: dict[str, str] | None = None) -> None:
         """Put one of the collector's own events on the timeline."""

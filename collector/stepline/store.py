@@ -368,6 +368,15 @@ class Store:
             parameters={"host": host, "ms": round(window_s * 1000)},
         ).result_rows]
 
+    def engine_models(self, host: str) -> dict[str, str]:
+        """Each engine's model name as its plugin last announced it on this host (engine_config events)."""
+        return {str(engine): str(model) for engine, model in self.client.query(
+            f"SELECT engine, argMax(if(attributes['served_model_name'] != '', attributes['served_model_name'], "
+            f"attributes['model']), ts) FROM `{self.database}`.`events` "
+            "WHERE host = {host:String} AND kind = 'engine_config' AND source = 'plugin' GROUP BY engine",
+            parameters={"host": host},
+        ).result_rows if model}
+
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
         """Run a query in the store's database."""
         return self.client.query(sql, parameters=parameters)

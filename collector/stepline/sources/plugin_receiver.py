@@ -80,6 +80,13 @@ class PluginReceiver:
         self.counts = {"datagrams": 0, "malformed": 0, "unauthorized": 0, "steps": 0, "requests": 0,
                        "lost_datagrams": 0, "plugin_dropped_records": 0}
 
+    def remember_models(self, models: dict[str, str]) -> None:
+        """Model names engines announced before this start (their engine_config is sent once, at engine start):
+        a collector restarted beside a running engine still names its steps and requests."""
+        with self._lock:
+            for engine, model in models.items():
+                self._models.setdefault(engine, model)
+
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
 

@@ -30,17 +30,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VLLM_METRICS_FIXTURE = FIXTURES / "vllm-0.33.0-metrics.txt"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Where the collectors the tests start announce themselves: the session's own, never the user's."""
+@pytest.fixture(autouse=True)
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the collectors a test starts announce themselves: the test's own, never the user's, and never
+    another test's (a collector another test left behind must not be found, or named, by this one's CLI)."""
     path = tmp_path_factory.mktemp("run")
-    before = os.environ.get("XDG_RUNTIME_DIR")
-    os.environ["XDG_RUNTIME_DIR"] = str(path)
-    yield path
-    if before is None:
-        os.environ.pop("XDG_RUNTIME_DIR", None)
-    else:
-        os.environ["XDG_RUNTIME_DIR"] = before
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -338,5 +338,6 @@ def test_prefix_cache_collapse_on_a_small_engine(store: Store) -> None:
     rows += [step(400 + i * 0.5, queries=5, hits=0, n=1000 + i) for i in range(200)]
     insert(store, rows)
     found = [f for f in diagnose(store, WINDOW) if f.kind == "prefix_cache_collapse"]
-    assert found and found[0].evidence["hit_rate_baseline"] == 1.0 and found[0].evidence["hit_rate_low"] == 0.0
+    # The low buckets' pooled rate: 0 unless a 10 s bucket (aligned to the clock) straddles the collapse.
+    assert found and found[0].evidence["hit_rate_baseline"] == 1.0 and found[0].evidence["hit_rate_low"] < 0.1
     assert (found[0].evidence["bucket_min_lookup_tokens"], found[0].evidence["token_budget"]) == (64, 512)

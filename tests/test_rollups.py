@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from stepline import schema
-from stepline.diagnosis import as_json, diagnose, prefill, rollup
+from stepline.diagnosis import as_json, baseline, diagnose, rollup
 from stepline.diagnosis.common import window_summary
 from stepline.diagnosis.findings import Window
 from stepline.rows import Event, GpuSample, Step, micros
@@ -186,14 +186,17 @@ def test_long_windows_take_baselines_from_the_minute_projection(store: Store, mo
                                                                 ) -> None:
     _monster(store)
     exact = next(f for f in diagnose(store, WINDOW) if f.kind == "prefill_interference")
-    monkeypatch.setattr(prefill, "EXACT_MAX_STEPS", 100)  # as if the window held a busy day
+    monkeypatch.setattr(baseline, "EXACT_MAX_STEPS", 100)  # as if the window held a busy day
     findings = diagnose(store, WINDOW)
     approximate = next(f for f in findings if f.kind == "prefill_interference")
     assert approximate.severity == exact.severity == "critical"
-    assert "per-minute projection" in approximate.evidence["outside_quantiles"]
-    assert "outside_quantiles" not in exact.evidence
+    assert "per-minute projection" in approximate.evidence["baseline_quantiles"]
+    assert "baseline_quantiles" not in exact.evidence
     for key in ("itl_p99_outside_s", "itl_p50_outside_s", "step_p50_decode_only_outside_ms"):
         assert approximate.evidence[key] == pytest.approx(exact.evidence[key], rel=0.02), key
-    assert {k: v for k, v in approximate.evidence.items() if "outside" not in k} == {
-        k: v for k, v in exact.evidence.items() if "outside" not in k}
+
+    def compared_with_the_baseline(key: str) -> bool:  # the baseline's figures, and the ratios taken against them
+        return "outside" in key or "slowdown" in key or key == "baseline_quantiles"
+    assert {k: v for k, v in approximate.evidence.items() if not compared_with_the_baseline(k)} == {
+        k: v for k, v in exact.evidence.items() if not compared_with_the_baseline(k)}
     assert "head_of_line_blocking" in kinds(findings)

@@ -30,7 +30,7 @@ from typing import Any
 from stepline.chhttp import BodyTooLarge, read_body
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event
-from stepline.serving import ServerThread
+from stepline.serving import Address, ServerThread
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _authorized(header: str, tokens: Sequence[bytes]) -> bool:
     return scheme.lower() == "bearer" and any(matches)
 
 
-class EventsIngest:
+class EventsIngest(Address):
     """Serves POST /v1/events on a background thread and hands accepted events to `write`."""
 
     def __init__(self, write: Write, host: str = "127.0.0.1", port: int = 0, *, extra_token: str | None = None,
@@ -148,15 +148,9 @@ class EventsIngest:
         self._serving: ServerThread | None = None
 
     @property
-    def port(self) -> int:
-        """The bound port once started (useful with port 0), else the configured one."""
-        return self._server.server_address[1] if self._server is not None else self._port
-
-    @property
     def url(self) -> str:
         """The endpoint's full URL, e.g. http://127.0.0.1:40123/v1/events."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{EVENTS_PATH}"
+        return f"{self.base_url}{EVENTS_PATH}"
 
     def start(self) -> None:
         """Bind and serve; OSError naming the address when it is taken."""

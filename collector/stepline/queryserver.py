@@ -28,7 +28,7 @@ from stepline import chcompress, chformats, chhttp
 from stepline.chhttp import SqlRefused
 from stepline.querysessions import EngineError, Progress, Sessions
 from stepline.selfmetrics import SelfMetrics
-from stepline.serving import ServerThread
+from stepline.serving import Address, ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Reply:
     exception_tag: str = ""  # marks an error written after the result began (X-ClickHouse-Exception-Tag)
 
 
-class QueryEndpoint:
+class QueryEndpoint(Address):
     """ClickHouse's HTTP interface, read-only, over the embedded (chDB) store a clickhouse-connect client opened.
 
     The endpoint owns `client` and closes it on stop(); it only reads its path, and runs queries in read-only
@@ -97,13 +97,8 @@ class QueryEndpoint:
         self._serving: ServerThread | None = None
 
     @property
-    def port(self) -> int:
-        """The bound port once started (useful with port 0), else the configured one."""
-        return self._server.server_address[1] if self._server is not None else self._port
-
-    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.base_url
 
     def start(self) -> None:
         """Bind and serve on a background thread."""

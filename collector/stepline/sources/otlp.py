@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Request
-from stepline.serving import ServerThread
+from stepline.serving import Address, ServerThread
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.otlp_decode import (
     ENCODINGS,
@@ -77,7 +77,7 @@ class _Reply:
     read_body: bool = True  # False: the body was left unread, so the connection must close
 
 
-class OtlpReceiver:
+class OtlpReceiver(Address):
     """Receives OTLP/HTTP trace exports on a background thread; poll() hands the rows over."""
 
     def __init__(
@@ -115,14 +115,8 @@ class OtlpReceiver:
         return "otlp"
 
     @property
-    def port(self) -> int:
-        """The bound port once started (useful with port 0), else the configured one."""
-        return self._server.server_address[1] if self._server is not None else self._port
-
-    @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self.base_url
 
     def start(self) -> None:
         """Bind and serve on a background thread."""

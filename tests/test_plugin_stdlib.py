@@ -32,7 +32,10 @@ _IMPORT_ONLY = textwrap.dedent("""
 
 
 def _stdlib_dirs() -> list[str]:
-    paths = sysconfig.get_paths()
+    # The base installation's, not a virtualenv's: inside one, platstdlib names the venv, which has no lib-dynload.
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
+            "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=base)
     dirs = [paths["stdlib"], paths["platstdlib"], str(Path(paths["platstdlib"]) / "lib-dynload")]
     return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
 

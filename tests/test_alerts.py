@@ -257,6 +257,32 @@ def scenarios() -> list[dict[str, object]]:
                 "exp_annotations": expected("CollectorSourceDown", "warning", source="gpu", instance="c1:9464"),
             }]}],
         },
+        {   # A GPU falls off the bus; another GPU remaps an HBM row, then the remap fails on a third.
+            "name": "gpu lost and row remapping",
+            "input_series": [
+                series("stepline_gpu_lost_total", 'engine="e1",gpu="2"', "0 0 1x20"),
+                series("stepline_gpu_row_remap", 'engine="e1",gpu="0",state="pending"', "0 0 1x20"),
+                series("stepline_gpu_row_remap", 'engine="e1",gpu="0",state="failed"', "0x22"),
+                series("stepline_gpu_row_remap", 'engine="e1",gpu="1",state="failed"', "0 0 0 0 1x18"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "30s", "alertname": "GpuLost", "exp_alerts": []},
+                {"eval_time": "3m", "alertname": "GpuLost", "exp_alerts": [{
+                    "exp_labels": labels(engine="e1", gpu="2", severity="critical"),
+                    "exp_annotations": expected("GpuLost", "critical", engine="e1", gpu="2"),
+                }]},
+                {"eval_time": "1m30s", "alertname": "GpuRowRemap", "exp_alerts": [{
+                    "exp_labels": labels(engine="e1", gpu="0", state="pending", severity="warning"),
+                    "exp_annotations": expected("GpuRowRemap", "warning", engine="e1", gpu="0"),
+                }]},
+                {"eval_time": "3m", "alertname": "GpuRowRemap", "exp_alerts": [
+                    {"exp_labels": labels(engine="e1", gpu="0", state="pending", severity="warning"),
+                     "exp_annotations": expected("GpuRowRemap", "warning", engine="e1", gpu="0")},
+                    {"exp_labels": labels(engine="e1", gpu="1", state="failed", severity="critical"),
+                     "exp_annotations": expected("GpuRowRemap", "critical", engine="e1", gpu="1")},
+                ]},
+            ],
+        },
         {
             "name": "watchdog always fires",
             "input_series": [],

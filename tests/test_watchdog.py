@@ -274,6 +274,7 @@ def test_window_figures_and_gpu_metrics() -> None:
         h.gpu(80.0, flags=["sw_power_cap"])
         h.gpu(60.0, index=1)
     h.event("gpu_xid", xid="79", gpu="1")
+    h.event("gpu_lost", gpu="1")
     h.tick(0.1)
     assert h.value("stepline_engine_itl_p99_seconds") == 0.5
     assert h.value("stepline_engine_prefill_step_share") == 0.5
@@ -285,6 +286,7 @@ def test_window_figures_and_gpu_metrics() -> None:
     assert h.value("stepline_gpu_clock_event_active", engine=E, gpu="1", reason="sw_power_cap") == 0
     assert h.value("stepline_gpu_sm_clock_mhz", engine=E, gpu="1") == 1980.0
     assert h.value("stepline_gpu_xid_errors_total", engine=E, gpu="1", xid="79") == 1
+    assert h.value("stepline_gpu_lost_total", engine=E, gpu="1") == 1  # GpuLost pages on it
     assert h.metrics.registry.get_sample_value("stepline_gpu_present") == 1
     h.tick(61.0)  # no GPU data any more: the utilisation is absent, not 0
     assert h.value("stepline_engine_gpu_utilization_ratio") is None

@@ -118,6 +118,12 @@ class SelfMetrics:
                                       ["engine", "gpu", "xid"], registry=r)
         self.gpu_present = Gauge("stepline_gpu_present", "1 when GPU samples arrived in the last 60 s.",
                                  registry=r)
+        self.gpu_lost = Counter("stepline_gpu_lost", "GPUs NVML reported lost (fell off the bus, reset required).",
+                                ["engine", "gpu"], registry=r)
+        self.gpu_row_remap = Gauge(
+            "stepline_gpu_row_remap", "1 while the GPU's latest row-remapping reading has the state: pending (a "
+            "remap waits for a GPU reset) or failed (no spare rows left); NVML nvmlDeviceGetRemappedRows.",
+            ["engine", "gpu", "state"], registry=r)
         self.top_finding = Gauge("stepline_engine_top_finding_info",
                                  "The top diagnosis finding of a slow or stalled engine.",
                                  ["engine", "kind", "severity", "title"], registry=r)

@@ -113,6 +113,8 @@ class Watchdog:
         if e.kind == "gpu_xid":
             a = e.attributes
             self._metrics.gpu_xid_errors.labels(e.engine, a.get("gpu", ""), a.get("xid", "")).inc()
+        elif e.kind == "gpu_lost":
+            self._metrics.gpu_lost.labels(e.engine, e.attributes.get("gpu", "")).inc()
         elif e.engine and e.kind in ("engine_down", "engine_up", "engine_restart"):
             self._model(e.engine, e.ts).event(e)
 

@@ -54,6 +54,7 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
     stalled_state = s('state="stalled"')
     throttled = s('reason=~"' + throttle + '"')
     fatal_xid = s('xid=~"' + fatal + '"')
+    remap_pending, remap_failed = s('state="pending"'), s('state="failed"')
     dropped_counters = s('counter=~"' + dropped + '"')
     drops = (
         "sum without (table, reason, source, counter) (\n"
@@ -194,6 +195,31 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "GPU [gpu] of [engine] reported fatal XID [xid].",
             f"GPU [gpu] of engine [engine] reported XID [xid] (one of {', '.join(map(str, cfg.fatal_xids))}): "
             "uncorrectable memory error, NVLink, GSP or the GPU fell off the bus. Drain the node. " + diag,
+        ),
+        Alert(
+            "GpuLost", "critical",
+            f"increase(stepline_gpu_lost_total{s()}[{cfg.xid_window}]) > 0\n"
+            f"  or (stepline_gpu_lost_total{s()} > 0 unless stepline_gpu_lost_total{s()} offset {cfg.xid_window})",
+            "0m",
+            "GPU [gpu] of [engine] is lost.",
+            "NVML reports GPU [gpu] of engine [engine] lost (fell off the bus, or a reset is required): it is out "
+            "of rotation until the node is drained and the GPU reset or replaced. " + diag,
+        ),
+        Alert(
+            "GpuRowRemap", "warning",
+            f"stepline_gpu_row_remap{remap_pending} == 1",
+            "0m",
+            "GPU [gpu] of [engine] has an HBM row remap pending.",
+            "GPU [gpu] of engine [engine] remapped a failing HBM row; the remap takes effect at the next GPU "
+            "reset. Drain and reset it at the next maintenance window. " + diag,
+        ),
+        Alert(
+            "GpuRowRemap", "critical",
+            f"stepline_gpu_row_remap{remap_failed} == 1",
+            "0m",
+            "GPU [gpu] of [engine] failed to remap an HBM row.",
+            "GPU [gpu] of engine [engine] could not remap a failing HBM row (no spare rows left): its memory is "
+            "failing. Drain the node and replace the GPU. " + diag,
         ),
         Alert(
             "CollectorDroppingData", "warning",

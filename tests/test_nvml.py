@@ -78,10 +78,12 @@ def test_nvml_numbers_match_pynvml() -> None:
     assert nvml.GPM_PCIE_TX_PER_SEC == pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC
     assert nvml.GPM_PCIE_RX_PER_SEC == pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC
     for bit, name in nvml.CLOCK_EVENT_FLAGS:
-        camel = "".join(part.capitalize() for part in name.split("_"))
+        camel = "".join(part.capitalize() for part in name.removeprefix("pynvml_only_").split("_"))
         assert getattr(pynvml, f"nvmlClocksThrottleReason{camel}") == bit, name
         if bit <= 0x100:
             assert getattr(pynvml, f"nvmlClocksEventReason{camel}") == bit, name
+        else:  # in pynvml only, in no nvml.h: named as such
+            assert not hasattr(pynvml, f"nvmlClocksEventReason{camel}") and name.startswith("pynvml_only_"), name
     assert clock_event_flags(pynvml.nvmlClocksEventReasonAll) == [n for _, n in nvml.CLOCK_EVENT_FLAGS[:9]]
     codes = {pynvml.NVML_ERROR_NOT_SUPPORTED: NvmlUnsupported, pynvml.NVML_ERROR_NO_PERMISSION: NvmlUnsupported,
              pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: NvmlUnsupported, pynvml.NVML_ERROR_GPU_IS_LOST: NvmlGone,
@@ -107,6 +109,9 @@ def test_one_row_per_gpu_with_exact_values() -> None:
     assert row.ts == micros(clock.time()) and row.host == "gpu-node-1" and row.engine == ""
     assert (row.gpu_uuid, row.gpu_name) == (s.uuid, "NVIDIA H100 80GB HBM3")
     assert (row.sm_clock_mhz, row.mem_clock_mhz, row.power_w, row.energy_mj) == (1755.0, 2619.0, 612.345, 9_000_000)
+    assert (row.power_instant_w, row.driver_version, row.mem_reserved_bytes) == (612.345, "570.124.06", 512 << 20)
+    assert (row.remapped_rows_correctable, row.remapped_rows_uncorrectable) == (0, 0)
+    assert (row.remapped_rows_pending, row.remapped_rows_failure) == (False, False)
     assert (row.temp_gpu_c, row.temp_mem_c, row.util_gpu_pct, row.util_mem_copy_pct) == (71.0, 80.0, 98.0, 41.0)
     assert (row.mem_used_bytes, row.mem_total_bytes, row.pcie_replay_total) == (70 << 30, 80 << 30, 3)
     assert row.clock_event_reasons == 0x44
@@ -120,38 +125,41 @@ def test_one_row_per_gpu_with_exact_values() -> None:
 
 def test_an_unsupported_reading_is_reported_once_and_never_asked_again() -> None:
     fake = FakeNvml(2)
-    fake.state(1).unsupported |= {"energy_mj", "temperature_c:memory", "pcie_replay_counter", "field_values",
-                                  "clock_event_reasons", "processes", "register_xid_events"}
+    # Without nvmlDeviceGetFieldValues, the readings that have a call of their own fall back to it.
+    fake.state(1).unsupported |= {"energy_mj", "pcie_replay_counter", "field_values", "clock_event_reasons",
+                                  "processes", "register_xid_events", "remapped_rows"}
     fake.state(1).gpm = False
     source, clock = _source(fake)
     rows = _run(source, clock, 50)
     unsupported = _events(rows, "gpu_reading_unsupported")
     assert sorted(e.attributes["reading"] for e in unsupported) == [
-        "clock_events", "energy", "gpm", "nvlink", "pcie_replay", "processes", "temp_mem", "xid"]
+        "clock_events", "energy", "fields", "gpm", "pcie_replay", "processes", "remap", "xid"]
     assert all(e.attributes["gpu"] == "1" and e.severity == "info" and e.source == "gpu" for e in unsupported)
     assert unsupported[0].attributes["uuid"] == fake.state(1).uuid
-    for call in ("energy_mj", "temperature_c:memory", "pcie_replay_counter", "field_values", "clock_event_reasons",
-                 "processes", "register_xid_events", "gpm_supported"):
+    for call in ("energy_mj", "pcie_replay_counter", "field_values", "clock_event_reasons",
+                 "processes", "register_xid_events", "gpm_supported", "remapped_rows"):
         assert fake.calls[(call, 1)] == 1, call
-        assert fake.calls[(call, 0)] in (1, 50), call
+        assert fake.calls[(call, 0)] in (0, 1, 7, 50), call  # 7: once a second over 50 polls of 1/8 s
     assert fake.calls[("gpm_sample", 1)] == 0
+    assert fake.calls[("power_mw", 1)] == 50 and fake.calls[("power_mw", 0)] == 0  # the field's fallback
     last = _samples(rows, 1)[-1]
-    assert last.energy_mj == 0 and last.pcie_replay_total == 0 and last.clock_event_reasons == 0
+    assert last.energy_mj is None and last.pcie_replay_total is None and last.clock_event_reasons == 0
     assert math.isnan(last.temp_mem_c) and math.isnan(last.nvlink_tx_bytes_per_s) and last.processes == {}
-    assert last.clock_event_flags == [] and not math.isnan(last.temp_gpu_c)
+    assert last.clock_event_flags == [] and not math.isnan(last.temp_gpu_c) and last.power_w == 120.0
+    assert math.isnan(last.power_instant_w) and last.remapped_rows_pending is None
     assert source.stats()["unsupported_readings"] == 8
 
 
 def test_a_failing_call_is_counted_and_asked_again() -> None:
     fake = FakeNvml(1)
-    fake.state(0).failing.add("power_mw")
+    fake.state(0).failing.add("utilization")
     source, clock = _source(fake)
     rows = _run(source, clock, 5)
-    assert all(math.isnan(r.power_w) for r in _samples(rows))
-    assert fake.calls[("power_mw", 0)] == 5
+    assert all(math.isnan(r.util_gpu_pct) for r in _samples(rows))
+    assert fake.calls[("utilization", 0)] == 5
     assert source.stats()["nvml_errors"] == 5 and not _events(rows, "gpu_reading_unsupported")
     fake.state(0).failing.clear()
-    assert _samples(_poll(source))[0].power_w == 120.0
+    assert _samples(_poll(source))[0].util_gpu_pct == 0.0
 
 
 def test_gpm_is_sampled_once_per_interval_and_carried_forward_nan_without_it() -> None:
@@ -165,12 +173,8 @@ def test_gpm_is_sampled_once_per_interval_and_carried_forward_nan_without_it() -
     assert all(math.isnan(r.dram_bw_util_pct) for r in hopper[:8])  # one sample is no interval yet
     assert all((r.dram_bw_util_pct, r.tensor_active_pct, r.sm_occupancy_pct) == (61.5, 40.0, 22.25)
                for r in hopper[8:])
-    # PCIe from GPM on this GPU: never the 20 ms blocking call.
-    assert fake.calls[("pcie_throughput_kbs:tx", 0)] == 0
-    assert (hopper[8].pcie_tx_bytes_per_s, hopper[8].pcie_rx_bytes_per_s) == (2048 * 1024, 512 * 1024)
     ampere = _samples(rows, 1)
     assert all(math.isnan(r.dram_bw_util_pct) and math.isnan(r.sm_occupancy_pct) for r in ampere)
-    assert (ampere[0].pcie_tx_bytes_per_s, ampere[0].pcie_rx_bytes_per_s) == (2048 * 1024, 512 * 1024)
     assert [e.attributes["gpu"] for e in _events(rows, "gpu_reading_unsupported")] == ["1"]
     assert fake.calls[("gpm_sample", 1)] == 0
     fake.state(0).dram_bw_util_pct = 90.0  # shows only at the next interval
@@ -190,35 +194,47 @@ def test_gpm_that_fails_gives_nan_and_close_starts_again() -> None:
     assert len(_samples(_poll(source))) == 1 and fake.calls[("init", -1)] == 2
 
 
-def test_pcie_without_gpm_is_read_once_per_interval_one_gpu_per_poll() -> None:
-    fake = FakeNvml([FakeGpuState(gpm=False, pcie_tx_kbs=100 * i, pcie_rx_kbs=10) for i in range(3)])
-    fake.state(2).gpm = True
-    fake.state(2).unsupported.add(f"gpm_metric:{nvml.GPM_PCIE_TX_PER_SEC}")  # GPM without PCIe: timed call
+def test_pcie_from_the_byte_counter_fields_or_gpm_never_the_blocking_call() -> None:
+    fake = FakeNvml([FakeGpuState(gpm=False, pcie_tx_kbs=100, pcie_rx_kbs=10), FakeGpuState(pcie_tx_kbs=2048)])
+    fake.state(1).unsupported |= {f"field:{field}" for field in (nvml.FI_DEV_PCIE_COUNT_TX_BYTES,
+                                                                 nvml.FI_DEV_PCIE_COUNT_RX_BYTES)}
     source, clock = _source(fake)
-    first = _samples(_poll(source))
-    assert first[0].pcie_tx_bytes_per_s == 0.0 and math.isnan(first[1].pcie_tx_bytes_per_s)
-    rows = _run(source, clock, 16)
-    assert [fake.calls[("pcie_throughput_kbs:tx", i)] for i in range(3)] == [2, 2, 1]
-    assert _samples(rows, 1)[-1].pcie_tx_bytes_per_s == 100 * 1024
-    assert _samples(rows, 2)[-1].pcie_rx_bytes_per_s == 10 * 1024
+    rows: list[Row] = []
+    for _ in range(16):
+        source.poll(rows.extend)
+        clock.advance(TICK)
+        for state in fake.devices:
+            state.advance(TICK)
+    counted = _samples(rows, 0)
+    assert math.isnan(counted[0].pcie_tx_bytes_per_s)  # one reading is no rate yet
+    assert all((r.pcie_tx_bytes_per_s, r.pcie_rx_bytes_per_s) == (100 * 1024, 10 * 1024) for r in counted[1:])
+    via_gpm = _samples(rows, 1)  # no byte counters: GPM's PCIe metrics, once a GPM interval
+    assert via_gpm[-1].pcie_tx_bytes_per_s == 2048 * 1024 and math.isnan(via_gpm[0].pcie_tx_bytes_per_s)
+    assert not any("pcie_throughput" in call for call, _ in fake.calls)
+    assert {e.attributes["reading"] for e in _events(rows, "gpu_reading_unsupported")} == {"pcie_tx", "pcie_rx", "gpm"}
 
 
-def test_nvlink_counters_become_rates() -> None:
+def test_nvlink_counters_become_rates_over_the_fields_own_timestamps() -> None:
     fake = FakeNvml(1)
     state = fake.state(0)
     state.nvlink_tx_kib, state.nvlink_rx_kib = 1_000_000, 5_000
     source, clock = _source(fake)
     first = _samples(_poll(source))[0]
     assert math.isnan(first.nvlink_tx_bytes_per_s) and math.isnan(first.nvlink_rx_bytes_per_s)
-    clock.advance(0.5)
+    clock.advance(0.1)  # the poll's clock moved 0.1 s, the driver's counter 0.5 s
+    state.field_ts_us += 500_000
     state.nvlink_tx_kib += 500_000
     state.nvlink_rx_kib += 1_000
     row = _samples(_poll(source))[0]
     assert (row.nvlink_tx_bytes_per_s, row.nvlink_rx_bytes_per_s) == (500_000 * 1024 / 0.5, 1_000 * 1024 / 0.5)
+    clock.advance(0.1)  # not refreshed by the driver since: the last rate stands
+    assert _samples(_poll(source))[0].nvlink_tx_bytes_per_s == 500_000 * 1024 / 0.5
     clock.advance(0.5)
+    state.field_ts_us += 500_000
     state.nvlink_tx_kib, state.nvlink_rx_kib = 10, 1  # driver reloaded: counters start again
     assert math.isnan(_samples(_poll(source))[0].nvlink_tx_bytes_per_s)
     clock.advance(0.25)
+    state.field_ts_us += 250_000
     state.nvlink_tx_kib, state.nvlink_rx_kib = 266, 1
     row = _samples(_poll(source))[0]
     assert (row.nvlink_tx_bytes_per_s, row.nvlink_rx_bytes_per_s) == (256 * 1024 / 0.25, 0.0)
@@ -375,7 +391,7 @@ def test_a_gpu_that_disappears_is_reported_once_and_the_others_keep_coming() -> 
     assert lost[0].attributes == {"gpu": "1", "uuid": fake.state(1).uuid}
     assert lost[0].message.startswith(f"GPU 1 ({fake.state(1).uuid}) was lost: GPU is lost")
     assert [r.gpu_index for r in _samples(rows)] == [0, 2] * 10
-    assert fake.calls[("power_mw", 1)] == 2 and source.stats()["gpus_lost"] == 1
+    assert fake.calls[("field_values", 1)] == 3 and source.stats()["gpus_lost"] == 1  # the third found it lost
     fake.remove(0)
     fake.remove(2)
     with pytest.raises(SourceError, match=r"^no NVML: every GPU was lost$"):
@@ -401,6 +417,7 @@ def test_engine_is_tied_through_the_gpu_processes() -> None:
     assert [r.engine for r in _samples(rows)[:3]] == ["engine-a", "engine-b", ""]
     assert asked == [11, 1234, 4321]  # the same processes are not asked about again
     fake.state(0).processes = {999: 1}
+    clock.advance(1.0)  # processes are read once a second
     assert _samples(_poll(source), 0)[0].engine == ""
 
 
@@ -503,11 +520,12 @@ def test_real_nvml_translates_pynvml() -> None:
         real.temperature_c(0, "gpu")
     with pytest.raises(NvmlUnsupported):
         real.temperature_c(0, "memory")
-    assert real.field_values(0, nvml.NVLINK_FIELDS) == [2**40 + 138, 2**40 + 139]
+    assert [r.value for r in real.field_values(0, nvml.NVLINK_FIELDS)] == [2**40 + 138, 2**40 + 139]
     a, b, c = real.gpm_sample(1), real.gpm_sample(1), real.gpm_sample(1)
     assert a is c and a is not b  # two buffers per device
-    metrics = real.gpm_metrics(a, b, nvml.GPM_METRICS)
-    assert math.isnan(metrics[0]) and metrics[1:] == [50.0, 30.0, 200.0, 210.0]
+    metrics = real.gpm_metrics(a, b, nvml.GPM_METRICS + nvml.GPM_PCIE_METRICS)
+    assert math.isnan(metrics[0].value) and metrics[0].code == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert [m.value for m in metrics[1:]] == [50.0, 30.0, 20.0, 10.0, 200.0, 210.0]
     assert real.wait_xid(0) is None  # nothing registered
     real.register_xid_events(3)
     stub.xids.append((3, 48))

@@ -318,7 +318,7 @@ def test_a_version_1_store_gets_requests_that_merge_in_place(store_url: str) -> 
         old.insert("requests", [_request("a", "otlp", t), _request("b", "plugin", t)], Request._fields)
         old.client.command(f"CREATE TABLE `{db}`.`requests_rebuild` (x UInt8) ENGINE = Memory")  # a stop mid-way
         old.ensure_schema(30)
-        assert old.schema_version() == schema.SCHEMA_VERSION == 2
+        assert old.schema_version() == schema.SCHEMA_VERSION == 3
         engines = {str(n): str(e) for n, e in old.query(
             "SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
         assert engines["requests"] == "AggregatingMergeTree" and "requests_rebuild" not in engines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 
@@ -94,7 +95,10 @@ class Request(NamedTuple):
 
 
 class GpuSample(NamedTuple):
-    """One NVML sample of one GPU; NaN where the GPU does not support a reading."""
+    """One NVML sample of one GPU; NaN (None for integers) where the GPU does not support a reading or it failed.
+
+    Fields added after the first release come last, with defaults, so that the table only ever grows at its end.
+    """
 
     ts: int
     host: str
@@ -105,7 +109,7 @@ class GpuSample(NamedTuple):
     sm_clock_mhz: float
     mem_clock_mhz: float
     power_w: float
-    energy_mj: int
+    energy_mj: int | None  # cumulative: None when the read failed, never 0
     temp_gpu_c: float
     temp_mem_c: float
     util_gpu_pct: float
@@ -114,7 +118,7 @@ class GpuSample(NamedTuple):
     mem_total_bytes: int
     pcie_tx_bytes_per_s: float
     pcie_rx_bytes_per_s: float
-    pcie_replay_total: int
+    pcie_replay_total: int | None  # cumulative: None when the read failed, never 0
     nvlink_tx_bytes_per_s: float
     nvlink_rx_bytes_per_s: float
     clock_event_reasons: int
@@ -123,6 +127,15 @@ class GpuSample(NamedTuple):
     tensor_active_pct: float
     sm_occupancy_pct: float
     processes: dict[int, int]
+    driver_version: str = ""
+    power_instant_w: float = math.nan
+    mem_reserved_bytes: int | None = None
+    sm_active_pct: float = math.nan
+    graphics_active_pct: float = math.nan
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
 
 
 class HostSample(NamedTuple):

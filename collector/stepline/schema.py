@@ -10,11 +10,17 @@ from typing import NamedTuple
 # `Store` gives any store today's comments, so an older stepline can still open a store a newer one described.
 # 2: `requests` became an AggregatingMergeTree keyed by (host, engine, request_id) that merges the plugin's and
 # OTLP's reports of a request field by field (`Store` rebuilds a version-1 table in place).
-SCHEMA_VERSION = 2
+# 3: `gpu_samples`' cumulative counters (energy_mj, pcie_replay_total) became Nullable: a failed read is NULL, which
+# min/max (and so max - min) pass over, where it was a 0 that made one minute's energy everything since the driver
+# loaded (`Store` converts them in place, and turns version 2's zero energy readings, which were failures, to NULL).
+SCHEMA_VERSION = 3
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
 COUNTER = "UInt64 CODEC(Delta, ZSTD(1))"
+# A cumulative counter read from a device: NULL when the read failed, so that max - min over a window ignores it.
+MAYBE_COUNTER = "Nullable(UInt64) CODEC(Delta, ZSTD(1))"
+MAYBE_COUNT = "Nullable(UInt32) CODEC(T64, ZSTD(1))"
 GAUGE = "Float64 CODEC(Gorilla, ZSTD(1))"
 SMALL_GAUGE = "Float32 CODEC(Gorilla, ZSTD(1))"
 COUNT = "UInt32 CODEC(T64, ZSTD(1))"
@@ -145,13 +151,19 @@ GPU_AGGREGATES = (
     "avg(mem_clock_mhz)",
     "avg(power_w)",
     "max(power_w)",
+    "avg(power_instant_w)",
+    "max(power_instant_w)",
     "min(energy_mj)",
     "max(energy_mj)",
+    "min(pcie_replay_total)",
+    "max(pcie_replay_total)",
     "max(temp_gpu_c)",
     "max(temp_mem_c)",
     "avg(util_gpu_pct)",
     "avg(tensor_active_pct)",
     "avg(sm_occupancy_pct)",
+    "avg(sm_active_pct)",
+    "avg(graphics_active_pct)",
     "avg(dram_bw_util_pct)",
     "max(mem_used_bytes)",
     "max(mem_total_bytes)",
@@ -161,6 +173,9 @@ GPU_AGGREGATES = (
     "avg(nvlink_rx_bytes_per_s)",
     "avg(nvlink_tx_bytes_per_s + nvlink_rx_bytes_per_s)",
     "avg(pcie_tx_bytes_per_s + pcie_rx_bytes_per_s)",
+    "max(remapped_rows_uncorrectable)",
+    "max(remapped_rows_pending)",
+    "max(remapped_rows_failure)",
 )
 GPU_SAMPLES_PER_MINUTE = Projection("gpu_samples_per_minute", ("host", "engine", "gpu_index", "toStartOfMinute(ts)"),
                                     GPU_AGGREGATES)
@@ -311,12 +326,15 @@ TABLES: tuple[Table, ...] = (
             Column("gpu_name", DIM, "GPU model, e.g. NVIDIA H200 (nvmlDeviceGetName)."),
             Column("sm_clock_mhz", SMALL_GAUGE, "SM clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_SM); NaN when "
                    "unsupported."),
-            Column("mem_clock_mhz", SMALL_GAUGE, "Memory clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_MEM); NaN "
-                   "when unsupported."),
-            Column("power_w", SMALL_GAUGE, "Power draw, W (nvmlDeviceGetPowerUsage, mW / 1000); NaN when "
-                   "unsupported."),
-            Column("energy_mj", COUNTER, "Energy used since the driver loaded, mJ, cumulative "
-                   "(nvmlDeviceGetTotalEnergyConsumption); 0 when unsupported."),
+            Column("mem_clock_mhz", SMALL_GAUGE, "Memory clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_MEM), read "
+                   "once a second and carried forward in between; NaN when unsupported."),
+            Column("power_w", SMALL_GAUGE, "Power draw averaged by the driver over the last second, W (field "
+                   "NVML_FI_DEV_POWER_AVERAGE, mW / 1000; where a GPU lacks the field, nvmlDeviceGetPowerUsage, which "
+                   "is the same 1 s average on Ampere (except GA100) and newer and instantaneous before); smooths a "
+                   "10 Hz series: power_instant_w is the current draw. NaN when unsupported or the read failed."),
+            Column("energy_mj", MAYBE_COUNTER, "Energy used since the driver loaded, mJ, cumulative (field "
+                   "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, as nvmlDeviceGetTotalEnergyConsumption); NULL when "
+                   "unsupported or the read failed, so max - min over a window is the energy used in it."),
             Column("temp_gpu_c", SMALL_GAUGE, "GPU temperature, degrees C (nvmlDeviceGetTemperature, "
                    "NVML_TEMPERATURE_GPU); NaN when unsupported."),
             Column("temp_mem_c", SMALL_GAUGE, "Memory (HBM) temperature, degrees C (field "
@@ -325,26 +343,32 @@ TABLES: tuple[Table, ...] = (
                    "% 0-100 (nvmlDeviceGetUtilizationRates .gpu); NaN when unsupported."),
             Column("util_mem_copy_pct", SMALL_GAUGE, "Share of the driver's last sample period in which memory was "
                    "read or written, % 0-100 (nvmlDeviceGetUtilizationRates .memory); NaN when unsupported."),
-            Column("mem_used_bytes", COUNTER, "GPU memory in use, bytes (nvmlDeviceGetMemoryInfo .used); 0 when "
-                   "unsupported."),
+            Column("mem_used_bytes", COUNTER, "GPU memory in use, bytes: total - free of nvmlDeviceGetMemoryInfo_v2 "
+                   "(the driver's reservation included, as nvmlDeviceGetMemoryInfo's .used), read once a second and "
+                   "carried forward in between; 0 when unsupported."),
             Column("mem_total_bytes", COUNTER, "GPU memory in all, bytes (nvmlDeviceGetMemoryInfo .total); 0 when "
                    "unsupported."),
-            Column("pcie_tx_bytes_per_s", GAUGE, "PCIe transmit rate, bytes/s: GPM PCIE_TX_PER_SEC on Hopper and "
-                   "newer, else nvmlDeviceGetPcieThroughput (KiB/s over 20 ms); read at most once a second, carried "
-                   "forward in between."),
-            Column("pcie_rx_bytes_per_s", GAUGE, "PCIe receive rate, bytes/s, read as pcie_tx_bytes_per_s is (GPM "
-                   "PCIE_RX_PER_SEC, else nvmlDeviceGetPcieThroughput)."),
-            Column("pcie_replay_total", COUNTER, "PCIe replays since the driver loaded, cumulative "
-                   "(nvmlDeviceGetPcieReplayCounter); 0 when unsupported."),
+            Column("pcie_tx_bytes_per_s", GAUGE, "PCIe transmit rate, bytes/s: the change of field "
+                   "NVML_FI_DEV_PCIE_COUNT_TX_BYTES (cumulative bytes, wrapping) between two samples over the change "
+                   "of the field's own timestamp; where a GPU lacks the field, GPM PCIE_TX_PER_SEC (MiB/s, over the "
+                   "last GPM interval, carried forward). NaN on the first sample and when the read failed."),
+            Column("pcie_rx_bytes_per_s", GAUGE, "PCIe receive rate, bytes/s, read as pcie_tx_bytes_per_s is (field "
+                   "NVML_FI_DEV_PCIE_COUNT_RX_BYTES, else GPM PCIE_RX_PER_SEC)."),
+            Column("pcie_replay_total", MAYBE_COUNTER, "PCIe replays since the driver loaded, cumulative (field "
+                   "NVML_FI_DEV_PCIE_REPLAY_COUNTER, as nvmlDeviceGetPcieReplayCounter); NULL when unsupported or "
+                   "the read failed."),
             Column("nvlink_tx_bytes_per_s", GAUGE, "NVLink transmit rate summed over links, bytes/s: the change of "
-                   "field NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, all links) between two samples; NaN on the "
-                   "first sample and where there is no NVLink."),
+                   "field NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, all links) between two samples over the change "
+                   "of the field's own timestamp (nvmlFieldValue_t.timestamp); NaN on the first sample, when the read "
+                   "failed and where there is no NVLink."),
             Column("nvlink_rx_bytes_per_s", GAUGE, "NVLink receive rate summed over links, bytes/s, from "
                    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX as for transmit."),
             Column("clock_event_reasons", "UInt64", "Why clocks are held down, as NVML's bitmask "
                    "(nvmlDeviceGetCurrentClocksEventReasons, or ...ThrottleReasons on older drivers)."),
             Column("clock_event_flags", "Array(LowCardinality(String))", "The bits of clock_event_reasons by name: "
-                   "gpu_idle, sw_power_cap, hw_slowdown, sw_thermal_slowdown, hw_power_brake_slowdown, ..."),
+                   "gpu_idle, sw_power_cap, hw_slowdown, sw_thermal_slowdown, hw_power_brake_slowdown, ...; bits "
+                   "0x200 and 0x400 are named pynvml_only_board_limit and pynvml_only_reliability: pynvml defines "
+                   "them, no nvml.h does."),
             Column("dram_bw_util_pct", SMALL_GAUGE, "DRAM bandwidth used, % 0-100 of peak, over the last GPM "
                    "interval (about 1 s; GPM metric DRAM_BW_UTIL); NaN before Hopper."),
             Column("tensor_active_pct", SMALL_GAUGE, "Share of time any tensor core was active, % 0-100, over the "
@@ -352,7 +376,31 @@ TABLES: tuple[Table, ...] = (
             Column("sm_occupancy_pct", SMALL_GAUGE, "SM occupancy (resident warps of the maximum), % 0-100, over the "
                    "last GPM interval (GPM metric SM_OCCUPANCY); NaN before Hopper."),
             Column("processes", "Map(UInt32, UInt64)", "PID to GPU memory used, bytes, of each compute process "
-                   "on the GPU (nvmlDeviceGetComputeRunningProcesses)."),
+                   "on the GPU (nvmlDeviceGetComputeRunningProcesses), read once a second and carried forward in "
+                   "between."),
+            Column("driver_version", DIM, "The NVIDIA driver's version, e.g. 570.124.06 "
+                   "(nvmlSystemGetDriverVersion, read once when NVML starts); '' when unknown."),
+            Column("power_instant_w", SMALL_GAUGE, "Power draw at the moment of the read, W (field "
+                   "NVML_FI_DEV_POWER_INSTANT, mW / 1000); power_w is the driver's 1 s average. NaN when "
+                   "unsupported or the read failed."),
+            Column("mem_reserved_bytes", "Nullable(UInt64) CODEC(ZSTD(1))", "GPU memory the driver reserves for "
+                   "itself, bytes (nvmlDeviceGetMemoryInfo_v2 .reserved), read once a second; NULL where the driver "
+                   "has no _v2."),
+            Column("sm_active_pct", SMALL_GAUGE, "Share of SMs active (at least one warp resident), % 0-100, over "
+                   "the last GPM interval (GPM metric SM_UTIL: DCGM's SM active); NaN before Hopper or when the GPU "
+                   "refuses the metric."),
+            Column("graphics_active_pct", SMALL_GAUGE, "Share of time the graphics/compute engine was busy, % 0-100, "
+                   "over the last GPM interval (GPM metric GRAPHICS_UTIL: DCGM's graphics engine active); NaN before "
+                   "Hopper or when the GPU refuses the metric."),
+            Column("remapped_rows_correctable", MAYBE_COUNT, "HBM rows remapped because of correctable errors, "
+                   "since manufacture (nvmlDeviceGetRemappedRows corrRows), read once a second and carried forward; "
+                   "NULL where unsupported (before Ampere) or not read yet."),
+            Column("remapped_rows_uncorrectable", MAYBE_COUNT, "HBM rows remapped because of uncorrectable errors, "
+                   "since manufacture (nvmlDeviceGetRemappedRows uncRows), read as the correctable count is."),
+            Column("remapped_rows_pending", "Nullable(Bool)", "A row remap is pending: it takes effect at the next "
+                   "GPU reset, which the GPU needs (nvmlDeviceGetRemappedRows isPending); NULL where unsupported."),
+            Column("remapped_rows_failure", "Nullable(Bool)", "A row remap failed (no spare row left): the GPU "
+                   "needs service (nvmlDeviceGetRemappedRows failureOccurred); NULL where unsupported."),
         ),
         ("host", "gpu_index", "ts"),
         "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported; "
@@ -430,6 +478,9 @@ SCHEMA_VERSION_TABLE = Table(
 )
 
 TABLE_BY_NAME = {table.name: table for table in TABLES}
+# Columns whose 0 meant "the read failed" before they became Nullable: the migration turns those zeros to NULL
+# (an energy counter since the driver loaded is never 0 on a GPU that ran; a PCIe replay count of 0 is real).
+ZERO_WAS_UNKNOWN = {"gpu_samples": ("energy_mj",)}
 # Every table stepline creates (the timeline view aside): what carries a comment on every column.
 STORE_TABLES = (*TABLES, SCHEMA_VERSION_TABLE)
 

@@ -183,6 +183,12 @@ class Store:
                 if missing:
                     log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
                                 "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
+                widened = self._widened_columns()
+                if widened:
+                    log.warning("the cluster's tables hold %s as plain types where this stepline writes NULL for a "
+                                "failed reading: MODIFY COLUMN ... ON CLUSTER to today's types (`stepline schema "
+                                "--cluster`) before this collector writes to them",
+                                ", ".join(f"{t.name}.{c.name}" for t, c in widened))
                 for table in self._outdated_engines(suffix="_local"):
                     log.warning("the cluster's %s_local is not today's %s table: until it is rebuilt ON CLUSTER "
                                 "(see `stepline schema --cluster`), a request reported by the plugin and by OTLP "
@@ -198,6 +204,7 @@ class Store:
                 if statement not in views:
                     self.client.command(statement)
             self._add_missing_columns()
+            self._make_nullable()
             self._rebuild_outdated_engines(retention_days)
             self._describe()
             self._add_missing_projections()
@@ -246,6 +253,32 @@ class Store:
                     self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
                                         f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
                 previous = column.name
+
+    def _widened_columns(self) -> list[tuple[schema.Table, schema.Column]]:
+        """The columns this stepline declares Nullable that the store's tables hold as plain types (before schema 3)."""
+        types = {(str(t), str(n)): str(ty) for t, n, ty in self.client.query(
+            "SELECT table, name, type FROM system.columns WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        return [(table, column) for table in schema.TABLES for column in table.definition
+                if column.type.startswith("Nullable(")
+                and not types.get((table.name, column.name), "Nullable(").startswith("Nullable(")]
+
+    def _make_nullable(self) -> None:
+        """Columns that became Nullable (schema 3: cumulative counters whose failed reads are NULL) are converted in
+        place. ClickHouse cannot convert a projection's aggregate states, so the table's projections are dropped
+        first and built again by _add_missing_projections. Zeros that meant "read failed" (schema.ZERO_WAS_UNKNOWN)
+        become NULL by a background mutation; until it reaches a part, that part reads as before."""
+        widened = self._widened_columns()
+        for table in {t.name: t for t, _ in widened}.values():
+            for projection in table.projections:
+                self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
+                                    f"DROP PROJECTION IF EXISTS `{projection.name}`")
+        for table, column in widened:
+            log.info("making %s.%s Nullable", table.name, column.name)
+            target = f"`{self.database}`.`{table.name}`"
+            self.client.command(f"ALTER TABLE {target} MODIFY COLUMN {schema.column_sql(column)}")
+            if column.name in schema.ZERO_WAS_UNKNOWN.get(table.name, ()):
+                self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{column.name}` = 0")
 
     def _engines(self) -> dict[str, str]:
         """The engine of each table in the store's database."""

@@ -12,17 +12,39 @@ from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event, GpuSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 from stepline.sources.nvml import (
+    FI_DEV_MEMORY_TEMP,
+    FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+    FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+    FI_DEV_PCIE_COUNT_RX_BYTES,
+    FI_DEV_PCIE_COUNT_TX_BYTES,
+    FI_DEV_PCIE_REPLAY_COUNTER,
+    FI_DEV_POWER_AVERAGE,
+    FI_DEV_POWER_INSTANT,
+    FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+    GPM_ANY_TENSOR_UTIL,
+    GPM_DRAM_BW_UTIL,
+    GPM_GRAPHICS_UTIL,
+    GPM_METRIC_NAMES,
     GPM_METRICS,
+    GPM_PCIE_METRICS,
+    GPM_PCIE_RX_PER_SEC,
+    GPM_PCIE_TX_PER_SEC,
+    GPM_SM_OCCUPANCY,
+    GPM_SM_UTIL,
     INIT_RETRY_S,
     MAX_XID_PER_POLL,
-    NVLINK_FIELDS,
+    SCOPE_ALL_LINKS,
+    FieldReading,
+    GpmValue,
     Handle,
+    MemoryInfo,
     Nvml,
     NvmlError,
     NvmlGone,
     NvmlMissing,
     NvmlUnsupported,
     RealNvml,
+    RemappedRows,
     clock_event_flags,
     xid_message,
 )
@@ -31,20 +53,38 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _NAN_PAIR = (math.nan, math.nan)
-_ZERO_PAIR = (0, 0)
-_NO_GPM = (math.nan, math.nan, math.nan)
 _MIB = 1 << 20
 # Typed "nothing" defaults, so that _value/_attempt keep the reading's type.
-_NO_LIST: list[float] | None = None
 _NO_DICT: dict[int, int] | None = None
 _NO_OBJECT: object | None = None
+_NO_MEMORY: MemoryInfo | None = None
+_NO_REMAP: RemappedRows | None = None
+_NO_COUNT: int | None = None
+# The scalar readings of one nvmlDeviceGetFieldValues call per GPU per poll: (reading, field id, scope id).
+FIELDS = (
+    ("power", FI_DEV_POWER_AVERAGE, 0),
+    ("power_instant", FI_DEV_POWER_INSTANT, 0),
+    ("energy", FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0),
+    ("temp_mem", FI_DEV_MEMORY_TEMP, 0),
+    ("pcie_replay", FI_DEV_PCIE_REPLAY_COUNTER, 0),
+    ("pcie_tx", FI_DEV_PCIE_COUNT_TX_BYTES, 0),
+    ("pcie_rx", FI_DEV_PCIE_COUNT_RX_BYTES, 0),
+    ("nvlink_tx", FI_DEV_NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS),
+    ("nvlink_rx", FI_DEV_NVLINK_THROUGHPUT_DATA_RX, SCOPE_ALL_LINKS),
+)
+# Field readings with a call of their own, made only where the GPU (or driver) lacks the field.
+_FIELD_FALLBACKS = frozenset({"power", "energy", "pcie_replay"})
+# Return codes that mean "never": INVALID_ARGUMENT (a field or metric id this driver does not know), NOT_SUPPORTED,
+# NO_PERMISSION, FUNCTION_NOT_FOUND. Any other code of one field or metric is counted and asked again.
+_REFUSED = frozenset({2, 3, 4, 13})
 
 
 class _Gpu:
     """What the source keeps of one GPU between polls."""
 
-    __slots__ = ("calls", "engine", "gpm", "gpm_at", "gpm_prev", "handle", "index", "lost", "name", "nvl_at",
-                 "nvl_rx", "nvl_tx", "pcie", "pcie_at", "pcie_via_gpm", "pids", "uuid")
+    __slots__ = ("calls", "counters", "engine", "fields", "gpm", "gpm_at", "gpm_prev", "gpm_refused", "handle",
+                 "index", "lost", "mem_clock", "memory", "name", "pcie", "pcie_via_gpm", "pids", "procs", "rates",
+                 "remap", "slow_at", "uuid")
 
     def __init__(self, index: int, uuid: str, name: str, handle: Handle, calls: dict[str, Callable[[], Any]]) -> None:
         self.index, self.uuid, self.name, self.handle = index, uuid, name, handle
@@ -52,33 +92,39 @@ class _Gpu:
         self.lost = False
         self.engine = ""
         self.pids: set[int] = set()
-        self.nvl_at: float | None = None
-        self.nvl_tx = self.nvl_rx = 0.0
+        self.fields = list(FIELDS)  # a field the GPU refuses is removed, never asked again
+        self.counters: dict[str, FieldReading] = {}  # reading -> the counter's base for its next rate
+        self.rates: dict[str, float] = {}
         self.gpm_prev: object | None = None
         self.gpm_at = -math.inf
-        self.gpm = _NO_GPM
-        self.pcie_via_gpm = False
-        self.pcie_at = -math.inf
+        self.gpm: dict[int, float] = {}  # metric id -> value over the last GPM interval, carried forward
+        self.gpm_refused: set[int] = set()  # metrics this GPU refuses: never asked again
+        self.pcie_via_gpm = False  # GPM may give PCIe: asked only where the PCIe byte fields are missing
         self.pcie = _NAN_PAIR
+        # Read once a second (slow_at), carried forward in between.
+        self.slow_at = -math.inf
+        self.mem_clock = math.nan
+        self.memory: MemoryInfo | None = None
+        self.procs: dict[int, int] = {}
+        self.remap: RemappedRows | None = None
 
 
 def _calls(nvml: Nvml, h: Handle) -> dict[str, Callable[[], Any]]:
     return {
         "sm_clock": partial(nvml.clock_mhz, h, "sm"),
-        "mem_clock": partial(nvml.clock_mhz, h, "mem"),
-        "power": partial(nvml.power_mw, h),
-        "energy": partial(nvml.energy_mj, h),
         "temp_gpu": partial(nvml.temperature_c, h, "gpu"),
-        "temp_mem": partial(nvml.temperature_c, h, "memory"),
         "utilization": partial(nvml.utilization, h),
-        "memory": partial(nvml.memory, h),
-        "pcie_tx": partial(nvml.pcie_throughput_kbs, h, "tx"),
-        "pcie_rx": partial(nvml.pcie_throughput_kbs, h, "rx"),
-        "pcie_replay": partial(nvml.pcie_replay_counter, h),
-        "nvlink": partial(nvml.field_values, h, NVLINK_FIELDS),
         "clock_events": partial(nvml.clock_event_reasons, h),
         "gpm": partial(nvml.gpm_sample, h),
+        # Once a second:
+        "mem_clock": partial(nvml.clock_mhz, h, "mem"),
+        "memory": partial(nvml.memory, h),
         "processes": partial(nvml.processes, h),
+        "remap": partial(nvml.remapped_rows, h),
+        # Only where the GPU lacks the field (FIELDS):
+        "power": partial(nvml.power_mw, h),
+        "energy": partial(nvml.energy_mj, h),
+        "pcie_replay": partial(nvml.pcie_replay_counter, h),
     }
 
 
@@ -91,11 +137,13 @@ class GpuSource:
     """Samples every GPU once per poll; no NVML (or no GPU) is a state, re-checked every INIT_RETRY_S."""
 
     def __init__(self, ctx: SourceContext, nvml: Nvml | None = None, *, gpm_interval_s: float = 1.0,
-                 pcie_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None) -> None:
+                 slow_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None) -> None:
         self._ctx = ctx
         self._nvml: Nvml = nvml if nvml is not None else RealNvml()
         self._gpm_interval_s = gpm_interval_s
-        self._pcie_interval_s = pcie_interval_s
+        # Processes, memory, memory clock and row remapping change slowly: read once per slow interval per GPU.
+        self._slow_interval_s = slow_interval_s
+        self._driver: str | None = None  # nvmlSystemGetDriverVersion, read once per NVML session
         # Default: the engine processes the host source found, so a GPU is tied to the engine it serves.
         self._engine_of_pid = engine_of_pid or ctx.engine_processes.engine_of
         self._gpus: list[_Gpu] | None = None
@@ -105,7 +153,6 @@ class GpuSource:
         self._down_message = ""
         self._events: list[Event] = []
         self._lost: set[int] = set()  # indexes; survives re-initialisation, so a lost GPU is reported once
-        self._pcie_budget = 0
         self._log = RateLimitedLog(log, 60.0)
         self._samples = self._unsupported_readings = self._xid_events = self._gpus_lost = self._nvml_errors = 0
 
@@ -130,8 +177,6 @@ class GpuSource:
         clock = self._ctx.clock
         stamp, now = micros(clock.time()), clock.monotonic()
         rows: list[Row] = []
-        # nvmlDeviceGetPcieThroughput blocks for its 20 ms window: at most one GPU pays it per poll.
-        self._pcie_budget = 1
         lost = False
         try:
             self._drain_xid(gpus)
@@ -159,7 +204,7 @@ class GpuSource:
 
     def close(self) -> None:
         """Release NVML; a later poll starts again."""
-        self._gpus, self._xid = None, False
+        self._gpus, self._xid, self._driver = None, False, None
         if self._initialised:
             self._initialised = False
             try:
@@ -225,29 +270,141 @@ class GpuSource:
 
     def _sample(self, gpu: _Gpu, stamp: int, now: float) -> GpuSample:
         v = self._value
+        fields = self._fields(gpu)
         util = v(gpu, "utilization", _NAN_PAIR)
-        used, total = v(gpu, "memory", _ZERO_PAIR)
         reasons = v(gpu, "clock_events", 0)
+        self._slow(gpu, now)
         self._gpm(gpu, now)
-        pcie_tx, pcie_rx = self._pcie(gpu, now)
-        nvl_tx, nvl_rx = self._nvlink(gpu, now)
-        procs = v(gpu, "processes", _NO_DICT)
-        if procs is None:
-            procs = {}
-        engine = self._engine(gpu, procs)
-        gpm = gpu.gpm
+        memory = gpu.memory or MemoryInfo(0, 0, None)
+        remap = gpu.remap
+        engine = self._engine(gpu, gpu.procs)
+        gpm = gpu.gpm.get
+        nan = math.nan
         return GpuSample(
             stamp, self._ctx.host, engine, gpu.index, gpu.uuid, gpu.name,
-            float(v(gpu, "sm_clock", math.nan)), float(v(gpu, "mem_clock", math.nan)),
-            v(gpu, "power", math.nan) / 1000, v(gpu, "energy", 0),
-            float(v(gpu, "temp_gpu", math.nan)), float(v(gpu, "temp_mem", math.nan)),
-            float(util[0]), float(util[1]), used, total, pcie_tx, pcie_rx, v(gpu, "pcie_replay", 0),
-            nvl_tx, nvl_rx, reasons, clock_event_flags(reasons), gpm[0], gpm[1], gpm[2], procs,
+            float(v(gpu, "sm_clock", nan)), gpu.mem_clock,
+            self._field(gpu, fields, "power", nan) / 1000, self._counter(gpu, fields, "energy"),
+            float(v(gpu, "temp_gpu", nan)), self._field(gpu, fields, "temp_mem", nan),
+            float(util[0]), float(util[1]), memory.used, memory.total, *self._pcie(gpu, fields),
+            self._counter(gpu, fields, "pcie_replay"),
+            self._rate(gpu, fields, "nvlink_tx", 1024.0), self._rate(gpu, fields, "nvlink_rx", 1024.0),
+            reasons, clock_event_flags(reasons),
+            gpm(GPM_DRAM_BW_UTIL, nan), gpm(GPM_ANY_TENSOR_UTIL, nan), gpm(GPM_SM_OCCUPANCY, nan), dict(gpu.procs),
+            self._driver_version(), self._field(gpu, fields, "power_instant", nan) / 1000, memory.reserved,
+            gpm(GPM_SM_UTIL, nan), gpm(GPM_GRAPHICS_UTIL, nan),
+            None if remap is None else remap.correctable, None if remap is None else remap.uncorrectable,
+            None if remap is None else remap.pending, None if remap is None else remap.failure,
         )
+
+    def _fields(self, gpu: _Gpu) -> dict[str, FieldReading]:
+        """One nvmlDeviceGetFieldValues call for the GPU's scalar readings: reading -> what the driver gave, for the
+        fields that answered (with their timestamps, which rates divide by)."""
+        if not gpu.fields:
+            return {}
+        try:
+            readings = self._nvml.field_values(gpu.handle, [(fid, scope) for _, fid, scope in gpu.fields])
+        except NvmlUnsupported as exc:  # a driver without nvmlDeviceGetFieldValues: the fallback calls take over
+            gpu.fields = []
+            self._unsupported(gpu, "fields", str(exc))
+            return {}
+        except (NvmlGone, NvmlMissing):
+            raise
+        except NvmlError as exc:
+            self._failed(gpu.index, "fields", exc)
+            return {}
+        values: dict[str, FieldReading] = {}
+        refused: list[tuple[str, int]] = []
+        for (reading, fid, _), got in zip(gpu.fields, readings, strict=True):
+            if got.code == 0:
+                values[reading] = got
+            elif got.code in _REFUSED:
+                refused.append((reading, fid))
+            else:
+                self._failed(gpu.index, reading, NvmlError(f"field {fid}: NVML error {got.code}", got.code))
+        if refused:
+            gone = {reading for reading, _ in refused}
+            gpu.fields = [f for f in gpu.fields if f[0] not in gone]
+            for reading, fid in refused:
+                if reading not in _FIELD_FALLBACKS:  # else its own call takes over, and says so if it fails too
+                    self._unsupported(gpu, reading, f"field {fid} is not supported")
+        return values
+
+    def _asked(self, gpu: _Gpu, reading: str) -> bool:
+        return any(f[0] == reading for f in gpu.fields)
+
+    def _field(self, gpu: _Gpu, fields: dict[str, FieldReading], reading: str, default: float) -> float:
+        """A field's value; where the GPU lacks the field, its own call's (when it has one)."""
+        got = fields.get(reading)
+        if got is not None:
+            return got.value
+        if reading in _FIELD_FALLBACKS and not self._asked(gpu, reading):
+            return float(self._value(gpu, reading, default))
+        return default
+
+    def _counter(self, gpu: _Gpu, fields: dict[str, FieldReading], reading: str) -> int | None:
+        """A cumulative counter; None (NULL), never 0, when the read failed or the GPU lacks it."""
+        value = self._field(gpu, fields, reading, math.nan)
+        return None if math.isnan(value) else int(value)
+
+    def _rate(self, gpu: _Gpu, fields: dict[str, FieldReading], reading: str, scale: float) -> float:
+        """The change of a cumulative counter field per second of the field's own timestamps (each GPU is read after
+        every earlier GPU's calls: the poll's clock is not when the counter was taken), times `scale`.
+        NaN on the first reading, when the read failed, and when the counter went back (driver reload)."""
+        got = fields.get(reading)
+        if got is None:
+            return math.nan
+        last = gpu.counters.get(reading)
+        if last is None:
+            gpu.counters[reading] = got
+            return math.nan
+        seconds = (got.timestamp_us - last.timestamp_us) / 1e6
+        if seconds <= 0:  # the driver has not refreshed the counter since the last read: the last rate stands
+            return gpu.rates.get(reading, math.nan)
+        gpu.counters[reading] = got
+        delta = got.value - last.value
+        if delta < 0:
+            # A counter narrower than 64 bits wraps (nvml.h says the PCIe byte counts can); a 64-bit one going back
+            # was reset (driver reload): it would take centuries to wrap.
+            if not got.wrap or got.wrap >= 1 << 64:
+                gpu.rates[reading] = math.nan
+                return math.nan
+            delta += got.wrap
+        rate = gpu.rates[reading] = delta * scale / seconds
+        return rate
+
+    def _pcie(self, gpu: _Gpu, fields: dict[str, FieldReading]) -> tuple[float, float]:
+        # PCIe bytes from the cumulative fields (never nvmlDeviceGetPcieThroughput, which blocks 20 ms per call);
+        # where the GPU lacks them, GPM's PCIe metrics, carried forward between GPM intervals.
+        if self._asked(gpu, "pcie_tx") or self._asked(gpu, "pcie_rx"):
+            return self._rate(gpu, fields, "pcie_tx", 1.0), self._rate(gpu, fields, "pcie_rx", 1.0)
+        return gpu.pcie
+
+    def _slow(self, gpu: _Gpu, now: float) -> None:
+        if now - gpu.slow_at < self._slow_interval_s:
+            return
+        gpu.slow_at = now
+        v = self._value
+        gpu.mem_clock = float(v(gpu, "mem_clock", math.nan))
+        gpu.memory = v(gpu, "memory", _NO_MEMORY)
+        procs = v(gpu, "processes", _NO_DICT)
+        gpu.procs = {} if procs is None else procs
+        gpu.remap = v(gpu, "remap", _NO_REMAP)
+
+    def _driver_version(self) -> str:
+        if self._driver is None:
+            try:
+                self._driver = self._nvml.driver_version()
+            except NvmlMissing:
+                raise
+            except NvmlError as exc:
+                self._driver = ""  # asked once per NVML session: an identity detail, not worth a call a poll
+                self._failed(-1, "driver_version", exc)
+        return self._driver
 
     def _gpm(self, gpu: _Gpu, now: float) -> None:
         # One GPM sample per interval; the metrics span the previous and the current sample, and the 10 Hz rows
-        # in between carry the latest values forward (GPM needs a long window to mean anything).
+        # in between carry the latest values forward (GPM needs a long window to mean anything). A failed sample
+        # keeps the previous one: the next interval is longer, never empty.
         call = gpu.calls.get("gpm")
         if call is None or now - gpu.gpm_at < self._gpm_interval_s:
             return
@@ -255,42 +412,51 @@ class GpuSource:
         if sample is not None:
             prev, gpu.gpm_prev, gpu.gpm_at = gpu.gpm_prev, sample, now
             if prev is not None:
-                values = self._attempt(gpu, "gpm", partial(self._nvml.gpm_metrics, prev, sample, GPM_METRICS),
-                                       _NO_LIST)
-                gpu.gpm = _NO_GPM if values is None else (values[0], values[1], values[2])
-                if values is not None and gpu.pcie_via_gpm:
-                    if math.isnan(values[3]) or math.isnan(values[4]):
-                        gpu.pcie_via_gpm = False  # this GPU's GPM lacks PCIe: use the timed call instead
-                    else:
-                        gpu.pcie = (values[3] * _MIB, values[4] * _MIB)
+                gpu.gpm = self._gpm_metrics(gpu, prev, sample)
+                if self._pcie_from_gpm(gpu):
+                    gpu.pcie = (gpu.gpm.get(GPM_PCIE_TX_PER_SEC, math.nan) * _MIB,
+                                gpu.gpm.get(GPM_PCIE_RX_PER_SEC, math.nan) * _MIB)
         if "gpm" not in gpu.calls:
-            gpu.gpm, gpu.gpm_prev, gpu.pcie_via_gpm = _NO_GPM, None, False
+            gpu.gpm, gpu.gpm_prev, gpu.pcie_via_gpm = {}, None, False
 
-    def _pcie(self, gpu: _Gpu, now: float) -> tuple[float, float]:
-        # Without GPM, PCIe comes from nvmlDeviceGetPcieThroughput (KB/s, counted as KiB like every NVML tool),
-        # at most every pcie_interval_s per GPU and for one GPU per poll; rows in between carry it forward.
-        if gpu.pcie_via_gpm or not self._pcie_budget or now - gpu.pcie_at < self._pcie_interval_s:
-            return gpu.pcie
-        if "pcie_tx" in gpu.calls or "pcie_rx" in gpu.calls:
-            self._pcie_budget -= 1
-            gpu.pcie_at = now
-            gpu.pcie = (self._value(gpu, "pcie_tx", math.nan) * 1024.0, self._value(gpu, "pcie_rx", math.nan) * 1024.0)
-        return gpu.pcie
+    def _pcie_from_gpm(self, gpu: _Gpu) -> bool:
+        return gpu.pcie_via_gpm and not (self._asked(gpu, "pcie_tx") or self._asked(gpu, "pcie_rx"))
 
-    def _nvlink(self, gpu: _Gpu, now: float) -> tuple[float, float]:
-        # NVLINK_THROUGHPUT_DATA_TX/RX are cumulative KiB of payload since the driver loaded, summed over the links
-        # by the driver (scope UINT_MAX). Rate = delta KiB * 1024 / delta monotonic seconds between two polls;
-        # NaN on the first poll and when a counter went back (driver reload).
-        counters = self._value(gpu, "nvlink", _NO_LIST)
-        if counters is None:
-            return _NAN_PAIR
-        tx, rx = counters
-        at, last_tx, last_rx = gpu.nvl_at, gpu.nvl_tx, gpu.nvl_rx
-        gpu.nvl_at, gpu.nvl_tx, gpu.nvl_rx = now, tx, rx
-        if at is None or now <= at or tx < last_tx or rx < last_rx:
-            return _NAN_PAIR
-        dt = now - at
-        return (tx - last_tx) * 1024.0 / dt, (rx - last_rx) * 1024.0 / dt
+    def _gpm_metrics(self, gpu: _Gpu, a: object, b: object) -> dict[int, float]:
+        wanted = [m for m in GPM_METRICS + (GPM_PCIE_METRICS if self._pcie_from_gpm(gpu) else ())
+                  if m not in gpu.gpm_refused]
+        try:
+            results = self._nvml.gpm_metrics(a, b, wanted)
+        except (NvmlGone, NvmlMissing):
+            raise
+        except NvmlError as exc:
+            if exc.code not in _REFUSED:
+                self._failed(gpu.index, "gpm", exc)
+                return {}
+            # A driver may refuse the whole call for one metric it lacks: ask each metric alone, so that one
+            # refusal costs that metric only (the refused ones are remembered, so this happens once).
+            results = [self._gpm_alone(a, b, metric) for metric in wanted]
+        values: dict[int, float] = {}
+        for metric, got in zip(wanted, results, strict=True):
+            if got.code == 0:
+                values[metric] = got.value
+            elif got.code in _REFUSED:
+                gpu.gpm_refused.add(metric)
+                self._unsupported(gpu, f"gpm:{GPM_METRIC_NAMES[metric]}", f"GPM metric {metric} is refused")
+            else:
+                self._failed(gpu.index, f"gpm:{GPM_METRIC_NAMES[metric]}",
+                             NvmlError(f"GPM metric {metric}: NVML error {got.code}", got.code))
+        if gpu.gpm_refused.issuperset(GPM_METRICS + GPM_PCIE_METRICS):
+            gpu.calls.pop("gpm", None)  # nothing left to ask GPM for
+        return values
+
+    def _gpm_alone(self, a: object, b: object, metric: int) -> GpmValue:
+        try:
+            return self._nvml.gpm_metrics(a, b, (metric,))[0]
+        except (NvmlGone, NvmlMissing):
+            raise
+        except NvmlError as exc:
+            return GpmValue(math.nan, -1 if exc.code is None else exc.code)
 
     def _engine(self, gpu: _Gpu, procs: dict[int, int]) -> str:
         if not procs:

@@ -10,24 +10,40 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast
 log = logging.getLogger(__name__)
 
 # NVML ABI numbers (nvml.h); tests check them against pynvml so no import of pynvml is needed here.
-FI_DEV_MEMORY_TEMP = 82
+# Field ids (NVML_FI_DEV_*), read together in one nvmlDeviceGetFieldValues call per GPU per poll; each value comes
+# with the driver's own timestamp (nvmlFieldValue_t.timestamp, microseconds), which rates of counters divide by.
+FI_DEV_MEMORY_TEMP = 82  # memory (HBM) temperature, degrees C
+FI_DEV_TOTAL_ENERGY_CONSUMPTION = 83  # mJ since the driver loaded, as nvmlDeviceGetTotalEnergyConsumption
+FI_DEV_PCIE_REPLAY_COUNTER = 94  # PCIe replays, cumulative, as nvmlDeviceGetPcieReplayCounter
 FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138  # cumulative KiB since driver load
 FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+FI_DEV_POWER_AVERAGE = 185  # nvml.h: GPU power averaged over 1 s, mW; Ampere (except GA100) and newer
+FI_DEV_POWER_INSTANT = 186  # nvml.h: current GPU power, mW; all architectures
+FI_DEV_PCIE_COUNT_TX_BYTES = 197  # nvml.h: PCIe transmit bytes, cumulative; "value can be wrapped"
+FI_DEV_PCIE_COUNT_RX_BYTES = 198  # PCIe receive bytes, likewise
 SCOPE_ALL_LINKS = 0xFFFFFFFF  # nvml.h: scopeId UINT_MAX = the sum over all links, done by the driver
+NVLINK_FIELDS = ((FI_DEV_NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS),
+                 (FI_DEV_NVLINK_THROUGHPUT_DATA_RX, SCOPE_ALL_LINKS))
+# GPM metric ids (NVML_GPM_METRIC_*), all over the interval between two GPM samples.
+GPM_GRAPHICS_UTIL = 1  # % of time the graphics engine was active
+GPM_SM_UTIL = 2  # % of SMs active (DCGM's "SM active")
 GPM_SM_OCCUPANCY = 3
 GPM_ANY_TENSOR_UTIL = 5
 GPM_DRAM_BW_UTIL = 10
 GPM_PCIE_TX_PER_SEC = 20  # MiB/s
 GPM_PCIE_RX_PER_SEC = 21
-GPM_METRICS = (GPM_DRAM_BW_UTIL, GPM_ANY_TENSOR_UTIL, GPM_SM_OCCUPANCY, GPM_PCIE_TX_PER_SEC, GPM_PCIE_RX_PER_SEC)
-NVLINK_FIELDS = ((FI_DEV_NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS),
-                 (FI_DEV_NVLINK_THROUGHPUT_DATA_RX, SCOPE_ALL_LINKS))
-# nvmlClocksEventReason* bits; the last two exist only as nvmlClocksThrottleReason*.
+GPM_METRICS = (GPM_DRAM_BW_UTIL, GPM_ANY_TENSOR_UTIL, GPM_SM_OCCUPANCY, GPM_SM_UTIL, GPM_GRAPHICS_UTIL)
+GPM_PCIE_METRICS = (GPM_PCIE_TX_PER_SEC, GPM_PCIE_RX_PER_SEC)  # asked only where the PCIe byte fields are missing
+GPM_METRIC_NAMES = {GPM_GRAPHICS_UTIL: "graphics_util", GPM_SM_UTIL: "sm_util", GPM_SM_OCCUPANCY: "sm_occupancy",
+                    GPM_ANY_TENSOR_UTIL: "any_tensor_util", GPM_DRAM_BW_UTIL: "dram_bw_util",
+                    GPM_PCIE_TX_PER_SEC: "pcie_tx_per_sec", GPM_PCIE_RX_PER_SEC: "pcie_rx_per_sec"}
+# nvmlClocksEventReason* bits (nvml.h, whose nvmlClocksEventReasonAll ORs 0x001-0x100). 0x200 and 0x400 are in no
+# nvml.h: only pynvml defines them (nvmlClocksThrottleReasonBoardLimit, ...Reliability), so their names say so.
 CLOCK_EVENT_FLAGS = (
     (0x001, "gpu_idle"), (0x002, "applications_clocks_setting"), (0x004, "sw_power_cap"), (0x008, "hw_slowdown"),
     (0x010, "sync_boost"), (0x020, "sw_thermal_slowdown"), (0x040, "hw_thermal_slowdown"),
-    (0x080, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"), (0x200, "board_limit"),
-    (0x400, "reliability"),
+    (0x080, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"), (0x200, "pynvml_only_board_limit"),
+    (0x400, "pynvml_only_reliability"),
 )
 XID_MEANINGS = {
     13: "graphics engine exception (usually the application)",
@@ -53,7 +69,6 @@ MAX_XID_PER_POLL = 64
 
 ClockKind = Literal["sm", "mem"]
 TempKind = Literal["gpu", "memory"]
-Direction = Literal["tx", "rx"]
 Handle = object  # opaque: whatever the Nvml implementation hands out for one device
 T = TypeVar("T")
 
@@ -86,6 +101,39 @@ class XidEvent(NamedTuple):
     xid: int
 
 
+class FieldReading(NamedTuple):
+    """One nvmlFieldValue_t: the value (NaN when `code` is not 0), when the driver took it, and how it wraps."""
+
+    value: float
+    timestamp_us: int  # nvmlFieldValue_t.timestamp: the driver's wall clock at the reading, microseconds
+    code: int  # nvmlFieldValue_t.nvmlReturn: 0, or the NVML error of this one field
+    wrap: int = 0  # for an unsigned counter, the modulus it wraps at (2**32 or 2**64 by value type); 0 otherwise
+
+
+class GpmValue(NamedTuple):
+    """One metric of nvmlGpmMetricsGet: its value (NaN when `code` is not 0) and its own return code."""
+
+    value: float
+    code: int
+
+
+class MemoryInfo(NamedTuple):
+    """Framebuffer memory, bytes; `reserved` is None where the driver has no nvmlDeviceGetMemoryInfo_v2."""
+
+    used: int  # total - free, as nvmlDeviceGetMemoryInfo (v1) .used: the driver's reservation included
+    total: int
+    reserved: int | None
+
+
+class RemappedRows(NamedTuple):
+    """nvmlDeviceGetRemappedRows: HBM rows remapped since the GPU's manufacture, and the remapper's state."""
+
+    correctable: int  # rows remapped for correctable (single-bit) errors
+    uncorrectable: int  # rows remapped for uncorrectable (double-bit) errors
+    pending: bool  # a remap is pending: it takes effect at the next GPU reset
+    failure: bool  # a remap failed (no spare row left): the GPU needs service
+
+
 class Nvml(Protocol):
     """The NVML calls stepline makes, in stepline's units; every failure raises an NvmlError subclass."""
 
@@ -96,24 +144,24 @@ class Nvml(Protocol):
     def uuid(self, h: Handle) -> str: ...
     def name(self, h: Handle) -> str: ...
     def clock_mhz(self, h: Handle, kind: ClockKind) -> int: ...
-    def power_mw(self, h: Handle) -> int: ...
+    def power_mw(self, h: Handle) -> int:
+        """nvmlDeviceGetPowerUsage: a 1 s average on Ampere (except GA100) and newer, instantaneous before."""
     def energy_mj(self, h: Handle) -> int: ...
     def temperature_c(self, h: Handle, kind: TempKind) -> float: ...
     def utilization(self, h: Handle) -> tuple[int, int]:
         """(gpu %, memory-controller %)."""
-    def memory(self, h: Handle) -> tuple[int, int]:
-        """(used, total) bytes."""
-    def pcie_throughput_kbs(self, h: Handle, direction: Direction) -> int:
-        """KB/s over a 20 ms window that the call itself waits for."""
+    def memory(self, h: Handle) -> MemoryInfo: ...
     def pcie_replay_counter(self, h: Handle) -> int: ...
-    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[float]:
-        """Values of (field id, scope id) pairs; raises the error of the first field that failed."""
+    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
+        """One nvmlDeviceGetFieldValues call for (field id, scope id) pairs; a field that failed has its own code."""
+    def remapped_rows(self, h: Handle) -> RemappedRows: ...
+    def driver_version(self) -> str: ...
     def clock_event_reasons(self, h: Handle) -> int: ...
     def gpm_supported(self, h: Handle) -> bool: ...
     def gpm_sample(self, h: Handle) -> object:
-        """A GPM sample, valid until the second next gpm_sample of the same device."""
-    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[float]:
-        """Metrics between two samples, NaN for a metric that failed."""
+        """A GPM sample, valid until the second next successful gpm_sample of the same device."""
+    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[GpmValue]:
+        """Metrics between two samples, each with its own return code; raises when the whole call fails."""
     def processes(self, h: Handle) -> dict[int, int]:
         """Compute processes: pid -> used GPU memory bytes."""
     def register_xid_events(self, h: Handle) -> None: ...
@@ -155,6 +203,7 @@ class RealNvml:
         self._events: Any = None
         self._gpm: dict[int | None, list[Any]] = {}  # device address -> [sample, sample, next slot]
         self._metrics_get: Any = None
+        self._memory_v2 = True
         self._fallbacks: dict[str, tuple[str, ...]] = {  # newest call first, for older drivers
             "reasons": ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
             "processes": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
@@ -229,33 +278,50 @@ class RealNvml:
 
     def temperature_c(self, h: Handle, kind: TempKind) -> float:
         if kind == "memory":
-            return self.field_values(h, ((FI_DEV_MEMORY_TEMP, 0),))[0]
+            reading = self.field_values(h, ((FI_DEV_MEMORY_TEMP, 0),))[0]
+            if reading.code:
+                raise nvml_error(reading.code, f"field {FI_DEV_MEMORY_TEMP}: {self._error(reading.code)}")
+            return reading.value
         return float(self._newest("temperature", h, self._lib().NVML_TEMPERATURE_GPU))
 
     def utilization(self, h: Handle) -> tuple[int, int]:
         rates = self._call(self._lib().nvmlDeviceGetUtilizationRates, h)
         return int(rates.gpu), int(rates.memory)
 
-    def memory(self, h: Handle) -> tuple[int, int]:
-        info = self._call(self._lib().nvmlDeviceGetMemoryInfo, h)
-        return int(info.used), int(info.total)
-
-    def pcie_throughput_kbs(self, h: Handle, direction: Direction) -> int:
+    def memory(self, h: Handle) -> MemoryInfo:
         nv = self._lib()
-        counter = nv.NVML_PCIE_UTIL_TX_BYTES if direction == "tx" else nv.NVML_PCIE_UTIL_RX_BYTES
-        return int(self._call(nv.nvmlDeviceGetPcieThroughput, h, counter))
+        if self._memory_v2:
+            try:  # nvmlDeviceGetMemoryInfo_v2: the only one that tells the driver's reservation apart
+                info = self._call(nv.nvmlDeviceGetMemoryInfo, h, nv.nvmlMemory_v2)
+                return MemoryInfo(int(info.total) - int(info.free), int(info.total), int(info.reserved))
+            except NvmlUnsupported as exc:
+                if exc.code != _FUNCTION_NOT_FOUND:
+                    raise
+                self._memory_v2 = False  # this driver predates it
+        info = self._call(nv.nvmlDeviceGetMemoryInfo, h)
+        return MemoryInfo(int(info.used), int(info.total), None)
 
     def pcie_replay_counter(self, h: Handle) -> int:
         return int(self._call(self._lib().nvmlDeviceGetPcieReplayCounter, h))
 
-    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[float]:
+    def field_values(self, h: Handle, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
         values = self._call(self._lib().nvmlDeviceGetFieldValues, h, list(fields))
-        out: list[float] = []
+        out: list[FieldReading] = []
         for v in values:
-            if v.nvmlReturn != 0:
-                raise nvml_error(int(v.nvmlReturn), f"field {v.fieldId}: {self._error(int(v.nvmlReturn))}")
-            out.append(getattr(v.value, _VALUE_MEMBER.get(int(v.valueType), "ullVal")))
+            code = int(v.nvmlReturn)
+            if code != 0:
+                out.append(FieldReading(math.nan, int(v.timestamp), code))
+                continue
+            member, wrap = _VALUE_MEMBER.get(int(v.valueType), ("ullVal", 1 << 64))
+            out.append(FieldReading(float(getattr(v.value, member)), int(v.timestamp), 0, wrap))
         return out
+
+    def remapped_rows(self, h: Handle) -> RemappedRows:
+        corr, unc, pending, failure = self._call(self._lib().nvmlDeviceGetRemappedRows, h)
+        return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
+
+    def driver_version(self) -> str:
+        return str(self._call(self._lib().nvmlSystemGetDriverVersion))
 
     def clock_event_reasons(self, h: Handle) -> int:
         return int(self._newest("reasons", h))
@@ -272,10 +338,13 @@ class RealNvml:
         if ring is None:
             ring = self._gpm[key] = [self._call(nv.nvmlGpmSampleAlloc), self._call(nv.nvmlGpmSampleAlloc), 0]
         slot = ring[2]
-        ring[2] = 1 - slot  # two buffers per device: the previous sample stays valid for gpm_metrics
-        return cast(object, self._call(nv.nvmlGpmSampleGet, h, ring[slot]))
+        sample = cast(object, self._call(nv.nvmlGpmSampleGet, h, ring[slot]))
+        # Two buffers per device, flipped only after a sample succeeded: the previous good sample stays valid for
+        # gpm_metrics, and a failed sample never makes the next interval span one buffer twice.
+        ring[2] = 1 - slot
+        return sample
 
-    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[float]:
+    def gpm_metrics(self, a: object, b: object, metric_ids: Sequence[int]) -> list[GpmValue]:
         nv = self._lib()
         mg = self._metrics_get
         if mg is None:
@@ -286,7 +355,8 @@ class RealNvml:
         for i, metric in enumerate(metric_ids):
             mg.metrics[i].metricId = metric
         self._call(nv.nvmlGpmMetricsGet, mg)
-        return [float(m.value) if m.nvmlReturn == 0 else math.nan for m in mg.metrics[:len(metric_ids)]]
+        return [GpmValue(float(m.value), 0) if m.nvmlReturn == 0 else GpmValue(math.nan, int(m.nvmlReturn))
+                for m in mg.metrics[:len(metric_ids)]]
 
     def processes(self, h: Handle) -> dict[int, int]:
         return {int(p.pid): int(p.usedGpuMemory or 0) for p in self._newest("processes", h)}
@@ -320,5 +390,7 @@ class _NeverRaised(Exception):
     """Stands for pynvml.NVMLError until pynvml is imported."""
 
 
-# nvmlValueType_t -> the member of nvmlValue_t that holds it
-_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+# nvmlValueType_t -> the member of nvmlValue_t that holds it, and the modulus an unsigned counter of it wraps at
+# (ulVal is C `unsigned long` in pynvml's c_nvmlValue_t: 64 bits on the Linux ABI NVML ships for).
+_VALUE_MEMBER = {0: ("dVal", 0), 1: ("uiVal", 1 << 32), 2: ("ulVal", 1 << 64), 3: ("ullVal", 1 << 64),
+                 4: ("sllVal", 0), 5: ("siVal", 0), 6: ("usVal", 1 << 16)}

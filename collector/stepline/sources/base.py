@@ -34,16 +34,25 @@ class EngineProcesses:
     def __init__(self) -> None:
         self._by_pid: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._generation = 0
         # Set by the host source: a GPU's process may be a child of the engine process it found.
         self.ancestors: Callable[[int], list[int]] = lambda pid: []
 
     def found(self, engine: str, pid: int) -> None:
         with self._lock:
-            self._by_pid[pid] = engine
+            if self._by_pid.get(pid) != engine:
+                self._by_pid[pid] = engine
+                self._generation += 1
 
     def lost(self, pid: int) -> None:
         with self._lock:
-            self._by_pid.pop(pid, None)
+            if self._by_pid.pop(pid, None) is not None:
+                self._generation += 1
+
+    def generation(self) -> int:
+        """A number that changes whenever an engine process is found or lost: answers cached before are stale."""
+        with self._lock:
+            return self._generation
 
     def engine_of(self, pid: int) -> str:
         """The engine `pid` (or one of its parents) runs, or "" when stepline knows of none."""

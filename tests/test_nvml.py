@@ -89,7 +89,8 @@ def test_nvml_numbers_match_pynvml() -> None:
              pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: NvmlUnsupported, pynvml.NVML_ERROR_GPU_IS_LOST: NvmlGone,
              pynvml.NVML_ERROR_GPU_NOT_FOUND: NvmlGone, pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: NvmlMissing,
              pynvml.NVML_ERROR_UNINITIALIZED: NvmlMissing, pynvml.NVML_ERROR_DRIVER_NOT_LOADED: NvmlMissing,
-             pynvml.NVML_ERROR_UNKNOWN: NvmlError, pynvml.NVML_ERROR_TIMEOUT: NvmlError}
+             pynvml.NVML_ERROR_UNKNOWN: NvmlGone, pynvml.NVML_ERROR_RESET_REQUIRED: NvmlGone,
+             pynvml.NVML_ERROR_TIMEOUT: NvmlError}
     for code, kind in codes.items():
         assert type(nvml_error(code, "x")) is kind, code
 
@@ -388,7 +389,7 @@ def test_a_gpu_that_disappears_is_reported_once_and_the_others_keep_coming() -> 
     rows = _run(source, clock, 10)
     lost = _events(rows, "gpu_lost")
     assert len(lost) == 1 and lost[0].severity == "critical"
-    assert lost[0].attributes == {"gpu": "1", "uuid": fake.state(1).uuid}
+    assert lost[0].attributes == {"gpu": "1", "uuid": fake.state(1).uuid, "error": "GPU_IS_LOST"}
     assert lost[0].message.startswith(f"GPU 1 ({fake.state(1).uuid}) was lost: GPU is lost")
     assert [r.gpu_index for r in _samples(rows)] == [0, 2] * 10
     assert fake.calls[("field_values", 1)] == 3 and source.stats()["gpus_lost"] == 1  # the third found it lost

@@ -36,10 +36,13 @@ from stepline.sources.nvml import (
     RemappedRows,
     TempKind,
     XidEvent,
+    nvml_error,
 )
 
 _TIMEOUT = 10  # NVML_ERROR_TIMEOUT: what a busy driver answers now and then; the next call may well succeed
 _NOT_SUPPORTED = 3
+GPU_IS_LOST, RESET_REQUIRED, UNKNOWN = 15, 16, 999  # NVML_ERROR_*: what calls on a dead GPU answer
+_LOST_MESSAGES = {GPU_IS_LOST: "GPU is lost", RESET_REQUIRED: "GPU requires reset", UNKNOWN: "Unknown Error"}
 
 
 @dataclass
@@ -125,15 +128,22 @@ class FakeNvml:
         self._xids: deque[XidEvent] = deque()
         self._registered: set[int] = set()
         self._gpm_seq = 0
+        self._lost_codes: dict[int, int] = {}
+        # namespace pid -> host pid: an older driver reports host pids, which differ from the pids a collector in a
+        # nested PID namespace (a sidecar) sees; `processes` keeps namespace pids and processes() answers host ones.
+        self.host_pids: dict[int, int] = {}
         self.driver = "570.124.06"
 
     def state(self, index: int) -> FakeGpuState:
         """The mutable state of one device."""
         return self.devices[index]
 
-    def remove(self, index: int) -> None:
-        """The device falls off the bus: every later call on it raises NvmlGone."""
+    def remove(self, index: int, code: int = GPU_IS_LOST) -> None:
+        """The device falls off the bus: every later call on it raises NvmlGone with `code` (GPU_IS_LOST, or
+        RESET_REQUIRED / UNKNOWN as after XID 79 or 95); the event wait answers GPU_IS_LOST while it is in the set."""
         self.devices[index].removed = True
+        self._lost_codes[index] = code
+
 
     def inject_xid(self, index: int, code: int) -> None:
         """Queue an XID critical error, delivered by wait_xid if the device registered for events."""
@@ -153,11 +163,12 @@ class FakeNvml:
             raise NvmlMissing("Uninitialized", 1)
         state = self.devices[h]
         if state.removed:
-            raise NvmlGone("GPU is lost", 15)
+            code = self._lost_codes.get(h, GPU_IS_LOST)
+            raise nvml_error(code, _LOST_MESSAGES.get(code, "GPU is lost"))
         if method in state.unsupported or key in state.unsupported:
             raise NvmlUnsupported("Not Supported", 3)
         if method in state.failing or key in state.failing:
-            raise NvmlError("Unknown Error", 999)
+            raise NvmlError("Timeout", _TIMEOUT)  # not a lost GPU, as UNKNOWN would be
         for name in (key, method):
             if state.transient[name] > 0:
                 state.transient[name] -= 1
@@ -273,15 +284,23 @@ class FakeNvml:
                 else GpmValue(b.metrics.get(metric, math.nan), 0) for metric in metric_ids]
 
     def processes(self, h: Handle) -> dict[int, int]:
-        return dict(self._dev("processes", h).processes)
+        return {self.host_pids.get(pid, pid): used for pid, used in self._dev("processes", h).processes.items()}
+
 
     def register_xid_events(self, h: Handle) -> None:
         self._dev("register_xid_events", h)
         assert isinstance(h, int)
         self._registered.add(h)
 
+    def clear_xid_events(self) -> None:
+        self._global("clear_xid_events")
+        self._registered.clear()
+        self._xids.clear()  # freeing the set drops what it had queued
+
     def wait_xid(self, timeout_ms: int) -> XidEvent | None:
         self._global("wait_xid")
+        if any(self.devices[index].removed for index in self._registered):
+            raise NvmlGone("GPU is lost", GPU_IS_LOST)
         while self._xids:
             event = self._xids.popleft()
             if event.gpu_index in self._registered:

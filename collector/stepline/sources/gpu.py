@@ -11,6 +11,7 @@ from typing import Any, NoReturn, TypeVar, cast
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event, GpuSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
+from stepline.sources.gpu_owners import EngineLookup, PidView, ProcPidView
 from stepline.sources.nvml import (
     FI_DEV_MEMORY_TEMP,
     FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
@@ -46,6 +47,7 @@ from stepline.sources.nvml import (
     RealNvml,
     RemappedRows,
     clock_event_flags,
+    gone_reason,
     xid_message,
 )
 
@@ -60,6 +62,7 @@ _NO_OBJECT: object | None = None
 _NO_MEMORY: MemoryInfo | None = None
 _NO_REMAP: RemappedRows | None = None
 _NO_COUNT: int | None = None
+GPM_PROBE_TRIES = 3  # gpm_supported calls that fail (not "unsupported") before GPM is given up for the run
 # The scalar readings of one nvmlDeviceGetFieldValues call per GPU per poll: (reading, field id, scope id).
 FIELDS = (
     ("power", FI_DEV_POWER_AVERAGE, 0),
@@ -82,16 +85,18 @@ _REFUSED = frozenset({2, 3, 4, 13})
 class _Gpu:
     """What the source keeps of one GPU between polls."""
 
-    __slots__ = ("calls", "counters", "engine", "fields", "gpm", "gpm_at", "gpm_prev", "gpm_refused", "handle",
-                 "index", "lost", "mem_clock", "memory", "name", "pcie", "pcie_via_gpm", "pids", "procs", "rates",
-                 "remap", "slow_at", "uuid")
+    __slots__ = ("calls", "counters", "engine", "fields", "gpm", "gpm_at", "gpm_prev", "gpm_probe_at", "gpm_probes",
+                 "gpm_refused", "handle", "index", "lost", "mem_clock", "memory", "name", "pcie", "pcie_via_gpm",
+                 "procs", "rates", "remap", "slow_at", "uuid", "xid")
 
     def __init__(self, index: int, uuid: str, name: str, handle: Handle, calls: dict[str, Callable[[], Any]]) -> None:
         self.index, self.uuid, self.name, self.handle = index, uuid, name, handle
         self.calls = calls  # reading -> call; a reading the GPU does not support is removed, never called again
         self.lost = False
         self.engine = ""
-        self.pids: set[int] = set()
+        self.xid: bool | None = False  # registered for XID events; None: this GPU cannot be
+        self.gpm_probes = 0  # gpm_supported calls that failed so far
+        self.gpm_probe_at = math.inf  # when to ask gpm_supported again after a failure
         self.fields = list(FIELDS)  # a field the GPU refuses is removed, never asked again
         self.counters: dict[str, FieldReading] = {}  # reading -> the counter's base for its next rate
         self.rates: dict[str, float] = {}
@@ -128,24 +133,24 @@ def _calls(nvml: Nvml, h: Handle) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _register_xid(nvml: Nvml, h: Handle) -> bool:
-    nvml.register_xid_events(h)
-    return True
-
-
 class GpuSource:
     """Samples every GPU once per poll; no NVML (or no GPU) is a state, re-checked every INIT_RETRY_S."""
 
     def __init__(self, ctx: SourceContext, nvml: Nvml | None = None, *, gpm_interval_s: float = 1.0,
-                 slow_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None) -> None:
+                 slow_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None,
+                 pid_view: PidView | None = None, engine_of_gpu: Callable[[str], str] | None = None) -> None:
         self._ctx = ctx
         self._nvml: Nvml = nvml if nvml is not None else RealNvml()
         self._gpm_interval_s = gpm_interval_s
         # Processes, memory, memory clock and row remapping change slowly: read once per slow interval per GPU.
         self._slow_interval_s = slow_interval_s
         self._driver: str | None = None  # nvmlSystemGetDriverVersion, read once per NVML session
-        # Default: the engine processes the host source found, so a GPU is tied to the engine it serves.
-        self._engine_of_pid = engine_of_pid or ctx.engine_processes.engine_of
+        # Default: the engine processes the host source found, so a GPU is tied to the engine it serves. engine_of_gpu
+        # (GPU UUID -> engine) is the hook for where no PID NVML reports is visible here: issue 16's to fill.
+        self._owners = EngineLookup(
+            engine_of_pid or ctx.engine_processes.engine_of, pid_view or ProcPidView(),
+            generation=(lambda: 0) if engine_of_pid else ctx.engine_processes.generation,
+            engine_of_gpu=engine_of_gpu or (lambda uuid: ""))
         self._gpus: list[_Gpu] | None = None
         self._initialised = False
         self._xid = False
@@ -153,6 +158,9 @@ class GpuSource:
         self._down_message = ""
         self._events: list[Event] = []
         self._lost: set[int] = set()  # indexes; survives re-initialisation, so a lost GPU is reported once
+        self._absent: set[int] = set()  # indexes out of rotation (lost, or discovery failed): tried every INIT_RETRY_S
+        self._rediscover_at = -math.inf
+        self._xid_rebuild_at = -math.inf
         self._log = RateLimitedLog(log, 60.0)
         self._samples = self._unsupported_readings = self._xid_events = self._gpus_lost = self._nvml_errors = 0
 
@@ -177,18 +185,18 @@ class GpuSource:
         clock = self._ctx.clock
         stamp, now = micros(clock.time()), clock.monotonic()
         rows: list[Row] = []
-        lost = False
+        self._owners.new_poll()
         try:
-            self._drain_xid(gpus)
+            xid_gone = self._drain_xid(gpus)
             for gpu in gpus:
                 try:
                     rows.append(self._sample(gpu, stamp, now))
                 except NvmlGone as exc:
-                    gpu.lost = lost = True
-                    self._lose(gpu.index, gpu.uuid, exc, gpu.engine)
+                    self._gone(gpu, exc)
                 else:
                     if self._lost:
                         self._lost.discard(gpu.index)
+            gpus = self._rotation(gpus, xid_gone, now)
         except NvmlMissing as exc:
             self._flush(emit)
             self._down(f"no NVML: {exc}")
@@ -197,10 +205,8 @@ class GpuSource:
         self._events.clear()
         if rows:
             emit(rows)
-        if lost:
-            self._gpus = gpus = [g for g in gpus if not g.lost]
-            if not gpus:
-                self._down("no NVML: every GPU was lost")
+        if not gpus:
+            self._down("no NVML: every GPU was lost")
 
     def close(self) -> None:
         """Release NVML; a later poll starts again."""
@@ -222,7 +228,8 @@ class GpuSource:
             self._down(f"no NVML: {exc}")
         if not gpus:
             self._flush(emit)
-            self._down("no NVML: every GPU was lost" if self._lost else "no NVML: no GPU found")
+            self._down("no NVML: every GPU was lost" if self._lost else
+                       "no NVML: no GPU could be read" if self._absent else "no NVML: no GPU found")
         self._retry_at = None
         self._gpus = gpus
         return gpus
@@ -231,36 +238,118 @@ class GpuSource:
         nvml = self._nvml
         nvml.init()
         self._initialised = True
-        gpus: list[_Gpu] = []
-        for index in range(nvml.device_count()):
-            try:
-                h = nvml.handle(index)
-                gpu = _Gpu(index, self._text(nvml.uuid, h), self._text(nvml.name, h), h, _calls(nvml, h))
-                self._probe(gpu)
-            except NvmlGone as exc:
-                self._lose(index, "", exc, "")
-                continue
-            except NvmlMissing:
-                raise
-            except NvmlError as exc:
-                self._failed(index, "handle", exc)
-                continue
-            gpus.append(gpu)
-        return gpus
+        self._absent.clear()
+        self._xid_rebuild_at = -math.inf
+        return [gpu for gpu in map(self._open, range(nvml.device_count())) if gpu is not None]
+
+    def _open(self, index: int) -> _Gpu | None:
+        """One GPU ready to sample, or None: then it is out of rotation and tried again every INIT_RETRY_S."""
+        nvml = self._nvml
+        try:
+            h = nvml.handle(index)
+            gpu = _Gpu(index, self._text(nvml.uuid, h), self._text(nvml.name, h), h, _calls(nvml, h))
+            self._probe(gpu)
+        except NvmlGone as exc:
+            self._lose(index, "", exc, "")
+        except NvmlMissing:
+            raise
+        except NvmlError as exc:  # transient: this GPU is asked again at the next rediscovery
+            self._failed(index, "handle", exc)
+        else:
+            self._absent.discard(index)
+            return gpu
+        self._out_of_rotation(index)
+        return None
+
+    def _gone(self, gpu: _Gpu, exc: NvmlGone) -> None:
+        gpu.lost = True
+        self._lose(gpu.index, gpu.uuid, exc, gpu.engine)
+        self._out_of_rotation(gpu.index)
+
+    def _out_of_rotation(self, index: int) -> None:
+        if not self._absent:
+            self._rediscover_at = self._ctx.clock.monotonic() + INIT_RETRY_S
+        self._absent.add(index)
 
     def _probe(self, gpu: _Gpu) -> None:
+        self._probe_gpm(gpu)
+        self._register_xid(gpu)
+
+    def _probe_gpm(self, gpu: _Gpu) -> None:
+        # A failure that is not "unsupported" asks again every INIT_RETRY_S, GPM_PROBE_TRIES times in all, and samples
+        # no GPM meanwhile: one failed call must not take GPM away for the whole run.
+        gpu.calls.pop("gpm", None)
+        gpu.pcie_via_gpm, gpu.gpm_probe_at = False, math.inf
+        why = "no GPM: DRAM bandwidth, tensor activity and SM occupancy need Hopper+"
         try:
             supported = self._nvml.gpm_supported(gpu.handle)
         except (NvmlGone, NvmlMissing):
             raise
-        except NvmlError as exc:
+        except NvmlUnsupported:
             supported = False
-            if not isinstance(exc, NvmlUnsupported):
-                self._failed(gpu.index, "gpm", exc)
+        except NvmlError as exc:
+            self._failed(gpu.index, "gpm", exc)
+            gpu.gpm_probes += 1
+            if gpu.gpm_probes < GPM_PROBE_TRIES:
+                gpu.gpm_probe_at = self._ctx.clock.monotonic() + INIT_RETRY_S
+                return
+            supported, why = False, f"gpm_supported failed {gpu.gpm_probes} times, given up: {exc}"
         if not supported:
-            self._unsupported(gpu, "gpm", "no GPM: DRAM bandwidth, tensor activity and SM occupancy need Hopper+")
-        gpu.pcie_via_gpm = supported
-        self._xid |= self._attempt(gpu, "xid", partial(_register_xid, self._nvml, gpu.handle), False)
+            self._unsupported(gpu, "gpm", why)
+            return
+        gpu.calls["gpm"] = partial(self._nvml.gpm_sample, gpu.handle)
+        gpu.pcie_via_gpm = True
+
+    def _register_xid(self, gpu: _Gpu) -> None:
+        if gpu.xid is None:
+            return
+        try:
+            self._nvml.register_xid_events(gpu.handle)
+        except NvmlUnsupported as exc:
+            gpu.xid = None
+            self._unsupported(gpu, "xid", str(exc))
+            return
+        except (NvmlGone, NvmlMissing):
+            raise
+        except NvmlError as exc:  # registered again when the event set is next rebuilt
+            gpu.xid = False
+            self._failed(gpu.index, "xid", exc)
+            return
+        gpu.xid = self._xid = True
+
+    def _rotation(self, gpus: list[_Gpu], xid_gone: bool, now: float) -> list[_Gpu]:
+        """The GPUs the next poll samples: lost ones out, ones back from rediscovery in, the XID event set to match."""
+        if any(gpu.lost for gpu in gpus) or (xid_gone and now >= self._xid_rebuild_at):
+            gpus = self._rebuild_xid([gpu for gpu in gpus if not gpu.lost], now)
+        for gpu in gpus:
+            if now >= gpu.gpm_probe_at:
+                try:
+                    self._probe_gpm(gpu)
+                except NvmlGone as exc:
+                    self._gone(gpu, exc)
+        gpus = [gpu for gpu in gpus if not gpu.lost]
+        if self._absent and now >= self._rediscover_at:
+            self._rediscover_at = now + INIT_RETRY_S
+            back = [gpu for gpu in map(self._open, sorted(self._absent)) if gpu is not None]
+            gpus = sorted(gpus + back, key=lambda gpu: gpu.index)
+        self._gpus = gpus
+        return gpus
+
+    def _rebuild_xid(self, gpus: list[_Gpu], now: float) -> list[_Gpu]:
+        # A lost GPU in the event set makes every wait answer GPU_IS_LOST, and then no other GPU's XID is ever drained:
+        # start a new set with the GPUs still in rotation (one that cannot register now is lost too), then drain it.
+        # When the wait says "lost" and no GPU is found lost, this is tried again every INIT_RETRY_S, not every poll.
+        self._xid_rebuild_at = now + INIT_RETRY_S
+        self._nvml.clear_xid_events()
+        self._xid = False
+        for gpu in gpus:
+            try:
+                self._register_xid(gpu)
+            except NvmlGone as exc:
+                self._gone(gpu, exc)
+        gpus = [gpu for gpu in gpus if not gpu.lost]
+        self._drain_xid(gpus)
+        return gpus
 
     def _down(self, message: str) -> NoReturn:
         self.close()
@@ -459,36 +548,34 @@ class GpuSource:
             return GpmValue(math.nan, -1 if exc.code is None else exc.code)
 
     def _engine(self, gpu: _Gpu, procs: dict[int, int]) -> str:
-        if not procs:
-            return ""
-        if gpu.engine and procs.keys() == gpu.pids:
-            return gpu.engine
-        engine = ""
-        for pid in procs:
-            engine = self._engine_of_pid(pid)
-            if engine:
-                break
-        gpu.engine, gpu.pids = engine, set(procs)
-        return engine
+        engine = self._owners.engine(gpu.index, gpu.uuid, procs.keys())
+        if engine is not None:  # None: some PIDs wait for a later poll's lookups; the GPU keeps its engine meanwhile
+            gpu.engine = engine
+        return gpu.engine
 
-    def _drain_xid(self, gpus: list[_Gpu]) -> None:
+    def _drain_xid(self, gpus: list[_Gpu]) -> bool:
+        """Queue this poll's XID events; True when the wait says a GPU in the event set is lost."""
         if not self._xid:
-            return
+            return False
         for _ in range(MAX_XID_PER_POLL):
             try:
                 xid = self._nvml.wait_xid(0)
             except NvmlMissing:
                 raise
+            except NvmlGone as exc:  # it says so at every wait until the event set is rebuilt without that GPU
+                self._failed(-1, "xid", exc)
+                return True
             except NvmlError as exc:
                 self._failed(-1, "xid", exc)
-                return
+                return False
             if xid is None:
-                return
+                return False
             self._xid_events += 1
             engine = next((g.engine for g in gpus if g.index == xid.gpu_index), "")
             self._events.append(self._event(
                 "gpu_xid", "critical", xid_message(xid.gpu_index, xid.gpu_uuid, xid.xid),
                 {"xid": str(xid.xid), "gpu": str(xid.gpu_index), "uuid": xid.gpu_uuid}, engine))
+        return False
 
     def _value(self, gpu: _Gpu, reading: str, default: T) -> T:
         call = gpu.calls.get(reading)
@@ -527,9 +614,11 @@ class GpuSource:
             return
         self._lost.add(index)
         self._gpus_lost += 1
+        reason = gone_reason(exc)
         self._events.append(self._event(
-            "gpu_lost", "critical", f"GPU {index} ({uuid or 'uuid unknown'}) was lost: {exc}; sampling the others",
-            {"gpu": str(index), "uuid": uuid}, engine))
+            "gpu_lost", "critical",
+            f"GPU {index} ({uuid or 'uuid unknown'}) was lost: {exc} (NVML_ERROR_{reason}); sampling the others",
+            {"gpu": str(index), "uuid": uuid, "error": reason}, engine))
 
     def _event(self, kind: str, severity: str, message: str, attributes: dict[str, str], engine: str) -> Event:
         return Event(micros(self._ctx.clock.time()), self._ctx.host, engine, "gpu", kind, severity, message,

@@ -165,11 +165,16 @@ class Nvml(Protocol):
     def processes(self, h: Handle) -> dict[int, int]:
         """Compute processes: pid -> used GPU memory bytes."""
     def register_xid_events(self, h: Handle) -> None: ...
+    def clear_xid_events(self) -> None:
+        """Drop the event set (and its queued events); the next register_xid_events starts a new one."""
     def wait_xid(self, timeout_ms: int) -> XidEvent | None: ...
 
 
 _UNSUPPORTED = frozenset({3, 4, 13})  # NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND
-_GONE = frozenset({15, 28})  # GPU_IS_LOST, GPU_NOT_FOUND
+# GPU_IS_LOST, RESET_REQUIRED, GPU_NOT_FOUND, UNKNOWN: a device call answers RESET_REQUIRED or UNKNOWN after XID 79
+# (fallen off the bus) or XID 95 (uncontained ECC error) and on every later call; the GPU is gone until it is reset.
+_GONE = frozenset({15, 16, 28, 999})
+_GONE_NAMES = {15: "GPU_IS_LOST", 16: "RESET_REQUIRED", 28: "GPU_NOT_FOUND", 999: "UNKNOWN"}
 _MISSING = frozenset({1, 9, 12, 18})  # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH
 _FUNCTION_NOT_FOUND = 13
 _TIMEOUT = 10
@@ -180,6 +185,11 @@ def nvml_error(code: int, message: str) -> NvmlError:
     kind = (NvmlUnsupported if code in _UNSUPPORTED else NvmlGone if code in _GONE
             else NvmlMissing if code in _MISSING else NvmlError)
     return kind(message, code)
+
+
+def gone_reason(exc: NvmlError) -> str:
+    """The NVML error name (nvmlReturn_t without NVML_ERROR_) of a lost GPU, for its event."""
+    return _GONE_NAMES.get(exc.code if exc.code is not None else -1, str(exc.code))
 
 
 def clock_event_flags(reasons: int) -> list[str]:
@@ -366,6 +376,14 @@ class RealNvml:
         if self._events is None:
             self._events = self._call(nv.nvmlEventSetCreate)
         self._call(nv.nvmlDeviceRegisterEvents, h, nv.nvmlEventTypeXidCriticalError, self._events)
+
+    def clear_xid_events(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            try:
+                self._call(self._lib().nvmlEventSetFree, events)
+            except NvmlError as exc:  # a set holding a lost GPU may refuse to go: it is dropped all the same
+                log.debug("NVML event set free failed: %s", exc)
 
     def wait_xid(self, timeout_ms: int) -> XidEvent | None:
         nv = self._lib()

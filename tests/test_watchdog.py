@@ -52,10 +52,12 @@ class Harness:
         self.dog.observe([EngineSample(micros(self.now), "h", engine, "0", "m", metric,
                                        "counter" if metric.endswith("_total") else "gauge", {}, value, delta)])
 
-    def gpu(self, util_pct: float, *, flags: Sequence[str] = (), index: int = 0, engine: str = E) -> None:
-        self.dog.observe([GpuSample(micros(self.now), "h", engine, index, "GPU-0", "H100", 1980.0, 2619.0, 300.0, 0,
-                                    50.0, 60.0, util_pct, 0.0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, list(flags),
-                                    math.nan, math.nan, math.nan, {})])
+    def gpu(self, util_pct: float, *, flags: Sequence[str] = (), index: int = 0, engine: str = E,
+            remap: tuple[bool | None, bool | None] = (None, None)) -> None:
+        sample = GpuSample(micros(self.now), "h", engine, index, "GPU-0", "H100", 1980.0, 2619.0, 300.0, 0,
+                           50.0, 60.0, util_pct, 0.0, 0, 0, 0.0, 0.0, 0, 0.0, 0.0, 0, list(flags),
+                           math.nan, math.nan, math.nan, {})
+        self.dog.observe([sample._replace(remapped_rows_pending=remap[0], remapped_rows_failure=remap[1])])
 
     def event(self, kind: str, engine: str = E, **attributes: str) -> None:
         self.dog.observe([Event(micros(self.now), "h", engine, "vllm_metrics", kind, "critical", kind, attributes)])
@@ -271,7 +273,7 @@ def test_window_figures_and_gpu_metrics() -> None:
         h.clock.advance(0.5)
         h.step(ctx_tokens=512 if i % 2 else 0, ctx_requests=1 if i % 2 else 0, itl=[0.01] * 9 + [0.5],
                queries=100, hits=25, preempted=1 if i == 3 else 0)
-        h.gpu(80.0, flags=["sw_power_cap"])
+        h.gpu(80.0, flags=["sw_power_cap"], remap=(True, False))
         h.gpu(60.0, index=1)
     h.event("gpu_xid", xid="79", gpu="1")
     h.event("gpu_lost", gpu="1")
@@ -287,6 +289,9 @@ def test_window_figures_and_gpu_metrics() -> None:
     assert h.value("stepline_gpu_sm_clock_mhz", engine=E, gpu="1") == 1980.0
     assert h.value("stepline_gpu_xid_errors_total", engine=E, gpu="1", xid="79") == 1
     assert h.value("stepline_gpu_lost_total", engine=E, gpu="1") == 1  # GpuLost pages on it
+    assert h.value("stepline_gpu_row_remap", engine=E, gpu="0", state="pending") == 1  # GpuRowRemap: warning
+    assert h.value("stepline_gpu_row_remap", engine=E, gpu="0", state="failed") == 0
+    assert h.value("stepline_gpu_row_remap", engine=E, gpu="1", state="pending") is None  # no remapper reading
     assert h.metrics.registry.get_sample_value("stepline_gpu_present") == 1
     h.tick(61.0)  # no GPU data any more: the utilisation is absent, not 0
     assert h.value("stepline_engine_gpu_utilization_ratio") is None

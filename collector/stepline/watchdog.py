@@ -218,6 +218,9 @@ class Watchdog:
             flags = set(g.clock_event_flags)
             for reason in sorted(flags.union(CLOCK_REASONS)):
                 m.gpu_clock_event_active.labels(engine, gpu, reason).set(1 if reason in flags else 0)
+            for state, value in (("pending", g.remapped_rows_pending), ("failed", g.remapped_rows_failure)):
+                if value is not None:  # None: the GPU has no row remapper, or the reading failed
+                    m.gpu_row_remap.labels(engine, gpu, state).set(1 if value else 0)
 
     # --- the top finding of a slow or stalled engine ---
 

@@ -32,7 +32,10 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
                       ["gpu"], gpu=True)
     d = d.with_panel(series("Clocks", "Whether SM and memory clocks held under load.", "rotmhz",
                             _per_gpu("avg(sm_clock_mhz) AS sm, avg(mem_clock_mhz) AS mem")))
-    d = d.with_panel(series("Power", "How much power each GPU drew.", "watt", _per_gpu("avg(power_w) AS power")))
+    d = d.with_panel(series(
+        "Power", "How much power each GPU drew: the driver's 1-second average, and the instant reading (NVML "
+        "FI_DEV_POWER_INSTANT, Ampere and newer), which shows what the average blurs at 10 Hz.", "watt",
+        _per_gpu("avg(power_w) AS power_avg_1s, avg(power_instant_w) AS power_instant")))
     d = d.with_panel(grid(
         "Energy used in range", "How much energy each GPU used over the selected time range.",
         ClickHouseQuery(per_interval(f"""
@@ -44,8 +47,10 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
     d = d.with_panel(series("Temperatures", "How hot the GPU die and its memory ran.", "celsius",
                             _per_gpu("max(temp_gpu_c) AS gpu_temp, max(temp_mem_c) AS mem_temp")))
     d = d.with_panel(series(
-        "Utilisation", "How busy each GPU was: any kernel, tensor cores, SM occupancy.", "percent",
-        _per_gpu("avg(util_gpu_pct) AS util, avg(tensor_active_pct) AS tensor, avg(sm_occupancy_pct) AS occupancy")))
+        "Utilisation", "How busy each GPU was: any kernel (util), SMs with work (SM active, GPM), the graphics "
+        "engine (GPM), tensor cores and SM occupancy.", "percent",
+        _per_gpu("avg(util_gpu_pct) AS util, avg(sm_active_pct) AS sm_active, avg(graphics_active_pct) AS graphics, "
+                 "avg(tensor_active_pct) AS tensor, avg(sm_occupancy_pct) AS occupancy")))
     d = d.with_panel(series("DRAM bandwidth", "How busy GPU memory bandwidth was.", "percent",
                             _per_gpu("avg(dram_bw_util_pct) AS dram_bw")))
     d = d.with_panel(series("Memory used", "How much GPU memory was allocated, of the total.", "bytes",
@@ -63,6 +68,15 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
             FROM gpu_samples ARRAY JOIN clock_event_flags AS reason
             WHERE {GPU_WHERE} AND reason != 'gpu_idle'
             GROUP BY time, series ORDER BY time"""), stacked=True, bars=True))
+    d = d.with_panel(grid(
+        "HBM row remapping", "NVML's row remapper per GPU (the HBM health signal): rows remapped for uncorrectable "
+        "and correctable errors, a remap pending (needs a GPU reset) or failed (no spare rows: replace the GPU).",
+        ClickHouseQuery(f"""
+            SELECT {GPU_SERIES}, any(gpu_name) AS model, max(remapped_rows_uncorrectable) AS uncorrectable,
+                   max(remapped_rows_correctable) AS correctable, max(remapped_rows_pending) AS pending,
+                   max(remapped_rows_failure) AS failed
+            FROM gpu_samples WHERE {GPU_WHERE} AND remapped_rows_uncorrectable IS NOT NULL
+            GROUP BY gpu ORDER BY failed DESC, pending DESC, uncorrectable DESC, gpu""", Format.TABLE), w=12, h=8))
     return d.with_panel(grid(
         "XID errors", "Which GPUs reported XID errors, and what the driver said.",
         ClickHouseQuery(f"""

@@ -75,7 +75,12 @@ class AlertConfig:
     evaluation_interval: str = "30s"
 
     webhook_url: str = "http://127.0.0.1:9095/stepline"
+    """The Alertmanager example's page/ticket receiver (a placeholder: put your receiver here)."""
     heartbeat_url: str = "http://127.0.0.1:9095/heartbeat"
+    grafana_alertmanager_url: str = "http://alertmanager:9093"
+    """Grafana's contact point forwards every Grafana-managed alert to this Alertmanager (it posts to
+    `/api/v2/alerts` under it): deploy/docker-compose.yml's `alertmanager` service, so both alert paths are
+    routed, grouped and inhibited by the same Alertmanager."""
     grafana_datasource_uid: str = "${STEPLINE_PROMETHEUS_UID}"
     """Grafana expands this from its environment when it reads the provisioning file."""
     grafana_folder_uid: str = "stepline"

@@ -69,8 +69,10 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             cfg.engine_down_for,
             "vLLM engine [engine] is not answering /metrics.",
             "The collector has failed to scrape engine [engine] ([source]) for at least "
-            f"{cfg.engine_down_for}: the process is gone, hung or not serving HTTP. EngineStalled and "
-            "EngineWedgedWithQueue for this engine are inhibited while this fires. " + diag,
+            f"{cfg.engine_down_for}: the process is gone, hung or not serving HTTP. Alertmanager inhibits "
+            "EngineStalled and EngineWedgedWithQueue for this engine while this fires (the Prometheus rules, and "
+            "Grafana's rules forwarded by its Alertmanager contact point); Grafana's own notification policies "
+            "do not inhibit, so a Grafana contact point that bypasses Alertmanager sends them too. " + diag,
         ),
         Alert(
             "EngineStalled", "critical",

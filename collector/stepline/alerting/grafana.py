@@ -1,8 +1,13 @@
 """Grafana-managed alert rules, contact points and notification policy (file provisioning), built with
 grafana-foundation-sdk's alerting builders from the same definitions as the Prometheus rules.
 
-Grafana expands `$VAR` from its environment in provisioning files, except in annotations: every other
-literal `$` (PromQL's `$1`, Grafana's `$A`) is written as `$$`.
+Which fields Grafana interpolates decides how a `$` is written (grafana/grafana
+`pkg/services/provisioning/alerting/rules_types.go`): a query's `model` is taken raw (`QueryV1.mapToModel`
+marshals `Model.Raw`), so PromQL's `$1` and the math expression's `$A` are written as they are; the fields
+read with `.Value()` (group name, folder, interval, rule uid, title, condition, for, states, labels, refId,
+datasourceUid) expand `$VAR`/`${VAR}` from Grafana's environment, so none of them may hold a `$` except
+the datasource uid's intended `${STEPLINE_PROMETHEUS_UID}`; annotations expand at most `${VAR}`
+(`ValueWithBracedVars`), so they may hold `$labels`/`$values` but never `${`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from stepline.alerting.prometheus import HEARTBEAT
 
 ORG_ID = 1
 EXPR_UID = "__expr__"
+CONTACT_POINT = "stepline-alertmanager"
 _DURATION = re.compile(r"^(\d+)([smh])$")
 
 
@@ -38,10 +44,6 @@ class _Model(cogbuilder.Builder[cogvariants.Dataquery]):
         return UnknownDataquery(self._data)
 
 
-def _escape(s: str) -> str:
-    return s.replace("$", "$$")
-
-
 def _seconds(duration: str) -> int:
     m = _DURATION.match(duration)
     if not m:
@@ -53,7 +55,7 @@ def _prom_query(cfg: AlertConfig, ref: str, expr: str) -> ab.Query:
     window = max(600, 2 * max((_seconds(d) for d in re.findall(r"\[(\d+[smh])\]", expr)), default=0))
     return (ab.Query(ref).datasource_uid(cfg.grafana_datasource_uid)
             .relative_time_range(RelativeTimeRange(from_val=window, to=0))
-            .model(_Model({"refId": ref, "expr": _escape(expr), "instant": True, "range": False,
+            .model(_Model({"refId": ref, "expr": expr, "instant": True, "range": False,
                            "intervalMs": 1000, "maxDataPoints": 43200})))
 
 
@@ -76,12 +78,34 @@ def rule(cfg: AlertConfig, a: Alert, title: str) -> ab.Rule:
         r = r.with_query(_prom_query(cfg, ref, templates.GRAFANA_AUX[ref].replace("{sel}", cfg.sel())))
     return r.with_query(
         ab.Query("C").datasource_uid(EXPR_UID).relative_time_range(RelativeTimeRange(from_val=0, to=0))
-        .model(_Model({"refId": "C", "type": "math", "expression": _escape("is_number($A)"),
+        .model(_Model({"refId": "C", "type": "math", "expression": "is_number($A)",
                        "datasource": {"type": "__expr__", "uid": EXPR_UID}})))
 
 
 def _plain(obj: object) -> Any:
     return json.loads(json.dumps(obj, cls=JSONEncoder))
+
+
+# The rule fields rules_types.go reads with `.Value()` (environment-expanded); `model` is raw, annotations
+# braced-only (grafana/grafana pkg/services/provisioning/alerting/rules_types.go).
+_EXPANDED_RULE_FIELDS = ("uid", "title", "condition", "for", "keepFiringFor", "noDataState", "execErrState",
+                         "dashboardUid")
+
+
+def _check_expansion(cfg: AlertConfig, r: dict[str, Any]) -> None:
+    """Refuse a `$` that Grafana's provisioning would expand from its environment."""
+    title = r.get("title", "?")
+    expanded = [(k, r[k]) for k in _EXPANDED_RULE_FIELDS if isinstance(r.get(k), str)]
+    expanded += [(f"labels.{k}", v) for k, v in r.get("labels", {}).items()]
+    expanded += [(f"data.{q['refId']}.refId", q["refId"]) for q in r["data"]]
+    expanded += [(f"data.{q['refId']}.datasourceUid", q["datasourceUid"]) for q in r["data"]
+                 if q["datasourceUid"] != cfg.grafana_datasource_uid]
+    for where, value in expanded:
+        if "$" in value:
+            raise ValueError(f"rule {title}: {where} = {value!r}: Grafana would expand its `$` from the environment")
+    for key, value in r.get("annotations", {}).items():
+        if "${" in value:
+            raise ValueError(f"rule {title}: annotation {key} = {value!r}: Grafana would expand its `${{`")
 
 
 def rules_file(cfg: AlertConfig) -> dict[str, object]:
@@ -99,30 +123,29 @@ def rules_file(cfg: AlertConfig) -> dict[str, object]:
     for r in built["rules"]:
         for api_only in ("folderUID", "ruleGroup", "orgID"):
             r.pop(api_only, None)
+        _check_expansion(cfg, r)
         file_rules.append(r)
-    return {"apiVersion": 1, "groups": [{
-        "orgId": ORG_ID, "name": built["title"], "folder": "stepline",
-        "interval": cfg.evaluation_interval, "rules": file_rules,
-    }]}
+    group_fields = {"name": built["title"], "folder": "stepline", "interval": cfg.evaluation_interval}
+    for key, value in group_fields.items():
+        if "$" in value:
+            raise ValueError(f"rule group {key} = {value!r}: Grafana would expand its `$` from the environment")
+    return {"apiVersion": 1, "groups": [{"orgId": ORG_ID, **group_fields, "rules": file_rules}]}
 
 
 def contact_points_file(cfg: AlertConfig) -> dict[str, object]:
-    """Webhook contact points: one for pages, one for the heartbeat."""
-    def point(name: str, url: str, no_resolved: bool) -> dict[str, object]:
-        cp = _plain(ab.ContactPoint().uid(name).name(name).type("webhook")
-                    .settings({"url": url, "httpMethod": "POST"})
-                    .disable_resolve_message(no_resolved).build())
-        cp.pop("name")
-        return {"orgId": ORG_ID, "name": name, "receivers": [cp]}
-
-    return {"apiVersion": 1, "contactPoints": [
-        point("stepline-webhook", cfg.webhook_url, False),
-        point("stepline-heartbeat", cfg.heartbeat_url, True),
-    ]}
+    """One contact point that forwards every Grafana alert to an Alertmanager (`cfg.grafana_alertmanager_url`)."""
+    cp = _plain(ab.ContactPoint().uid(CONTACT_POINT).name(CONTACT_POINT).type("alertmanager")
+                .settings({"url": cfg.grafana_alertmanager_url})
+                .disable_resolve_message(False).build())
+    cp.pop("name")
+    # The SDK's enum says "alertmanager"; Grafana registers the integration as "prometheus-alertmanager"
+    # (grafana/alerting receivers/alertmanager: Type), which posts to `<url>/api/v2/alerts`.
+    cp["type"] = "prometheus-alertmanager"
+    return {"apiVersion": 1, "contactPoints": [{"orgId": ORG_ID, "name": CONTACT_POINT, "receivers": [cp]}]}
 
 
 def policies_file(cfg: AlertConfig) -> dict[str, object]:
-    """The notification policy tree: grouped by engine, severity routes, the heartbeat on its own."""
+    """The notification policy tree: grouped by engine; the heartbeat re-sent every minute so Alertmanager keeps it."""
     def route(matcher: str, receiver: str, **timing: str) -> ab.NotificationPolicy:
         name, value = matcher.split("=", 1)
         p = ab.NotificationPolicy().receiver(receiver).object_matchers([[name, "=", value]])
@@ -130,13 +153,13 @@ def policies_file(cfg: AlertConfig) -> dict[str, object]:
             p = getattr(p, key)(val)
         return p
 
-    tree = (ab.NotificationPolicy().receiver("stepline-webhook")
+    tree = (ab.NotificationPolicy().receiver(CONTACT_POINT)
             .group_by(["grafana_folder", "alertname", "engine"])
             .group_wait("30s").group_interval("5m").repeat_interval("4h")
             .routes([
-                route(f"alertname={HEARTBEAT}", "stepline-heartbeat", group_wait="0s", group_interval="1m",
+                route(f"alertname={HEARTBEAT}", CONTACT_POINT, group_wait="0s", group_interval="1m",
                       repeat_interval="1m"),
-                route("severity=critical", "stepline-webhook", group_wait="10s", repeat_interval="1h"),
-                route("severity=warning", "stepline-webhook"),
+                route("severity=critical", CONTACT_POINT, group_wait="10s", repeat_interval="1h"),
+                route("severity=warning", CONTACT_POINT),
             ]))
     return {"apiVersion": 1, "policies": [{"orgId": ORG_ID, **_plain(tree.build())}]}

@@ -68,6 +68,7 @@ class Collector:
     def start(self) -> None:
         """Open the store and start everything; raises StoreError/SettingsError/OSError with one clear line."""
         s = self.settings
+        self.metrics.gpu_expected.set(1 if s.expect_gpus else 0)
         ctx = SourceContext(host=s.host_name, clock=self.clock)
         specs = source_registry.enabled(s)
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]

@@ -118,6 +118,8 @@ class SelfMetrics:
                                       ["engine", "gpu", "xid"], registry=r)
         self.gpu_present = Gauge("stepline_gpu_present", "1 when GPU samples arrived in the last 60 s.",
                                  registry=r)
+        self.gpu_expected = Gauge("stepline_gpu_expected", "1 when GPUs are expected here (STEPLINE_EXPECT_GPUS): a "
+                                  "gpu source that never reached NVML is then no machine without GPUs.", registry=r)
         self.gpu_lost = Counter("stepline_gpu_lost", "GPUs NVML reported lost (fell off the bus, reset required).",
                                 ["engine", "gpu"], registry=r)
         self.gpu_row_remap = Gauge(

@@ -32,6 +32,8 @@ class Settings:
     scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
     disabled_sources: frozenset[str] = frozenset()
     engine_processes: tuple[str, ...] = ()  # NAME=PID or NAME=cmdline:TEXT, beside what --engine ports find
+    engine_gpus: tuple[str, ...] = ()  # NAME=GPU-uuid,GPU-uuid: GPUs no PID or engine environment ties to an engine
+    expect_gpus: bool = False  # GPUs are expected here: a gpu source that never reaches NVML alerts
     host_interval_s: float = 1.0
     gpu_interval_s: float = 0.1
     plugin_socket: str = "/tmp/stepline-plugin.sock"
@@ -108,7 +110,21 @@ class Settings:
             name, sep, how = spec.partition("=")
             if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
                 raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
+        self.engine_gpu_map()
         return self
+
+    def engine_gpu_map(self) -> dict[str, str]:
+        """GPU UUID -> engine from engine_gpus; raises SettingsError naming a bad or twice-given entry."""
+        owners: dict[str, str] = {}
+        for spec in self.engine_gpus:
+            name, sep, uuids = spec.partition("=")
+            gpus = [u.strip() for u in uuids.split(",")]
+            if not (name.strip() and sep and all(u.startswith("GPU-") and len(u) > 4 for u in gpus)):
+                raise SettingsError(f"engine GPUs {spec!r} must be NAME=GPU-uuid[,GPU-uuid...] (nvidia-smi -L)")
+            for uuid in gpus:
+                if owners.setdefault(uuid, name.strip()) != name.strip():
+                    raise SettingsError(f"engine GPUs: {uuid} is given to both {owners[uuid]} and {name.strip()}")
+        return owners
 
     @property
     def scrape_timeout(self) -> float:
@@ -134,6 +150,18 @@ def _csv(raw: str) -> tuple[str, ...]:
 
 def _names(raw: str) -> frozenset[str]:
     return frozenset(_csv(raw))
+
+
+def _semicolons(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(";") if part.strip())
+
+
+def boolean(raw: str) -> bool:
+    """1/0, true/false, yes/no, on/off."""
+    value = raw.strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(raw)
+    return value in ("1", "true", "yes", "on")
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -181,6 +209,8 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("plugin_socket", "STEPLINE_PLUGIN_SOCKET", str),
     ("host_interval_s", "STEPLINE_HOST_INTERVAL", float),
     ("engine_processes", "STEPLINE_ENGINE_PROCESSES", _csv),
+    ("engine_gpus", "STEPLINE_ENGINE_GPUS", _semicolons),
+    ("expect_gpus", "STEPLINE_EXPECT_GPUS", boolean),
     ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
     ("otlp_port", "STEPLINE_OTLP_PORT", int),
     ("events_port", "STEPLINE_EVENTS_PORT", int),

@@ -34,7 +34,7 @@ def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
 
 
 def _gpu(settings: Settings, ctx: SourceContext) -> list[Source]:
-    return [GpuSource(ctx)]
+    return [GpuSource(ctx, configured_gpus=settings.engine_gpu_map())]
 
 
 def _host(settings: Settings, ctx: SourceContext) -> list[Source]:

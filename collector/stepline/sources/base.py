@@ -49,6 +49,11 @@ class EngineProcesses:
             if self._by_pid.pop(pid, None) is not None:
                 self._generation += 1
 
+    def processes(self) -> dict[int, str]:
+        """Every engine process found: pid -> engine (the GPU source reads their environments)."""
+        with self._lock:
+            return dict(self._by_pid)
+
     def generation(self) -> int:
         """A number that changes whenever an engine process is found or lost: answers cached before are stale."""
         with self._lock:

@@ -11,7 +11,7 @@ from typing import Any, NoReturn, TypeVar, cast
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event, GpuSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
-from stepline.sources.gpu_owners import EngineLookup, PidView, ProcPidView
+from stepline.sources.gpu_owners import Device, EngineGpus, EngineLookup, PidView, ProcPidView
 from stepline.sources.nvml import (
     FI_DEV_MEMORY_TEMP,
     FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
@@ -138,19 +138,25 @@ class GpuSource:
 
     def __init__(self, ctx: SourceContext, nvml: Nvml | None = None, *, gpm_interval_s: float = 1.0,
                  slow_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None,
-                 pid_view: PidView | None = None, engine_of_gpu: Callable[[str], str] | None = None) -> None:
+                 pid_view: PidView | None = None, engine_of_gpu: Callable[[str], str] | None = None,
+                 configured_gpus: Mapping[str, str] | None = None,
+                 own_environ: Mapping[str, str] | None = None) -> None:
         self._ctx = ctx
         self._nvml: Nvml = nvml if nvml is not None else RealNvml()
         self._gpm_interval_s = gpm_interval_s
         # Processes, memory, memory clock and row remapping change slowly: read once per slow interval per GPU.
         self._slow_interval_s = slow_interval_s
         self._driver: str | None = None  # nvmlSystemGetDriverVersion, read once per NVML session
-        # Default: the engine processes the host source found, so a GPU is tied to the engine it serves. engine_of_gpu
-        # (GPU UUID -> engine) is the hook for where no PID NVML reports is visible here: issue 16's to fill.
+        # Default: the engine processes the host source found, so a GPU is tied to the engine it serves: by the PIDs
+        # NVML reports, else (PIDs not visible here) by the GPUs their environments name, else by the setting
+        # (configured_gpus: GPU UUID -> engine; engine_of_gpu replaces it).
+        view = pid_view or ProcPidView()
+        by_uuid = EngineGpus(ctx.engine_processes.processes, view, configured=configured_gpus, own_environ=own_environ)
         self._owners = EngineLookup(
-            engine_of_pid or ctx.engine_processes.engine_of, pid_view or ProcPidView(),
+            engine_of_pid or ctx.engine_processes.engine_of, view,
             generation=(lambda: 0) if engine_of_pid else ctx.engine_processes.generation,
-            engine_of_gpu=engine_of_gpu or (lambda uuid: ""))
+            engine_of_gpu=engine_of_gpu or by_uuid.configured,
+            engine_of_hidden_gpu=lambda uuid: by_uuid.by_environ(uuid, self._devices()))
         self._gpus: list[_Gpu] | None = None
         self._initialised = False
         self._xid = False
@@ -552,6 +558,13 @@ class GpuSource:
         if engine is not None:  # None: some PIDs wait for a later poll's lookups; the GPU keeps its engine meanwhile
             gpu.engine = engine
         return gpu.engine
+
+    def _devices(self) -> list[Device] | None:
+        """Every GPU NVML shows, in its order; None while some could not be read (indices would not line up)."""
+        if self._gpus is None or self._absent:
+            return None
+        devices = sorted((gpu.index, Device(gpu.uuid, gpu.name)) for gpu in self._gpus)
+        return [d for _, d in devices] if [i for i, _ in devices] == list(range(len(devices))) else None
 
     def _drain_xid(self, gpus: list[_Gpu]) -> bool:
         """Queue this poll's XID events; True when the wait says a GPU in the event set is lost."""

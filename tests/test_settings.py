@@ -47,3 +47,16 @@ def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object],
         Settings.from_env(env, **overrides)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_store_url_from_a_file_is_never_shown(tmp_path: Path) -> None:
+    # One Kubernetes Secret key mounted as a file: the password is in no container's environment.
+    url = tmp_path / "store-url"
+    url.write_text("http://default:hunter2@clickhouse:8123/stepline\n")
+    s = Settings.from_env({"STEPLINE_STORE_FILE": str(url)})
+    assert s.store == "http://default:hunter2@clickhouse:8123/stepline"
+    assert "hunter2" not in repr(s)
+    assert Settings.from_env({"STEPLINE_STORE": "chdb:///x", "STEPLINE_STORE_FILE": str(url)}).store == "chdb:///x"
+    assert Settings.from_env({"STEPLINE_STORE_FILE": str(url)}, store="chdb:///y").store == "chdb:///y"
+    with pytest.raises(SettingsError, match="STEPLINE_STORE_FILE='/nonexistent/url'"):
+        Settings.from_env({"STEPLINE_STORE_FILE": "/nonexistent/url"})

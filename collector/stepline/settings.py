@@ -188,6 +188,7 @@ def _read_secret(var: str, path: str) -> str:
 
 # Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
 _SECRETS = (
+    ("store", "STEPLINE_STORE"),  # a server URL carries the ClickHouse password
     ("query_password", "STEPLINE_QUERY_PASSWORD"),
     ("otlp_token", "STEPLINE_OTLP_TOKEN"),
     ("plugin_token", "STEPLINE_PLUGIN_TOKEN"),

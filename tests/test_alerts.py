@@ -257,6 +257,19 @@ def scenarios() -> list[dict[str, object]]:
                 "exp_annotations": expected("CollectorSourceDown", "warning", source="gpu", instance="c1:9464"),
             }]}],
         },
+        {   # A sidecar that never reached NVML where GPUs are expected (STEPLINE_EXPECT_GPUS): no GPU sample ever, yet
+            # it alerts; the same collector without the setting would be a machine without GPUs.
+            "name": "gpu source never up where GPUs are expected",
+            "input_series": [
+                series("stepline_source_up", 'source="gpu"', "0x30"),
+                series("stepline_gpu_present", "", "0x30"),
+                series("stepline_gpu_expected", "", "1x30"),
+            ],
+            "alert_rule_test": [{"eval_time": "12m", "alertname": "CollectorSourceDown", "exp_alerts": [{
+                "exp_labels": labels(source="gpu", severity="warning"),
+                "exp_annotations": expected("CollectorSourceDown", "warning", source="gpu", instance="c1:9464"),
+            }]}],
+        },
         {   # A GPU falls off the bus; another GPU remaps an HBM row, then the remap fails on a third.
             "name": "gpu lost and row remapping",
             "input_series": [

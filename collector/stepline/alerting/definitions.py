@@ -264,12 +264,14 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "CollectorSourceDown", "warning",
             f'(stepline_source_up{other_sources} == 0)\n'
             f'  unless (stepline_source_up{gpu_source} == 0'
-            f" and ignoring (source) max_over_time(stepline_gpu_present{s()}[{cfg.gpu_present_lookback}]) == 0)",
+            f" and ignoring (source) max_over_time(stepline_gpu_present{s()}[{cfg.gpu_present_lookback}]) == 0\n"
+            f"    unless ignoring (source) stepline_gpu_expected{s()} == 1)",
             cfg.source_down_for,
             "Collector source [source] on [instance] is down.",
             "Source [source] of collector [instance] has failed every poll for "
             f"{cfg.source_down_for}; its rows are missing from the timeline. `stepline status` and the "
-            "collector's log name the error. (The gpu source on a machine without GPUs does not count.)",
+            "collector's log name the error. (The gpu source on a machine without GPUs does not count, unless "
+            "STEPLINE_EXPECT_GPUS says GPUs are expected there.)",
         ),
         Alert(
             "Watchdog", "none",

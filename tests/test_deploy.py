@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from stepline import provisioning
+from stepline.alerting import cli as alerts_cli
 from stepline.settings import _ENV, _SECRETS, Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,25 +320,64 @@ def test_k8s_secret_references_agree() -> None:
     assert clickhouse_env["CLICKHOUSE_DB"] == "stepline"
 
 
-def test_kustomization_refers_to_existing_files_and_every_dashboard() -> None:
+def kustomization_paths() -> list[str]:
+    """Every file path kustomization.yaml names: resources and configMapGenerator files (KEY=PATH or PATH)."""
     kustomization = load_yaml(K8S / "kustomization.yaml")
-    for resource in kustomization["resources"]:
-        assert (K8S / resource).is_file(), resource
-    generated: dict[str, list[Path]] = {}
-    for generator in kustomization["configMapGenerator"]:
-        paths = [(K8S / spec.partition("=")[2 if "=" in spec else 0]).resolve() for spec in generator["files"] or []]
-        for path in paths:
-            assert path.is_file(), f"{generator['name']}: {path} does not exist"
-        generated[generator["name"]] = paths
-    assert generated["stepline-prometheus-rules"] == [REPO / "alerts" / "prometheus-rules.yaml"]
-    missing = set((REPO / "dashboards").glob("*.json")) - set(generated["stepline-dashboards"])
+    paths = list(kustomization["resources"])
+    for generator in kustomization.get("configMapGenerator", []) + kustomization.get("secretGenerator", []):
+        paths.extend(spec.partition("=")[2] if "=" in spec else spec for spec in generator.get("files") or [])
+    return paths
+
+
+def test_kustomization_loads_nothing_outside_its_folder() -> None:
+    # kustomize's default load restrictor refuses any file not in or below the kustomization's folder.
+    for rel in kustomization_paths():
+        path = (K8S / rel).resolve()
+        assert path.is_relative_to(K8S.resolve()), f"{rel} is not in or below deploy/kubernetes"
+        assert path.is_file(), f"{rel} does not exist"
+
+
+def test_kustomization_copies_match_the_generated_files_and_list_every_dashboard() -> None:
+    generated = K8S / "generated"
+    rules = generated / "prometheus-rules.yaml"
+    assert rules.read_bytes() == (REPO / "alerts" / "prometheus-rules.yaml").read_bytes(), \
+        "deploy/kubernetes/generated/ drifted: run `stepline alerts build`"
+    dashboards = {p.name: p for p in (REPO / "dashboards").glob("*.json")}
+    copies = {p.name: p for p in (generated / "dashboards").glob("*.json")}
+    assert copies.keys() == dashboards.keys(), "deploy/kubernetes/generated/ drifted: run `stepline alerts build`"
+    for name, path in dashboards.items():
+        assert copies[name].read_bytes() == path.read_bytes(), f"{name} drifted: run `stepline alerts build`"
+    listed = {(K8S / rel).resolve() for rel in kustomization_paths()}
+    missing = {p.resolve() for p in copies.values()} - listed
     assert not missing, f"add to deploy/kubernetes/kustomization.yaml (stepline-dashboards): {sorted(missing)}"
+    assert rules.resolve() in listed
+
+
+def test_alerts_build_copies_into_the_kustomization(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kustomization, dashboards = tmp_path / "k8s", tmp_path / "dashboards"
+    kustomization.mkdir()
+    dashboards.mkdir()
+    (dashboards / "a.json").write_text('{"title": "a"}', encoding="utf-8")
+    (kustomization / "generated" / "dashboards").mkdir(parents=True)
+    (kustomization / "generated" / "dashboards" / "gone.json").write_text("{}", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    alerts_cli.add_arguments(parser)
+    args = parser.parse_args(["build", "--out", str(tmp_path / "alerts"), "--kustomization", str(kustomization),
+                              "--dashboards", str(dashboards)])
+    assert alerts_cli.run(args) == 0
+    copied = kustomization / "generated"
+    assert (copied / "prometheus-rules.yaml").read_bytes() == (tmp_path / "alerts/prometheus-rules.yaml").read_bytes()
+    assert sorted(p.name for p in (copied / "dashboards").iterdir()) == ["a.json"]  # the stale copy is gone
+    assert str(copied / "prometheus-rules.yaml") in capsys.readouterr().out.splitlines()
+    # No kustomization folder where it runs: nothing is created.
+    args = parser.parse_args(["build", "--out", str(tmp_path / "b"), "--kustomization", str(tmp_path / "none")])
+    assert alerts_cli.run(args) == 0
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kustomize_builds() -> None:
-    done = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(K8S)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(done.stdout) if d}
     assert {("ConfigMap", "stepline-prometheus-rules"), ("Deployment", "vllm"), ("StatefulSet", "clickhouse")} <= kinds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from stepline.alerting import grafana, prometheus, yamlout
@@ -36,3 +37,19 @@ def build(out_dir: Path | str, cfg: AlertConfig | None = None) -> list[Path]:
         path.write_text(text, encoding="utf-8")
         written.append(path)
     return written
+
+
+def copy_into_kustomization(kustomization: Path | str, rules: Path | str, dashboards: Path | str) -> list[Path]:
+    """Copy the rules file and every dashboard under `kustomization`/generated/; returns the copies, sorted.
+
+    kustomize loads no file outside the kustomization's folder, so `kubectl apply -k` needs copies there.
+    """
+    out = Path(kustomization) / "generated"
+    (out / "dashboards").mkdir(parents=True, exist_ok=True)
+    sources = {Path(rules): out / "prometheus-rules.yaml"}
+    sources.update({path: out / "dashboards" / path.name for path in sorted(Path(dashboards).glob("*.json"))})
+    for stale in set((out / "dashboards").glob("*.json")) - set(sources.values()):
+        stale.unlink()
+    for source, copy in sources.items():
+        shutil.copyfile(source, copy)
+    return sorted(sources.values())

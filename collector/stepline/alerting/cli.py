@@ -1,11 +1,13 @@
-"""`stepline alerts build [--out alerts]`: regenerate the Prometheus, Alertmanager and Grafana alert files."""
+"""`stepline alerts build [--out alerts]`: regenerate the Prometheus, Alertmanager and Grafana alert files
+(and copy the rules and dashboards into the Kubernetes kustomization)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
-from stepline.alerting.build import build
+from stepline.alerting.build import build, copy_into_kustomization
 from stepline.alerting.config import AlertConfig
 
 
@@ -18,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--datasource-uid", default=None,
                    help=f"Grafana Prometheus datasource uid (default: {AlertConfig.grafana_datasource_uid})")
     b.add_argument("--runbook-url", default=None, help="runbook URL pattern with {anchor}")
+    b.add_argument("--kustomization", default="deploy/kubernetes",
+                   help="copy the rules and the dashboards into DIR/generated/ when DIR exists, for "
+                        "`kubectl apply -k` (default: deploy/kubernetes; '' to skip)")
+    b.add_argument("--dashboards", default="dashboards", help="the dashboards to copy (default: dashboards)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
     changes = {k: v for k, v in (("selector", args.selector), ("grafana_datasource_uid", args.datasource_uid),
                                  ("runbook_url", args.runbook_url)) if v is not None}
     cfg = dataclasses.replace(AlertConfig(), **changes)
-    for path in build(args.out, cfg):
+    written = build(args.out, cfg)
+    kustomization = Path(args.kustomization) if args.kustomization else None
+    if kustomization is not None and kustomization.is_dir():
+        written += copy_into_kustomization(kustomization, Path(args.out) / "prometheus-rules.yaml", args.dashboards)
+    for path in written:
         print(path)
     return 0

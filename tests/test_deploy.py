@@ -114,7 +114,7 @@ def test_compose_host_paths_and_build_contexts_exist() -> None:
             if source.startswith("."):
                 assert (DEPLOY / source).exists(), f"{name}: {source} (mounted at {target}) does not exist"
         if "build" in svc:
-            dockerfile = DEPLOY / svc["build"] / "Dockerfile"
+            dockerfile = DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]
             assert dockerfile.is_file(), f"{name}: no {dockerfile}"
 
 
@@ -224,7 +224,7 @@ def test_promtool_accepts_the_prometheus_config(tmp_path: Path) -> None:
 def test_grafana_provisioning_mounts_and_datasources_agree() -> None:
     grafana = service("grafana")
     m = mounts(grafana)
-    assert grafana["environment"]["GF_INSTALL_PLUGINS"] == "grafana-clickhouse-datasource"
+    assert grafana["environment"]["GF_PLUGINS_PREINSTALL_SYNC"].startswith("grafana-clickhouse-datasource@")
     assert m["/etc/grafana/provisioning/alerting"] == "../alerts/grafana"
     assert m["/etc/grafana/provisioning/datasources"] == "./grafana/provisioning/datasources"
     assert m["/etc/grafana/provisioning/dashboards"] == "./grafana/provisioning/dashboards"

@@ -14,6 +14,7 @@ A math expression's variables are lexed as grafana/grafana `pkg/expressions/math
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -192,3 +193,50 @@ def test_the_contact_point_forwards_to_the_configured_alertmanager() -> None:
     host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()  # type: ignore[union-attr]
     assert host in compose["services"]
     assert any(p.split(":")[-1] == port for p in compose["services"][host].get("ports", []))
+
+
+# --- versions ---------------------------------------------------------------------------------------------
+
+# The dashboard schema version each Grafana release first understands (Grafana's dashboard migrations: v42
+# arrived in 12.2; an older Grafana's dashboard API refuses a version above its own).
+MIN_GRAFANA_FOR_SCHEMA = {42: (12, 2)}
+CLICKHOUSE_PLUGIN = "grafana-clickhouse-datasource"
+PLUGIN_MIN = (4, 0, 3)  # earlier 4.x releases expand the time macros differently
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _grafana_images() -> list[str]:
+    files = [ROOT / "deploy/docker-compose.yml", *sorted((ROOT / "deploy/kubernetes").glob("*.yaml"))]
+    image = re.compile(r"image:\s*[\"']?(?:docker\.io/)?grafana/grafana(?:-oss)?:([^\s\"'#]+)")
+    return [m.group(1) for f in files for m in image.finditer(f.read_text(encoding="utf-8"))]
+
+
+def test_grafana_pin_matches_the_dashboards_schema_version() -> None:
+    versions = {json.loads(p.read_text())["schemaVersion"] for p in (ROOT / "dashboards").glob("*.json")}
+    assert versions and versions <= set(MIN_GRAFANA_FOR_SCHEMA), f"no known minimum Grafana for {versions}"
+    minimum = max(MIN_GRAFANA_FOR_SCHEMA[v] for v in versions)
+    images = _grafana_images()
+    assert images, "no pinned Grafana image in deploy/"
+    for tag in images:
+        assert re.fullmatch(r"\d+\.\d+\.\d+", tag), f"grafana/grafana:{tag} is not a pinned release"
+        assert _version(tag)[:2] == minimum, f"grafana/grafana:{tag}: the dashboards need {minimum}.x"
+    wanted = f"Grafana {minimum[0]}.{minimum[1]}"
+    for doc in ("README.md", "deploy/README.md"):
+        assert wanted in (ROOT / doc).read_text(encoding="utf-8"), f"{doc} does not name {wanted} as the minimum"
+
+
+def test_clickhouse_plugin_is_pinned_where_grafana_runs() -> None:
+    compose = yaml.safe_load((ROOT / "deploy/docker-compose.yml").read_text(encoding="utf-8"))
+    env = compose["services"]["grafana"]["environment"]
+    assert "GF_INSTALL_PLUGINS" not in env, "deprecated: use GF_PLUGINS_PREINSTALL_SYNC"
+    name, _, version = env["GF_PLUGINS_PREINSTALL_SYNC"].partition("@")
+    assert name == CLICKHOUSE_PLUGIN and _version(version) >= PLUGIN_MIN
+    assert f"{CLICKHOUSE_PLUGIN}@{version}" in (ROOT / "deploy/README.md").read_text(encoding="utf-8")
+    for f in (ROOT / "deploy/kubernetes").glob("*.yaml"):
+        text = f.read_text(encoding="utf-8")
+        assert "GF_INSTALL_PLUGINS" not in text, f.name
+        for m in re.finditer(CLICKHOUSE_PLUGIN + r"@([\d.]+)", text):
+            assert m.group(1) == version, f"{f.name} pins {m.group(1)}, compose {version}"

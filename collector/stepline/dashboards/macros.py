@@ -1,4 +1,8 @@
-"""grafana-clickhouse-datasource's macros and Grafana's template variables, expanded as the datasource does."""
+"""grafana-clickhouse-datasource's macros and Grafana's template variables, expanded as the datasource does.
+
+Read from grafana/clickhouse-datasource 4.x (`pkg/macros/macros.go` for the time macros, the frontend's
+`applyConditionalAll` for `$__conditionalAll`); deploy/ pins grafana-clickhouse-datasource@4.20.0.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class QueryContext:
 
     @property
     def interval_s(self) -> int:
+        """`$__interval_s` and `$__timeInterval`'s step: whole seconds, at least 1 (the plugin's `max(s, 1)`)."""
         return max(1, self.interval_ms // 1000)
 
 
@@ -31,7 +36,9 @@ def expand(query: str, ctx: QueryContext) -> str:
     """The SQL the datasource would send for `query`; raises ValueError on an unknown macro or variable."""
     text = _conditional_all(query, ctx)
     text = _ONE_ARG.sub(lambda m: _one_arg(m.group(1), m.group(2).strip(), ctx), text)
-    text = (text.replace("$__fromTime", f"toDateTime({ctx.from_ms // 1000})")
+    text = (text.replace("$__fromTime_ms", f"fromUnixTimestamp64Milli({ctx.from_ms})")
+                .replace("$__toTime_ms", f"fromUnixTimestamp64Milli({ctx.to_ms})")
+                .replace("$__fromTime", f"toDateTime({ctx.from_ms // 1000})")
                 .replace("$__toTime", f"toDateTime({ctx.to_ms // 1000})")
                 .replace("$__interval_s", str(ctx.interval_s))
                 .replace("$__interval_ms", str(ctx.interval_ms)))  # Grafana's own variable, set before the macros
@@ -41,6 +48,8 @@ def expand(query: str, ctx: QueryContext) -> str:
 
 
 def _one_arg(name: str, column: str, ctx: QueryContext) -> str:
+    if not column or "," in column:
+        raise ValueError(f"$__{name} takes 1 argument: ({column})")
     if name == "timeFilter":
         return f"{column} >= toDateTime({ctx.from_ms // 1000}) AND {column} <= toDateTime({ctx.to_ms // 1000})"
     if name == "timeFilter_ms":
@@ -48,23 +57,37 @@ def _one_arg(name: str, column: str, ctx: QueryContext) -> str:
                 f"AND {column} <= fromUnixTimestamp64Milli({ctx.to_ms})")
     if name == "timeInterval":
         return f"toStartOfInterval(toDateTime({column}), INTERVAL {ctx.interval_s} second)"
-    return f"toStartOfInterval(toDateTime64({column}, 3), INTERVAL {ctx.interval_ms} millisecond)"
+    # The plugin's floor (pkg/macros/macros.go TimeIntervalMs: max(interval ms, 1)).
+    return f"toStartOfInterval(toDateTime64({column}, 3), INTERVAL {max(1, ctx.interval_ms)} millisecond)"
 
 
 def _conditional_all(text: str, ctx: QueryContext) -> str:
-    """`$__conditionalAll(cond, $v)`: cond, or `1=1` when $v is All (the condition may hold commas and parens)."""
+    """`$__conditionalAll(cond, $v)`: cond, or `1=1` when $v is All or empty, as the plugin's frontend does it
+    (grafana/clickhouse-datasource `src/data/CHDatasource.ts`, `applyConditionalAll`/`getMacroArgs`): the last
+    macro first; arguments split at every comma directly inside the macro's parentheses (quotes do not protect
+    one), so a condition with a top-level comma is not two arguments and the plugin leaves the macro unexpanded."""
     start = "$__conditionalAll("
-    while (i := text.find(start)) >= 0:
-        depth, j = 1, i + len(start)
+    while (i := text.rfind(start)) >= 0:
+        args, depth, j, arg_start = [], 1, i + len(start), i + len(start)
         while depth:
             if j >= len(text):
                 raise ValueError(f"unbalanced $__conditionalAll in: {text}")
             depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if (text[j] == "," and depth == 1) or depth == 0:
+                args.append(text[arg_start:j])
+                arg_start = j + 1
             j += 1
-        condition, _, var = text[i + len(start):j - 1].rpartition(",")
-        name = var.strip().lstrip("$").strip("{}").split(":")[0]
-        chosen = _values(name, ctx)
-        text = text[:i] + ("1=1" if chosen == [ALL] else condition.strip()) + text[j:]
+        if len(args) != 2:
+            raise ValueError(f"$__conditionalAll takes 2 arguments, got {len(args)} (a top-level comma in the "
+                             f"condition? wrap it in parentheses); the plugin leaves it unexpanded: {text}")
+        condition, var = args
+        m = _VARIABLE.search(var.strip())
+        if m is None:
+            raise ValueError(f"$__conditionalAll's second argument names no variable: {var!r}")
+        chosen = _values(m.group(1) or m.group(3), ctx)
+        # The plugin compares `current.value.toString()` with '' and '$__all': [] and [''] are All too.
+        is_all = ",".join(chosen) in ("", ALL)
+        text = text[:i] + ("1=1" if is_all else condition) + text[j:]
     return text
 
 

@@ -144,7 +144,7 @@ def test_compose_required_variables_are_in_env_example() -> None:
 
 def test_compose_sidecar_shares_vllm_network_socket_and_otlp_port() -> None:
     vllm, sidecar = service("vllm"), service("stepline")
-    assert sidecar["network_mode"] == "service:vllm"
+    assert sidecar["network_mode"] == vllm["network_mode"] == "service:pod"
     assert vllm["environment"]["STEPLINE_PLUGIN_SOCKET"] == sidecar["environment"]["STEPLINE_PLUGIN_SOCKET"] == SOCKET
     socket_dir = str(Path(SOCKET).parent)
     assert mounts(vllm)[socket_dir] == mounts(sidecar)[socket_dir]
@@ -153,7 +153,7 @@ def test_compose_sidecar_shares_vllm_network_socket_and_otlp_port() -> None:
     assert int(sidecar["environment"]["STEPLINE_OTLP_PORT"]) == endpoint.port == Settings.otlp_port
     assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     assert "--enable-logging-iteration-details" in vllm["command"]
-    published = {int(p.split(":")[-1]) for p in vllm["ports"]}
+    published = {int(p.split(":")[-1]) for p in service("pod")["ports"]}
     assert {8000, int(sidecar["environment"]["STEPLINE_METRICS_PORT"])} <= published
     for svc in (vllm, sidecar):
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -294,11 +294,15 @@ def test_k8s_sidecar_agrees_with_vllm_and_compose() -> None:
     assert "--enable-logging-iteration-details" in vllm["args"]
     name, _, url = sidecar["args"][sidecar["args"].index("--engine") + 1].partition("=")
     assert venv["STEPLINE_ENGINE"] == venv["OTEL_SERVICE_NAME"] == name and url == "http://127.0.0.1:8000"
+    # Named after the pod (downward API), so two replicas never share an engine name.
+    assert name == "$(POD_NAME)"
+    for env in (venv, senv):
+        assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert list(env).index("POD_NAME") < list(env).index("STEPLINE_ENGINE" if env is venv else "STEPLINE_STORE")
     sidecar_ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
     assert sidecar_ports["metrics"] == int(senv["STEPLINE_METRICS_PORT"]) == 9465
     assert sidecar_ports["query"] == int(senv["STEPLINE_QUERY_PORT"]) == Settings.query_port
     assert int(service("stepline")["environment"]["STEPLINE_METRICS_PORT"]) == sidecar_ports["metrics"]
-    assert k8s("Service", "stepline")["metadata"]["annotations"]["prometheus.io/port"] == "9465"
     # GPU on vLLM only; the sidecar reads NVML through the driver's utility capability.
     assert "nvidia.com/gpu" in vllm["resources"]["limits"]
     assert "nvidia.com/gpu" not in str(sidecar["resources"])
@@ -313,9 +317,17 @@ def test_k8s_secret_references_agree() -> None:
             for obj in k8s_objects() if obj["kind"] in ("Deployment", "StatefulSet")
             for c in pod_containers(obj).values() for env in c.get("env", [])
             if "secretKeyRef" in env.get("valueFrom", {})}
-    assert refs == {("stepline-clickhouse", "store-url"), ("stepline-clickhouse", "password")}
+    # One key for the ClickHouse password: ClickHouse and the sidecar's store URL both read it.
+    assert refs == {("stepline-clickhouse", "password"), ("stepline-otlp", "token")}
+    volumes = {v["secret"]["secretName"] for obj in k8s_objects() if obj["kind"] in ("Deployment", "StatefulSet")
+               for v in obj["spec"]["template"]["spec"].get("volumes", []) if "secret" in v}
+    assert volumes == {"stepline-otlp"}
     readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert all(f"create secret generic {name}" in readme for name, _ in refs | {(v, "") for v in volumes})
     assert all(f"--from-literal={key}=" in readme for _, key in refs)
+    sidecar = k8s_env(pod_containers(k8s("Deployment", "vllm"))["stepline"])
+    assert sidecar["STEPLINE_STORE"] == "http://default:$(CLICKHOUSE_PASSWORD)@clickhouse:8123/stepline"
+    assert list(sidecar).index("CLICKHOUSE_PASSWORD") < list(sidecar).index("STEPLINE_STORE")
     clickhouse_env = k8s_env(pod_containers(k8s("StatefulSet", "clickhouse"))["clickhouse"])
     assert clickhouse_env["CLICKHOUSE_DB"] == "stepline"
 

@@ -15,7 +15,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline import schema
 from stepline.runtimefile import RUNTIME_DIR_HELP, LocatedStore, locate_store
-from stepline.settings import Settings, SettingsError, size
+from stepline.settings import ROLES, Settings, SettingsError, size
 from stepline.store import StoreError, StoreLocked
 from stepline.storeurl import StoreUrlError
 
@@ -71,6 +71,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     collect.add_argument("--engine", action="append", default=None, metavar="[NAME=]URL",
                          help="a vLLM server to scrape, e.g. http://127.0.0.1:8000 (repeat for several; "
                               "default $STEPLINE_ENGINES, comma-separated)")
+    collect.add_argument("--role", choices=ROLES,
+                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
+                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
+                              "(default $STEPLINE_ROLE; run the sidecars with --disable-source gpu)")
+    collect.add_argument("--pod-resources-socket", metavar="PATH",
+                         help="the kubelet's pod-resources socket the node role asks "
+                              "(default /var/lib/kubelet/pod-resources/kubelet.sock)")
     collect.add_argument("--store", help=STORE_HELP)
     collect.add_argument("--retention", type=int, dest="retention_days", metavar="DAYS",
                          help="days of data to keep; whole days expire at once (default 30)")
@@ -214,6 +221,7 @@ def _collect(args: argparse.Namespace) -> int:
         engine_processes=tuple(args.engine_process) if args.engine_process else None,
         engines=tuple(args.engine) if args.engine else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
+        role=args.role, pod_resources_socket=args.pod_resources_socket,
     )
     collector = Collector(settings)
     try:
@@ -221,7 +229,7 @@ def _collect(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise SettingsError(f"cannot listen on {settings.listen}: {exc.strerror}") from None
     gctune.tune()
-    if not settings.engines:
+    if not settings.engines and settings.role == "sidecar":
         log.warning("no --engine given: no /metrics is scraped; the plugin, OTLP, GPU and host sources still run")
     collector.run_until_signalled()
     return 0

@@ -11,6 +11,8 @@ from typing import Any
 
 from stepline.storeurl import StoreUrlError, default_store_url, parse_store_url
 
+ROLES = ("sidecar", "node")
+
 
 class SettingsError(ValueError):
     """A setting has a value stepline cannot run with; the message names it."""
@@ -22,6 +24,8 @@ class Settings:
 
     store: str = field(default_factory=default_store_url, repr=False)  # a server URL may carry a password
     retention_days: int = 30
+    role: str = "sidecar"  # sidecar: beside one engine (every source); node: one per node, GPUs and host only
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the node role's GPU -> pod map
     engines: tuple[str, ...] = ()
     host_name: str = field(default_factory=socket.gethostname)
     listen: str = "127.0.0.1"
@@ -111,6 +115,13 @@ class Settings:
             if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
                 raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
         self.engine_gpu_map()
+        if self.role not in ROLES:
+            raise SettingsError(f"role {self.role!r} must be one of {', '.join(ROLES)}")
+        if self.role == "node" and self.engines:
+            raise SettingsError(f"role node scrapes no engine: engine {self.engines[0]!r} belongs to the sidecar "
+                                f"role beside it")
+        if self.role == "node" and not self.pod_resources_socket:
+            raise SettingsError("role node needs a pod-resources socket (STEPLINE_POD_RESOURCES_SOCKET)")
         return self
 
     def engine_gpu_map(self) -> dict[str, str]:
@@ -198,6 +209,8 @@ _SECRETS = (
 _ENV: tuple[tuple[str, str, Any], ...] = (
     ("store", "STEPLINE_STORE", str),
     ("retention_days", "STEPLINE_RETENTION_DAYS", int),
+    ("role", "STEPLINE_ROLE", str),
+    ("pod_resources_socket", "STEPLINE_POD_RESOURCES_SOCKET", str),
     ("engines", "STEPLINE_ENGINES", _csv),
     ("host_name", "STEPLINE_HOST_NAME", str),
     ("listen", "STEPLINE_LISTEN", str),

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stepline.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.gpu import GpuSource
+from stepline.sources.gpu_owners import PodGpus
 from stepline.sources.host import EngineTarget, HostSource, targets_from_engines
+from stepline.sources.nvml import Nvml
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.plugin_receiver import PluginReceiver
+from stepline.sources.podresources import PodResourcesSource
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class SourceSpec:
     enabled_by_default: bool
     interval_s: Callable[[Settings], float]
     build: Callable[[Settings, SourceContext], list[Source]]
+    roles: frozenset[str] = field(default=frozenset({"sidecar"}))  # the collector roles (Settings.role) it runs in
 
 
 def _vllm_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
@@ -34,7 +38,21 @@ def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
 
 
 def _gpu(settings: Settings, ctx: SourceContext) -> list[Source]:
+    if settings.role == "node":
+        return list(node_gpu_sources(settings, ctx))
     return [GpuSource(ctx, configured_gpus=settings.engine_gpu_map())]
+
+
+def node_gpu_sources(settings: Settings, ctx: SourceContext, nvml: Nvml | None = None) -> (
+        tuple[GpuSource, PodResourcesSource]):
+    """The node role's GPU source and the pod-resources refresher it reads: the kubelet says which pod holds which
+    GPU (engine = pod name), the setting decides for GPUs no pod holds. The refresher keeps its own pace
+    (retry_in_s), whatever interval it is scheduled at."""
+    configured = settings.engine_gpu_map()
+    pods = PodGpus()
+    gpu = GpuSource(ctx, nvml, engine_of_gpu=lambda uuid: pods.engine(uuid) or configured.get(uuid, ""),
+                    gpu_generation=pods.generation)
+    return gpu, PodResourcesSource(ctx, pods, settings.pod_resources_socket)
 
 
 def _host(settings: Settings, ctx: SourceContext) -> list[Source]:
@@ -74,6 +92,7 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: s.gpu_interval_s,
         _gpu,
+        frozenset({"sidecar", "node"}),
     ),
     SourceSpec(
         "host",
@@ -81,6 +100,7 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: s.host_interval_s,
         _host,
+        frozenset({"sidecar", "node"}),
     ),
     SourceSpec(
         "otlp",
@@ -93,9 +113,10 @@ REGISTRY: tuple[SourceSpec, ...] = (
 
 
 def enabled(settings: Settings) -> list[SourceSpec]:
-    """The specs the settings leave switched on; unknown names in disabled_sources are an error."""
+    """The specs the settings' role runs and leaves switched on; unknown names in disabled_sources are an error."""
     known = {spec.name for spec in REGISTRY}
     unknown = settings.disabled_sources - known
     if unknown:
         raise SettingsError(f"unknown source(s) {', '.join(sorted(unknown))}: known are {', '.join(sorted(known))}")
-    return [s for s in REGISTRY if s.enabled_by_default and s.name not in settings.disabled_sources]
+    return [s for s in REGISTRY
+            if s.enabled_by_default and settings.role in s.roles and s.name not in settings.disabled_sources]

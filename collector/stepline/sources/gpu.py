@@ -140,7 +140,8 @@ class GpuSource:
                  slow_interval_s: float = 1.0, engine_of_pid: Callable[[int], str] | None = None,
                  pid_view: PidView | None = None, engine_of_gpu: Callable[[str], str] | None = None,
                  configured_gpus: Mapping[str, str] | None = None,
-                 own_environ: Mapping[str, str] | None = None) -> None:
+                 own_environ: Mapping[str, str] | None = None,
+                 gpu_generation: Callable[[], int] | None = None) -> None:
         self._ctx = ctx
         self._nvml: Nvml = nvml if nvml is not None else RealNvml()
         self._gpm_interval_s = gpm_interval_s
@@ -156,7 +157,8 @@ class GpuSource:
             engine_of_pid or ctx.engine_processes.engine_of, view,
             generation=(lambda: 0) if engine_of_pid else ctx.engine_processes.generation,
             engine_of_gpu=engine_of_gpu or by_uuid.configured,
-            engine_of_hidden_gpu=lambda uuid: by_uuid.by_environ(uuid, self._devices()))
+            engine_of_hidden_gpu=lambda uuid: by_uuid.by_environ(uuid, self._devices()),
+            gpu_generation=gpu_generation or (lambda: 0))  # engine_of_gpu's answers change with it
         self._gpus: list[_Gpu] | None = None
         self._initialised = False
         self._xid = False

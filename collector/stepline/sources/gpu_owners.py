@@ -13,6 +13,7 @@ Where NVML's PIDs are not visible from here at all (a sidecar in its own PID nam
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
@@ -102,17 +103,20 @@ class EngineLookup:
     def __init__(self, engine_of_pid: Callable[[int], str], view: PidView, *,
                  generation: Callable[[], int] = lambda: 0, engine_of_gpu: Callable[[str], str] = lambda uuid: "",
                  engine_of_hidden_gpu: Callable[[str], str] = lambda uuid: "",
+                 gpu_generation: Callable[[], int] = lambda: 0,
                  per_poll: int = LOOKUPS_PER_POLL, max_pids: int = MAX_CACHED_PIDS) -> None:
         self._engine_of_pid = engine_of_pid
         self._view = view
         self._generation = generation
         self._engine_of_gpu = engine_of_gpu
         self._engine_of_hidden_gpu = engine_of_hidden_gpu
+        self._gpu_generation = gpu_generation  # changes when engine_of_gpu's answers do (the pod-resources map)
         self._per_poll = per_poll
         self._max_pids = max_pids
         self._budget = per_poll
         self._pids: dict[int, _Resolved] = {}
-        self._gpus: dict[int, tuple[frozenset[int], int, str]] = {}  # GPU index -> (its pids, generation, engine)
+        # GPU index -> (its pids, generation, GPU map generation, engine)
+        self._gpus: dict[int, tuple[frozenset[int], int, int, str]] = {}
         self.lookups = 0  # PIDs resolved so far, for tests and benchmarks
 
     def new_poll(self) -> None:
@@ -121,10 +125,10 @@ class EngineLookup:
 
     def engine(self, gpu_index: int, gpu_uuid: str, pids: Collection[int]) -> str | None:
         """The engine using this GPU, "" for none, None while some of its PIDs wait for this poll's budget."""
-        key, generation = frozenset(pids), self._generation()
+        key, generation, gpu_generation = frozenset(pids), self._generation(), self._gpu_generation()
         known = self._gpus.get(gpu_index)
-        if known is not None and known[0] == key and known[1] == generation:
-            return known[2]  # the same processes as before: no /proc read, no lookup
+        if known is not None and known[:3] == (key, generation, gpu_generation):
+            return known[3]  # the same processes as before: no /proc read, no lookup
         engine = ""
         for pid in sorted(key):
             found = self._pid(pid, generation)
@@ -139,7 +143,7 @@ class EngineLookup:
             # an engine's by its environment). The explicit setting (engine_of_gpu) decides last, for every GPU.
             hidden = any((r := self._pids.get(pid)) is None or not r.visible for pid in key)
             engine = (self._engine_of_hidden_gpu(gpu_uuid) if hidden else "") or self._engine_of_gpu(gpu_uuid)
-        self._gpus[gpu_index] = (key, generation, engine)
+        self._gpus[gpu_index] = (key, generation, gpu_generation, engine)
         return engine
 
     def _pid(self, pid: int, generation: int) -> str | None:
@@ -303,3 +307,29 @@ class FakePidView:
     def environ(self, pid: int) -> Mapping[str, str] | None:
         self.environ_reads += 1
         return self.environs.get(pid)
+
+
+class PodGpus:
+    """GPU UUID -> engine from the kubelet's pod-resources API (the node role): the pod each GPU is allocated to,
+    named by its pod name (the name the sidecar beside it gives its engine); replaced whole on every refresh."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._generation = 0
+
+    def replace(self, engines: Mapping[str, str]) -> None:
+        with self._lock:
+            if engines != self._engines:
+                self._engines = dict(engines)
+                self._generation += 1
+
+    def generation(self) -> int:
+        """A number that changes whenever the map does: engines cached before are stale."""
+        with self._lock:
+            return self._generation
+
+    def engine(self, uuid: str) -> str:
+        """The engine whose pod holds this GPU, or ""."""
+        with self._lock:
+            return self._engines.get(uuid, "")

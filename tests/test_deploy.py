@@ -17,13 +17,13 @@ import yaml
 
 from stepline import provisioning
 from stepline.alerting import cli as alerts_cli
-from stepline.settings import _ENV, _SECRETS, Settings
+from stepline.settings import _ENV, _SECRETS, STORE_PASSWORD_VARS, Settings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
 PLUGIN_ENV = {"STEPLINE_ENGINE", "STEPLINE_PLUGIN_SOCKET"}
-COLLECTOR_ENV = {var for _, var, _ in _ENV} | {f"{var}_FILE" for _, var in _SECRETS}
+COLLECTOR_ENV = {var for _, var, _ in _ENV} | {f"{var}_FILE" for _, var in _SECRETS} | set(STORE_PASSWORD_VARS)
 SOCKET = "/run/stepline/plugin.sock"
 
 
@@ -317,17 +317,21 @@ def test_k8s_secret_references_agree() -> None:
             for obj in k8s_objects() if obj["kind"] in ("Deployment", "StatefulSet")
             for c in pod_containers(obj).values() for env in c.get("env", [])
             if "secretKeyRef" in env.get("valueFrom", {})}
-    # One key for the ClickHouse password: ClickHouse and the sidecar's store URL both read it.
+    # One key for the ClickHouse password: ClickHouse reads it from its environment (its image takes no file), the
+    # collectors from the mounted Secret, so it is in no collector's environment.
     assert refs == {("stepline-clickhouse", "password"), ("stepline-otlp", "token")}
-    volumes = {v["secret"]["secretName"] for obj in k8s_objects() if obj["kind"] in ("Deployment", "StatefulSet")
+    volumes = {v["secret"]["secretName"] for obj in k8s_objects()
+               if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
                for v in obj["spec"]["template"]["spec"].get("volumes", []) if "secret" in v}
-    assert volumes == {"stepline-otlp"}
+    assert volumes == {"stepline-otlp", "stepline-clickhouse"}
     readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
     assert all(f"create secret generic {name}" in readme for name, _ in refs | {(v, "") for v in volumes})
     assert all(f"--from-literal={key}=" in readme for _, key in refs)
-    sidecar = k8s_env(pod_containers(k8s("Deployment", "vllm"))["stepline"])
-    assert sidecar["STEPLINE_STORE"] == "http://default:$(CLICKHOUSE_PASSWORD)@clickhouse:8123/stepline"
-    assert list(sidecar).index("CLICKHOUSE_PASSWORD") < list(sidecar).index("STEPLINE_STORE")
+    for kind, name, container in (("Deployment", "vllm", "stepline"), ("DaemonSet", "stepline-node", "stepline")):
+        collector = k8s_env(pod_containers(k8s(kind, name))[container])
+        assert collector["STEPLINE_STORE"] == "http://default@clickhouse:8123/stepline"  # no password in the URL
+        assert "CLICKHOUSE_PASSWORD" not in collector
+        assert collector["STEPLINE_STORE_PASSWORD_FILE"] == "/var/run/secrets/stepline-clickhouse/password"
     clickhouse_env = k8s_env(pod_containers(k8s("StatefulSet", "clickhouse"))["clickhouse"])
     assert clickhouse_env["CLICKHOUSE_DB"] == "stepline"
 

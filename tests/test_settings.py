@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from stepline.settings import Settings, SettingsError
+from stepline.storeurl import parse_store_url
 
 
 def test_environment_then_overrides() -> None:
@@ -47,6 +48,22 @@ def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object],
         Settings.from_env(env, **overrides)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_the_store_password_alone_from_a_mounted_secret(tmp_path: Path) -> None:
+    # The Secret's one key, mounted as a file: the URL names no password, the collector's environment holds none.
+    secret = tmp_path / "password"
+    secret.write_text("p@ss:w/rd\n")
+    s = Settings.from_env({"STEPLINE_STORE": "http://default@clickhouse:8123/stepline",
+                           "STEPLINE_STORE_PASSWORD_FILE": str(secret)})
+    url = parse_store_url(s.store)
+    assert (url.username, url.password, url.host, url.port, url.database) == (
+        "default", "p@ss:w/rd", "clickhouse", 8123, "stepline")
+    assert "p@ss" not in repr(s)
+    with pytest.raises(SettingsError, match="carries a password and a store password is set too"):
+        Settings.from_env({"STEPLINE_STORE": "http://u:x@h:8123/db", "STEPLINE_STORE_PASSWORD": "y"})
+    with pytest.raises(SettingsError, match="not chdb://"):
+        Settings.from_env({"STEPLINE_STORE": "chdb:///tmp/x", "STEPLINE_STORE_PASSWORD": "y"})
 
 
 def test_store_url_from_a_file_is_never_shown(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stepline.storeurl import StoreUrlError, default_store_url, parse_store_url
+from stepline.storeurl import StoreUrlError, default_store_url, parse_store_url, with_password
 
 ROLES = ("sidecar", "node")
 
@@ -69,6 +69,17 @@ class Settings:
             if secret_file and name not in values:
                 values[name] = _read_secret(f"{var}_FILE", secret_file)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        # The ClickHouse password alone, from the file a Kubernetes Secret mounts: one secret key serves ClickHouse
+        # and the collector, and the password never sits in the collector's environment.
+        var, var_file = STORE_PASSWORD_VARS
+        password = env.get(var) or None
+        if password is None and env.get(var_file):
+            password = _read_secret(var_file, env[var_file])
+        if password is not None:
+            try:
+                values["store"] = with_password(values.get("store") or default_store_url(), password)
+            except StoreUrlError as exc:
+                raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
         return cls(**values).validated()
 
     def validated(self) -> Settings:
@@ -196,6 +207,9 @@ def _read_secret(var: str, path: str) -> str:
     except OSError as exc:
         raise SettingsError(f"{var}={path!r}: {exc.strerror}") from None
 
+
+# The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names.
+STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
 
 # Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
 _SECRETS = (

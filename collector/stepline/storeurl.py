@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 DEFAULT_DATABASE = "stepline"
 DEFAULT_STORE_DIR = "stepline-data"
@@ -89,6 +89,20 @@ def _parse(text: str) -> StoreUrl:
     raise StoreUrlError(
         f"store URL {text!r} has scheme {scheme!r}: stepline knows chdb:// (embedded) and http(s):// (server)"
     )
+
+
+def with_password(text: str, password: str) -> str:
+    """A server store URL given its password from elsewhere (a mounted secret file); StoreUrlError when the URL is
+    not a server's or already carries one (two sources of one secret would drift apart)."""
+    url = parse_store_url(text)
+    if url.embedded:
+        raise StoreUrlError("a store password is for a ClickHouse server (http:// or https://), not chdb://")
+    if url.password:
+        raise StoreUrlError("the store URL carries a password and a store password is set too: give it once")
+    parts = urlsplit(text.strip())
+    userinfo = f"{quote(url.username, safe='')}:{quote(password, safe='')}@"
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=userinfo + host).geturl()
 
 
 def _identifier(database: str, text: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from stepline.chhttp import BodyTooLarge, read_body
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Event
-from stepline.serving import Address, ServerThread
+from stepline.serving import Address, ServerThread, linger
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.ingest.refused(rejected)
         self._send(rejected.status, {"error": str(rejected)}, close=drain)
         if drain:
-            self._linger()
+            linger(self.connection)
+            self.close_connection = True
 
     def _send(self, status: int, payload: dict[str, Any], *, close: bool = False) -> None:
         body = json.dumps(payload, separators=(",", ":")).encode()
@@ -268,16 +269,6 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
-    def _linger(self) -> None:
-        # The body was left unread: half-close and drop a little of it, so the client reads the reply, not a reset.
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(1.0)
-            left = _DRAIN_CAP_BYTES
-            while left > 0 and (chunk := self.connection.recv(min(left, 1 << 16))):
-                left -= len(chunk)
-        except OSError:
-            self.close_connection = True
 
 
 class EventsRefused(RuntimeError):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import socketserver
 import threading
+
+LINGER_CAP_BYTES = 1 << 20  # how much of an unread request body linger() reads and drops at most
 
 
 class Address:
@@ -38,3 +42,15 @@ class ServerThread:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join()
+
+
+def linger(sock: socket.socket) -> None:
+    """After replying to a request whose body was left unread: half-close, then read (and drop) a little of what is
+    still coming. Closing with the client's body still arriving resets the connection, and the client may lose the
+    reply before reading it. A connection that breaks meanwhile is closing anyway."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(1.0)
+        left = LINGER_CAP_BYTES
+        while left > 0 and (chunk := sock.recv(min(left, 1 << 16))):
+            left -= len(chunk)

@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from stepline.ratelimit import RateLimitedLog
 from stepline.rows import Request
-from stepline.serving import Address, ServerThread
+from stepline.serving import Address, ServerThread, linger
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.otlp_decode import (
     ENCODINGS,
@@ -331,18 +331,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(reply.body)
             self.wfile.flush()
             if not reply.read_body:
-                self._linger()
+                linger(self.connection)
+                self.close_connection = True
         except OSError:
             self.close_connection = True
 
-    def _linger(self) -> None:
-        # Closing with the client's body still arriving resets the connection, and the client may lose the reply
-        # before reading it: half-close, then read (and drop) a little of what is still coming.
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(1.0)
-            left = _DRAIN_CAP_BYTES
-            while left > 0 and (chunk := self.connection.recv(min(left, 1 << 16))):
-                left -= len(chunk)
-        except OSError:
-            pass

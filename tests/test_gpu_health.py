@@ -11,14 +11,14 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]
 
 from stepline.clock import ManualClock
-from stepline.rows import Event, GpuSample, Row
+from stepline.rows import Row
 from stepline.sources.base import SourceContext
 from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
 from stepline.sources.gpu import GpuSource
 from stepline.sources.gpu_owners import FakePidView, ProcPidView
 from stepline.sources.nvml import INIT_RETRY_S
+from tests.test_nvml import _events, _run, _samples
 
-TICK = 0.125
 RESET_REQUIRED, UNKNOWN, GPU_IS_LOST = (pynvml.NVML_ERROR_RESET_REQUIRED, pynvml.NVML_ERROR_UNKNOWN,
                                         pynvml.NVML_ERROR_GPU_IS_LOST)
 
@@ -27,22 +27,6 @@ def _source(fake: FakeNvml, ctx: SourceContext | None = None, **kwargs: Any) -> 
     ctx = ctx or SourceContext("gpu-node-1", ManualClock())
     assert isinstance(ctx.clock, ManualClock)
     return GpuSource(ctx, fake, **kwargs), ctx.clock
-
-
-def _run(source: GpuSource, clock: ManualClock, polls: int) -> list[Row]:
-    rows: list[Row] = []
-    for _ in range(polls):
-        source.poll(rows.extend)
-        clock.advance(TICK)
-    return rows
-
-
-def _samples(rows: list[Row], gpu: int | None = None) -> list[GpuSample]:
-    return [r for r in rows if isinstance(r, GpuSample) and (gpu is None or r.gpu_index == gpu)]
-
-
-def _events(rows: list[Row], kind: str) -> list[Event]:
-    return [r for r in rows if isinstance(r, Event) and r.kind == kind]
 
 
 def _device_calls(fake: FakeNvml, index: int) -> int:

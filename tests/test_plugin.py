@@ -342,21 +342,7 @@ def test_engine_name_and_configuration() -> None:
 
 def test_the_entry_point_is_declared_and_loads_a_real_stat_logger_subclass(tmp_path: Path) -> None:
     # A stand-in `vllm` package with vLLM's module path and ABC, as vLLM's plugin loader would see it.
-    loggers = tmp_path / "vllm" / "v1" / "metrics"
-    loggers.mkdir(parents=True)
-    for package in (tmp_path / "vllm", tmp_path / "vllm" / "v1", loggers):
-        (package / "__init__.py").write_text("")
-    (loggers / "loggers.py").write_text(textwrap.dedent("""
-        from abc import ABC, abstractmethod
-        class StatLoggerBase(ABC):
-            @abstractmethod
-            def __init__(self, vllm_config, engine_index=0): ...
-            @abstractmethod
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0): ...
-            @abstractmethod
-            def log_engine_initialized(self): ...
-            def log(self): pass
-    """))
+    standins.write_vllm_package(tmp_path)
     script = textwrap.dedent("""
         from importlib.metadata import entry_points
         from vllm.v1.metrics.loggers import StatLoggerBase

@@ -18,6 +18,7 @@ import yaml
 from stepline import provisioning
 from stepline.alerting import cli as alerts_cli
 from stepline.settings import _ENV, _SECRETS, STORE_PASSWORD_VARS, Settings
+from tests.test_grafana_provisioning import interpolate
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -237,14 +238,73 @@ def test_grafana_provisioning_mounts_and_datasources_agree() -> None:
     assert ch["uid"] == provisioning.CLICKHOUSE_UID
     assert (ch["jsonData"]["host"], ch["jsonData"]["port"], ch["jsonData"]["protocol"]) == ("clickhouse", 8123, "http")
     assert ch["jsonData"]["defaultDatabase"] == service("clickhouse")["environment"]["CLICKHOUSE_DB"]
-    assert ch["secureJsonData"]["password"] == "${CLICKHOUSE_PASSWORD}"
-    assert "CLICKHOUSE_PASSWORD" in grafana["environment"]
+    assert ch["secureJsonData"]["password"].startswith("$__file{/run/secrets/")
     prom = sources["prometheus"]
     assert urlsplit(prom["url"]).hostname in compose()["services"]
     # The generated Grafana alert rules name their datasource through this variable.
     assert prom["uid"] == "${STEPLINE_PROMETHEUS_UID}"
     assert grafana["environment"]["STEPLINE_PROMETHEUS_UID"] == provisioning.PROMETHEUS_UID
     assert "${STEPLINE_PROMETHEUS_UID}" in (REPO / "alerts/grafana/alert-rules.yaml").read_text(encoding="utf-8")
+
+
+def _secret_files(svc: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """Container path -> (secret name, file mode) of a compose service's secrets (compose's defaults: target
+    /run/secrets/<source>, mode 0400, owned by root: docker/compose pkg/compose/secrets.go `createTar`)."""
+    out = {}
+    for entry in svc.get("secrets", []):
+        spec = {"source": entry} if isinstance(entry, str) else entry
+        target = spec.get("target") or spec["source"]
+        out[target if target.startswith("/") else f"/run/secrets/{target}"] = (spec["source"], spec.get("mode", 0o400))
+    return out
+
+
+def test_compose_passwords_reach_containers_as_files_never_as_environment(tmp_path: Path) -> None:
+    """Item 13: no container's environment holds a password; each reads the one secret file it is given."""
+    declared = compose()["secrets"]
+    env_vars = {name: spec["environment"] for name, spec in declared.items()}
+    assert env_vars == {"clickhouse_password": "CLICKHOUSE_PASSWORD", "grafana_admin_password": "GRAFANA_ADMIN_PASSWORD"}
+    example = (DEPLOY / ".env.example").read_text(encoding="utf-8").splitlines()
+    assert all(f"{var}=CHANGE-ME" in example for var in env_vars.values())
+    for name, svc in compose()["services"].items():
+        values = " ".join(f"{k}={v}" for k, v in (svc.get("environment") or {}).items())
+        assert not any(var in values for var in env_vars.values()), f"{name} has a password in its environment"
+        assert {source for source, _ in _secret_files(svc).values()} <= set(declared), name
+
+    password = "s3cret-pw_1.x"
+    # The collector: the password file merged into a store URL that carries none.
+    sidecar = service("stepline")["environment"]
+    files = _secret_files(service("stepline"))
+    assert files[sidecar["STEPLINE_STORE_PASSWORD_FILE"]][0] == "clickhouse_password"
+    assert urlsplit(sidecar["STEPLINE_STORE"]).password is None
+    secret = tmp_path / "clickhouse_password"
+    secret.write_text(password + "\n", encoding="utf-8")
+    settings = Settings.from_env({"STEPLINE_STORE": sidecar["STEPLINE_STORE"], "STEPLINE_STORE_PASSWORD_FILE": str(secret)})
+    assert urlsplit(settings.store).password == password
+
+    # Grafana (uid 472): the admin password through run.sh's GF_*__FILE, the datasource's through $__file{}; both
+    # files must be readable by a user other than root.
+    grafana = service("grafana")
+    files = _secret_files(grafana)
+    admin = grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    assert files[admin][0] == "grafana_admin_password" and files[admin][1] & 0o004
+    ds = load_yaml(DEPLOY / "grafana/provisioning/datasources/stepline.yaml")["datasources"]
+    raw = next(d for d in ds if d["type"] == "grafana-clickhouse-datasource")["secureJsonData"]["password"]
+    path = re.fullmatch(r"\$__file\{([^}]+)\}", raw)
+    assert path and files[path.group(1)][0] == "clickhouse_password" and files[path.group(1)][1] & 0o004
+    assert interpolate(raw, {}, {path.group(1): password + "\n"}) == password
+
+    # ClickHouse: the entrypoint wrapper hands the file's contents to the image's entrypoint as CLICKHOUSE_PASSWORD.
+    clickhouse = service("clickhouse")
+    assert _secret_files(clickhouse)["/run/secrets/clickhouse_password"][0] == "clickhouse_password"
+    assert "CLICKHOUSE_PASSWORD" not in clickhouse["environment"]
+    argv = [a.replace("$$", "$") for a in clickhouse["entrypoint"]]  # $$ is Compose's literal $
+    stub = tmp_path / "entrypoint.sh"
+    stub.write_text('#!/bin/sh\nprintf "%s|%s" "$CLICKHOUSE_PASSWORD" "$#"\n', encoding="utf-8")
+    stub.chmod(0o755)
+    argv = [a.replace("/run/secrets/clickhouse_password", str(secret)).replace("/entrypoint.sh", str(stub))
+            for a in argv]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+    assert out == f"{password}|0"
 
 
 # --- Kubernetes ------------------------------------------------------------------------------------------

@@ -65,9 +65,27 @@ def go_expand_env(s: str, env: Mapping[str, str]) -> str:
     return "".join(out) + s[i:]
 
 
-def interpolate(value: str, env: Mapping[str, str] = ENV) -> str:
-    """values.go `interpolateValue` (without the `$__env{}`/`$__file{}` expanders, which nothing here uses)."""
-    return "$".join(go_expand_env(part, env) for part in value.split("$$"))
+_EXPANDER = re.compile(r"\$(|__\w+)\{([^}]+)\}")
+
+
+def expand_var(s: str, env: Mapping[str, str], files: Mapping[str, str]) -> str:
+    """grafana/grafana `pkg/setting/expanders.go` `ExpandVar`: `${VAR}`/`$__env{VAR}` from the environment, then
+    `$__file{PATH}` to the file's contents with surrounding space trimmed (a missing file is an error)."""
+    def env_expander(m: re.Match[str]) -> str:
+        return env.get(m.group(2), "") if m.group(1) in ("", "__env") else m.group(0)
+
+    def file_expander(m: re.Match[str]) -> str:
+        if m.group(1) != "__file":
+            return m.group(0)
+        if m.group(2) not in files:
+            raise FileNotFoundError(m.group(2))
+        return files[m.group(2)].strip()
+    return _EXPANDER.sub(file_expander, _EXPANDER.sub(env_expander, s))
+
+
+def interpolate(value: str, env: Mapping[str, str] = ENV, files: Mapping[str, str] | None = None) -> str:
+    """values.go `interpolateValue`: split on `$$`, each part through `ExpandVar` and then `os.ExpandEnv`."""
+    return "$".join(go_expand_env(expand_var(part, env, files or {}), env) for part in value.split("$$"))
 
 
 def braced(value: str, env: Mapping[str, str] = ENV) -> str:
@@ -155,6 +173,11 @@ def test_go_expansion_matches_values_go() -> None:
     assert interpolate("$1 and $A") == " and "
     assert interpolate("$$1 costs $$5") == "$1 costs $5"
     assert interpolate("a $ b") == "a $ b"
+    # expanders.go: $__file{} is the file's trimmed contents; `$$` keeps it literal; a missing file is an error.
+    assert interpolate("$__file{/run/secrets/pw}", {}, {"/run/secrets/pw": " s3cret\n"}) == "s3cret"
+    assert interpolate("$$__file{/run/secrets/pw}", {}, {}) == "$__file{/run/secrets/pw}"
+    with pytest.raises(FileNotFoundError):
+        interpolate("$__file{/nowhere}", {}, {})
     assert math_variables("is_number($A) && ${B x} > 1") == ["A", "B x"]
     with pytest.raises(ValueError):
         math_variables("is_number($$A)")

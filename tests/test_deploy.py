@@ -262,7 +262,8 @@ def test_compose_passwords_reach_containers_as_files_never_as_environment(tmp_pa
     """Item 13: no container's environment holds a password; each reads the one secret file it is given."""
     declared = compose()["secrets"]
     env_vars = {name: spec["environment"] for name, spec in declared.items()}
-    assert env_vars == {"clickhouse_password": "CLICKHOUSE_PASSWORD", "grafana_admin_password": "GRAFANA_ADMIN_PASSWORD"}
+    assert env_vars == {"clickhouse_password": "CLICKHOUSE_PASSWORD",
+                        "grafana_admin_password": "GRAFANA_ADMIN_PASSWORD"}
     example = (DEPLOY / ".env.example").read_text(encoding="utf-8").splitlines()
     assert all(f"{var}=CHANGE-ME" in example for var in env_vars.values())
     for name, svc in compose()["services"].items():
@@ -278,7 +279,8 @@ def test_compose_passwords_reach_containers_as_files_never_as_environment(tmp_pa
     assert urlsplit(sidecar["STEPLINE_STORE"]).password is None
     secret = tmp_path / "clickhouse_password"
     secret.write_text(password + "\n", encoding="utf-8")
-    settings = Settings.from_env({"STEPLINE_STORE": sidecar["STEPLINE_STORE"], "STEPLINE_STORE_PASSWORD_FILE": str(secret)})
+    settings = Settings.from_env({"STEPLINE_STORE": sidecar["STEPLINE_STORE"],
+                                  "STEPLINE_STORE_PASSWORD_FILE": str(secret)})
     assert urlsplit(settings.store).password == password
 
     # Grafana (uid 472): the admin password through run.sh's GF_*__FILE, the datasource's through $__file{}; both

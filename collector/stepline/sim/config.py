@@ -10,6 +10,35 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecode:
+    """Speculative decoding: each decoding request drafts `num_tokens` per step; the target model accepts the
+    drafts position by position, each with probability `acceptance` (`acceptance_after` from simulated second
+    `shift_at_s` on), up to the first rejection, and samples one token more: 1..num_tokens+1 tokens per step."""
+
+    num_tokens: int
+    acceptance: float
+    shift_at_s: float | None = None
+    acceptance_after: float | None = None
+    method: str = "ngram"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be at least 1, got {self.num_tokens}")
+        for name, rate in (("acceptance", self.acceptance), ("acceptance_after", self.acceptance_after)):
+            if rate is not None and not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {rate}")
+        if (self.shift_at_s is None) != (self.acceptance_after is None):
+            raise ValueError("shift_at_s and acceptance_after go together")
+
+    def acceptance_at(self, now: float) -> float:
+        """Per-position acceptance probability at simulated second `now`."""
+        if self.shift_at_s is not None and self.acceptance_after is not None and now >= self.shift_at_s:
+            return self.acceptance_after
+        return self.acceptance
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """vLLM scheduler and cache settings the simulator honours."""
 
@@ -25,6 +54,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     cost: CostModel = field(default_factory=CostModel)
+    # None: no speculative decoding (one token per decoding request per step), vLLM's default.
+    speculative: SpecDecode | None = None
     # Fault knobs for diagnosis scenarios; off, the simulator behaves as vLLM does.
     # An aborted request keeps its running slot and KV forever (a slot released only on success).
     leak_aborted_slots: bool = False

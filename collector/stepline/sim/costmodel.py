@@ -69,6 +69,15 @@ class CostModel:
             + self.decode_context_token_s * decode_context_tokens
         )
 
+    def scaled(self, factor: float) -> CostModel:
+        """The same model with every step `factor` times as long: a smaller model or faster GPU below 1,
+        a larger model, slower GPU or longer context above."""
+        if not factor > 0:
+            raise ValueError(f"a speed factor must be positive, got {factor}")
+        return CostModel(self.step_overhead_s * factor, self.prefill_token_s * factor,
+                         self.prefill_attention_pair_s * factor, self.decode_request_s * factor,
+                         self.decode_context_token_s * factor)
+
     def chunk_step_seconds(
         self, chunk_start: int, chunk_tokens: int, decode_requests: int = 0, decode_context_tokens: int = 0
     ) -> float:

@@ -143,8 +143,12 @@ class Simulation:
             if scheduler.has_work():
                 batch = scheduler.schedule(self.now)
                 if not batch.is_empty:
+                    # Draft tokens are verified like prompt tokens: a forward pass over each, beside the decodes.
                     cost = self._cost.step_seconds(
-                        batch.prefill_tokens, batch.prefill_pairs, len(batch.decodes), batch.decode_context_tokens
+                        batch.prefill_tokens + batch.draft_tokens,
+                        batch.prefill_pairs,
+                        len(batch.decodes),
+                        batch.decode_context_tokens,
                     )
                     self._inflight = (batch, self.now + cost)
                     continue
@@ -196,6 +200,7 @@ class Simulation:
 
     def _finish_step(self, batch: Batch, end: float) -> None:
         scheduler = self._scheduler
+        drafts = sum(1 for r in batch.decodes if r.drafted)
         outcome = scheduler.complete(batch, end)
         # Requests that arrived during the step are in the queue when the stats are taken.
         self._take_arrivals(end)
@@ -207,7 +212,7 @@ class Simulation:
             num_ctx_requests=len(batch.prefills),
             num_ctx_tokens=batch.prefill_tokens,
             num_generation_requests=len(batch.decodes),
-            num_generation_tokens=len(batch.decodes),
+            num_generation_tokens=len(batch.decodes) + batch.draft_tokens,
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),
             kv_cache_usage=scheduler.kv_cache_usage,
@@ -222,6 +227,10 @@ class Simulation:
             time_to_first_tokens_iter=tuple(outcome.ttfts),
             inter_token_latencies_iter=tuple(outcome.itls),
             finished_requests=finished,
+            spec_num_drafts=drafts,
+            spec_num_draft_tokens=batch.draft_tokens,
+            spec_num_accepted_tokens=outcome.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(outcome.spec_accepted_per_pos),
         )
         self.iteration_index += 1
         self.metrics.observe_step(record)

@@ -4,7 +4,8 @@ A step carrying prefill is compute-bound: tensor pipes busy, power near the boar
 decode-only step is memory-bound: DRAM bandwidth high, tensor activity low, power moderate. The
 `power-cap` scenario caps board power below what prefill draws, so SM clocks drop (with the
 `sw_power_cap` clock-event reason) exactly when prefill runs; the `xid` scenario also reports one
-XID error part-way through. Figures are for an H200-class GPU (700 W, 1980 MHz boost).
+XID error part-way through (any scenario does, given `xid_at_s`). Figures are for an H200-class GPU
+(700 W, 1980 MHz boost).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from stepline.clock import ManualClock
-from stepline.rows import Row
+from stepline.rows import GpuSample, Row
 from stepline.sim.records import StepRecord
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
@@ -56,14 +57,16 @@ class GpuModel:
     """Turns each simulated step into what the engine's GPUs read while it runs."""
 
     def __init__(self, gpus: int = 2, scenario: str = "power-cap", *, power_cap_w: float = 520.0,
-                 xid_at_s: float = 90.0, xid_code: int = 94) -> None:
+                 xid_at_s: float | None = None, xid_code: int = 94) -> None:
+        """`xid_at_s`: seconds after the first step that one XID is reported; None: 90 s in the xid scenario,
+        never in the others."""
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown GPU scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}")
         self.gpus = gpus
         self.scenario = scenario
         self._cap_w = power_cap_w if scenario in ("power-cap", "xid") else TDP_W
         self._scenario_cap_w = self._cap_w
-        self._xid_at_s = xid_at_s if scenario == "xid" else None
+        self._xid_at_s = xid_at_s if xid_at_s is not None else (90.0 if scenario == "xid" else None)
         self._xid_code = xid_code
         self._lock = threading.Lock()
         self._reading = IDLE
@@ -120,14 +123,21 @@ class GpuModel:
             return self.gpus - 1, self._xid_code
 
 
+def _uuid(index: int) -> str:
+    return f"GPU-00000000-0000-4000-8000-{index:012d}"  # FakeNvml's own numbering, from the host's first GPU
+
+
 class SimulatedGpus:
     """A FakeNvml whose GPUs read what a GpuModel says; `refresh(now)` before each sampling pass."""
 
-    def __init__(self, model: GpuModel, engine_pid: int) -> None:
+    def __init__(self, model: GpuModel, engine_pid: int, first_index: int = 0) -> None:
+        """`first_index`: where this engine's GPUs start among the host's (several engines share one host)."""
         self.model = model
-        self.nvml = FakeNvml([FakeGpuState(name="NVIDIA H200", mem_clock_mhz=round(MEM_MHZ), mem_total_bytes=141 << 30,
+        self.first_index = first_index
+        self.nvml = FakeNvml([FakeGpuState(name="NVIDIA H200", uuid=_uuid(first_index + i),
+                                           mem_clock_mhz=round(MEM_MHZ), mem_total_bytes=141 << 30,
                                            mem_used_bytes=126 << 30, processes={engine_pid: 124 << 30})
-                              for _ in range(model.gpus)])
+                              for i in range(model.gpus)])
         self._last: float | None = None
 
     def refresh(self, now: float) -> None:
@@ -185,7 +195,7 @@ class VirtualGpuSampler:
         self._clock = ctx.clock
         self._source = SimulatedGpuSource(gpus, ctx)
         self._interval_s = interval_s
-        self._emit = emit
+        self._emit = emit if not gpus.first_index else _renumbered(emit, gpus.first_index)
         self._next: float | None = None
         # The simulator runs in this process: its GPUs' process is ours, and it serves `engine`.
         ctx.engine_processes.found(engine, os.getpid())
@@ -198,3 +208,13 @@ class VirtualGpuSampler:
             self._clock.set(self._next)
             self._source.poll(self._emit)
             self._next += self._interval_s
+
+
+def _renumbered(emit: Callable[[Iterable[Row]], object], first_index: int) -> Callable[[Iterable[Row]], object]:
+    """`emit`, with GPU samples' indexes moved up by `first_index` (NVML numbers each fake host's GPUs from 0)."""
+
+    def renumber(rows: Iterable[Row]) -> object:
+        return emit([r._replace(gpu_index=r.gpu_index + first_index) if isinstance(r, GpuSample) else r
+                     for r in rows])
+
+    return renumber

@@ -184,6 +184,19 @@ class VllmMetrics:
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             TOKEN_BUCKETS,
         )
+        # vLLM registers the spec-decode families only when a speculative config is set.
+        self.spec_drafts: Counter | None = None
+        self.spec_draft_tokens: Counter | None = None
+        self.spec_accepted: Counter | None = None
+        self.spec_accepted_per_pos: list[Counter] = []
+        if config.speculative is not None:
+            self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              (*base, "position"), registry=reg)
+            self.spec_accepted_per_pos = [per_pos.labels(position=str(i), **values)
+                                          for i in range(config.speculative.num_tokens)]
         info = {
             "block_size": str(config.block_size),
             "cache_dtype": "auto",
@@ -228,6 +241,14 @@ class VllmMetrics:
             observe_itl(itl)
         for finished in step.finished_requests:
             self.observe_finished(finished)
+        if step.spec_num_drafts and self.spec_drafts is not None:
+            self.spec_drafts.inc(step.spec_num_drafts)
+            if self.spec_draft_tokens is not None:
+                self.spec_draft_tokens.inc(step.spec_num_draft_tokens)
+            if self.spec_accepted is not None:
+                self.spec_accepted.inc(step.spec_num_accepted_tokens)
+            for counter, accepted in zip(self.spec_accepted_per_pos, step.spec_accepted_per_pos, strict=False):
+                counter.inc(accepted)
 
     def observe_finished(self, request: FinishedRequest) -> None:
         """Apply one finished request's stats."""

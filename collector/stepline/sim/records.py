@@ -64,3 +64,9 @@ class StepRecord:
     time_to_first_tokens_iter: tuple[float, ...]
     inter_token_latencies_iter: tuple[float, ...]
     finished_requests: tuple[FinishedRequest, ...]
+    # SpecDecodingStats: drafts proposed (one per decoding request that drafted), their tokens, and how many of
+    # those the target model accepted (also by draft position); all zero without speculative decoding.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -3,7 +3,10 @@
 Each `Scenario` pairs a workload, an engine configuration and what the GPUs do with the finding
 kind a correct diagnosis names first (None: nothing above info). `simulate` replays one on a
 virtual clock; `run_scenario` does so through the real collector (plugin receiver, OTLP receiver,
-/metrics ingestion, the GPU source over simulated GPUs), as `stepline demo --fast` does.
+/metrics ingestion, the GPU source over simulated GPUs), as `stepline demo --fast` does, and
+`run_engines` replays several engines, each its own scenario, into one store through one collector.
+
+A workload with no drain time ends the replay (and the window) while requests are still in flight.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -24,7 +27,15 @@ from stepline.settings import Settings
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
 from stepline.sim.engine import Simulation
-from stepline.sim.gpu import BOOST_MHZ, SW_POWER_CAP, GpuModel, GpuReading, SimulatedGpus, VirtualGpuSampler
+from stepline.sim.gpu import (
+    BOOST_MHZ,
+    SW_POWER_CAP,
+    TDP_W,
+    GpuModel,
+    GpuReading,
+    SimulatedGpus,
+    VirtualGpuSampler,
+)
 from stepline.sim.records import StepRecord
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import Workload, chat_arrivals, compose, one_request
@@ -58,6 +69,15 @@ class Scenario:
     gpu_scenario: str = "normal"
     power_cap: PowerCap | None = None
     description: str = ""
+    # One XID error this many simulated seconds after the first step (None: as gpu_scenario says).
+    xid_at_s: float | None = None
+    gpus: int = 2
+
+    def gpu_model(self) -> GpuModel:
+        """What this scenario's GPUs do; an XID on its own leaves board power uncapped."""
+        if self.xid_at_s is not None and self.gpu_scenario == "normal":
+            return GpuModel(self.gpus, "xid", power_cap_w=TDP_W, xid_at_s=self.xid_at_s)
+        return GpuModel(self.gpus, self.gpu_scenario, xid_at_s=self.xid_at_s)
 
 
 def _healthy() -> Scenario:
@@ -164,6 +184,8 @@ class ScenarioRun:
     readings: list[tuple[float, GpuReading]] = field(default_factory=list)
     scrapes: int = 0
     drained: bool = False
+    # Requests still waiting or running when the replay stopped.
+    in_flight: int = 0
 
 
 def simulate(
@@ -184,7 +206,7 @@ def simulate(
     scrapes = math.ceil((workload.duration_s + workload.drain_s) / SCRAPE_INTERVAL_S - 1e-9)
     end = end_at if end_at is not None else time.time()
     start = end - scrapes * SCRAPE_INTERVAL_S
-    model = gpus.model if gpus is not None else GpuModel(scenario=scenario.gpu_scenario)
+    model = gpus.model if gpus is not None else scenario.gpu_model()
     throttle = Throttle()
     config = replace(scenario.config, cost=ThrottledCostModel.wrap(scenario.config.cost, throttle))
     run = ScenarioRun(scenario, start, end)
@@ -211,6 +233,7 @@ def simulate(
             on_scrape(start + target, sim.render_metrics())
         run.scrapes += 1
     run.drained = sim.is_done()
+    run.in_flight = len(sim.scheduler.running) + len(sim.scheduler.waiting)
     return run
 
 
@@ -232,7 +255,25 @@ def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = N
     the plugin's engine_config event is stamped on receipt, in real time, so it must fall inside.
     """
     engine = engine or scenario.name
-    gpus = SimulatedGpus(GpuModel(scenario=scenario.gpu_scenario), engine_pid=os.getpid())
+    _, window = run_engines([(engine, scenario)], store_url, end_at=end_at)
+    return engine, window
+
+
+def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *,
+                end_at: float | None = None) -> tuple[list[ScenarioRun], Window]:
+    """Replay several engines, each (name, scenario) with its own workload, configuration and GPUs, into
+    `store_url` through one collector; all end at `end_at` (default: now). Returns each engine's run and the
+    window to diagnose: every engine's span, over all engines ("") when there are several.
+
+    Each engine has GPUs of its own on the one host (the second engine's numbered after the first's).
+    """
+    if not engines:
+        raise ValueError("run_engines needs at least one engine")
+    names = [name for name, _ in engines]
+    if len(set(names)) != len(names):
+        raise ValueError(f"engine names must differ, got {names}")
+    end = end_at if end_at is not None else time.time()
+    runs: list[ScenarioRun] = []
     with tempfile.TemporaryDirectory(prefix="stepline-scenario-") as sockets:
         # The GPUs are simulated and sampled on the virtual clock below; the real GPU source would find no NVML.
         base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
@@ -241,27 +282,41 @@ def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = N
         collector = Collector(Settings.from_env(engines=(), **base))
         collector.start()
         try:
-            assert collector.writers is not None
-            write = collector.writers.write
-            otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
-            telemetry = Telemetry(engine, scenario.config, plugin_socket=collector.settings.plugin_socket,
-                                  otlp_endpoint=otlp.url)
-            host = collector.settings.host_name
-            scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
-                                        engine=engine)
-            sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, GPU_INTERVAL_S, write)
-
-            def on_step(step: StepRecord) -> None:
-                sampler.until(step.ts)
-                telemetry.on_step(step)
-
-            # The GPUs read the previous step's figures until this one began.
-            run = simulate(scenario, end_at=end_at, gpus=gpus, on_step=on_step,
-                           before_step=lambda step: sampler.until(step.ts - step.elapsed_ms / 1000),
-                           on_scrape=lambda ts, body: scraper.ingest(body, ts, write))
-            sampler.until(run.end_ts)
-            telemetry.close()
+            first_gpu = 0
+            for engine, scenario in engines:
+                runs.append(_replay(collector, engine, scenario, end, first_gpu))
+                first_gpu += scenario.gpus
         finally:
             collector.stop()
-    window_end = max(run.end_ts, time.time())
-    return engine, Window(datetime.fromtimestamp(run.start_ts, UTC), datetime.fromtimestamp(window_end, UTC), engine)
+    window_end = max(max(r.end_ts for r in runs), time.time())
+    window_start = min(r.start_ts for r in runs)
+    return runs, Window(datetime.fromtimestamp(window_start, UTC), datetime.fromtimestamp(window_end, UTC),
+                        names[0] if len(names) == 1 else "")
+
+
+def _replay(collector: Collector, engine: str, scenario: Scenario, end_at: float, first_gpu: int) -> ScenarioRun:
+    """One engine's replay through `collector`'s receivers and /metrics ingestion, its GPUs sampled beside it."""
+    assert collector.writers is not None
+    write = collector.writers.write
+    otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+    gpus = SimulatedGpus(scenario.gpu_model(), engine_pid=os.getpid(), first_index=first_gpu)
+    telemetry = Telemetry(engine, scenario.config, plugin_socket=collector.settings.plugin_socket,
+                          otlp_endpoint=otlp.url)
+    host = collector.settings.host_name
+    scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
+                                engine=engine)
+    sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, GPU_INTERVAL_S, write)
+
+    def on_step(step: StepRecord) -> None:
+        sampler.until(step.ts)
+        telemetry.on_step(step)
+
+    try:
+        # The GPUs read the previous step's figures until this one began.
+        run = simulate(scenario, end_at=end_at, gpus=gpus, on_step=on_step,
+                       before_step=lambda step: sampler.until(step.ts - step.elapsed_ms / 1000),
+                       on_scrape=lambda ts, body: scraper.ingest(body, ts, write))
+        sampler.until(run.end_ts)
+    finally:
+        telemetry.close()
+    return run

@@ -6,10 +6,15 @@ while the token budget, max_num_seqs and free KV blocks allow. At most one prefi
 unfinished at a time. When a request needs a KV block and none is free, the most recently
 admitted running request is preempted: its KV is freed and it goes back to the front of the
 queue to be recomputed.
+
+With speculative decoding (EngineConfig.speculative), each decoding request also carries up to k draft
+tokens in the step's token budget; when the step ends, drafts are accepted position by position up to the
+first rejection and the request gains the accepted tokens plus one.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +31,7 @@ class Request:
         "blocks",
         "cached_fraction",
         "computed",
+        "drafted",
         "finish_reason",
         "finished",
         "first_scheduled",
@@ -61,6 +67,7 @@ class Request:
         self.finish_reason: FinishReason = finish_reason
         self.max_tokens = max_tokens if max_tokens is not None else output_tokens
         self.computed = 0  # tokens whose KV is in the cache
+        self.drafted = 0  # draft tokens it carries in the current step (speculative decoding)
         self.generated = 0
         self.blocks = 0
         self.num_cached_tokens = -1  # set on first admission, as vLLM does
@@ -92,6 +99,7 @@ class Batch:
     prefill_tokens: int = 0
     prefill_pairs: float = 0.0
     decode_context_tokens: int = 0
+    draft_tokens: int = 0  # speculative draft tokens the decodes carry, verified beside them
     num_preempted: int = 0
     prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0
@@ -113,6 +121,8 @@ class Outcome:
     output_tokens: int = 0
     prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -125,6 +135,8 @@ class Scheduler:
         self.free_blocks = config.num_gpu_blocks
         self.partial: Request | None = None
         self.num_preemptions = 0
+        spec = config.speculative
+        self._spec_rng = random.Random(f"spec-{config.engine}-{spec.seed}") if spec is not None else None
 
     def add(self, request: Request) -> None:
         """Queue an arrived request."""
@@ -164,6 +176,8 @@ class Scheduler:
                 # scheduled decode at the tail; that decode loses its token this step.
                 batch.decodes.remove(victim)
                 batch.decode_context_tokens -= victim.computed
+                batch.draft_tokens -= victim.drafted
+                victim.drafted = 0
             self._preempt(victim)
             batch.num_preempted += 1
             if victim is request:
@@ -209,7 +223,16 @@ class Scheduler:
             i += 1
             if request is self.partial or not request.is_decoding or request.leaked:
                 continue
-            if request.computed % self.config.block_size == 0 and not self._grow(request, 1, batch):
+            spec = self.config.speculative
+            if spec is not None:
+                # KV slots for the drafts are reserved up front, as vLLM's lookahead slots are.
+                drafts = min(spec.num_tokens, budget - 1, request.output_tokens - request.generated - 1)
+                if not self._grow(request, 1 + max(0, drafts), batch):
+                    break
+                request.drafted = max(0, drafts)
+                batch.draft_tokens += request.drafted
+                budget -= request.drafted
+            elif request.computed % self.config.block_size == 0 and not self._grow(request, 1, batch):
                 break
             request.computed += 1
             batch.decodes.append(request)
@@ -259,9 +282,15 @@ class Scheduler:
     def complete(self, batch: Batch, now: float) -> Outcome:
         """Sample tokens for a finished step at time `now` and retire finished requests."""
         outcome = Outcome()
+        spec = self.config.speculative
         for request in batch.decodes:
             outcome.itls.append(now - request.last_token)
-            self._sample(request, now, outcome)
+            accepted = 0
+            if spec is not None and request.drafted:
+                accepted = self._accept(request.drafted, spec.acceptance_at(batch.start), outcome)
+                request.drafted = 0
+                request.computed += accepted  # the accepted drafts' KV was written by this step
+            self._sample(request, now, outcome, 1 + accepted)
         for request, _, _ in batch.prefills:
             if request.computed < request.num_tokens:
                 continue  # a chunk in the middle of a prompt samples nothing
@@ -287,10 +316,23 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         return len(leaked)
 
-    def _sample(self, request: Request, now: float, outcome: Outcome) -> None:
-        request.generated += 1
+    def _accept(self, drafts: int, acceptance: float, outcome: Outcome) -> int:
+        """Draft tokens the target model accepts: position by position, up to the first rejection."""
+        assert self._spec_rng is not None
+        accepted = 0
+        while accepted < drafts and self._spec_rng.random() < acceptance:
+            accepted += 1
+        per_pos = outcome.spec_accepted_per_pos
+        per_pos.extend([0] * (drafts - len(per_pos)))
+        for position in range(accepted):
+            per_pos[position] += 1
+        outcome.spec_accepted_tokens += accepted
+        return accepted
+
+    def _sample(self, request: Request, now: float, outcome: Outcome, tokens: int = 1) -> None:
+        request.generated += tokens
         request.last_token = now
-        outcome.output_tokens += 1
+        outcome.output_tokens += tokens
         if request.generated >= request.output_tokens:
             request.finished = True
             outcome.finished.append(request)

@@ -46,6 +46,12 @@ def scheduler_stats(step: StepRecord) -> standins.SchedulerStats:
         prefix_cache_stats=standins.PrefixCacheStats(
             requests=step.prefix_cache_requests, queries=step.prefix_cache_queries, hits=step.prefix_cache_hits
         ),
+        # vLLM hands its loggers spec-decode stats only for steps that verified drafts.
+        spec_decoding_stats=standins.SpecDecodingStats(
+            num_spec_tokens=len(step.spec_accepted_per_pos), num_drafts=step.spec_num_drafts,
+            num_draft_tokens=step.spec_num_draft_tokens, num_accepted_tokens=step.spec_num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(step.spec_accepted_per_pos),
+        ) if step.spec_num_drafts else None,
     )
 
 
@@ -81,7 +87,8 @@ def _finished(r: FinishedRequest) -> standins.FinishedRequestStats:
 
 def engine_config(config: EngineConfig) -> dict[str, Any]:
     """The configuration the plugin reports at engine start-up."""
-    return {
+    spec = config.speculative
+    described: dict[str, Any] = {
         "model": config.model,
         "served_model_name": config.model,  # the simulator serves (and labels /metrics with) its model name
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -91,9 +98,13 @@ def engine_config(config: EngineConfig) -> dict[str, Any]:
         "block_size": config.block_size,
         "num_gpu_blocks": config.num_gpu_blocks,
         "enable_prefix_caching": config.enable_prefix_caching,
-        "speculative_decoding": False,
+        "speculative_decoding": spec is not None,
         "engine_index": int(config.engine),
     }
+    if spec is not None:
+        described["speculative_method"] = spec.method
+        described["num_speculative_tokens"] = spec.num_tokens
+    return described
 
 
 class Telemetry:

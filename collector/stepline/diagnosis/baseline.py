@@ -29,7 +29,9 @@ from stepline.diagnosis.rollup import whole_minutes
 from stepline.summary import Reads
 
 # prefill_interference and head_of_line_blocking
-LONG_PROMPT_CHUNKS = 2.0  # an uncached prompt of at least this many token budgets (chunks) is a long prefill
+# An uncached prompt of at least this many token budgets (chunks) is a long prefill: four steps that each hold the
+# whole budget. Two is an ordinary long prompt on many engines (16k tokens on an 8192 budget).
+LONG_PROMPT_CHUNKS = 4.0
 SLOWDOWN = 5.0  # step p50 while the prefill ran over the decode-only step p50: interference from here
 # Severity: ITL p99 while the prefill ran over the decode-only ITL p99. Critical from SEVERE_SLOWDOWN on any engine,
 # or from CRITICAL_SLOWDOWN when a stream's reader sees stalls: ITL_STALL_S is the one absolute figure here,
@@ -37,7 +39,27 @@ SLOWDOWN = 5.0  # step p50 while the prefill ran over the decode-only step p50: 
 CRITICAL_SLOWDOWN = 10.0
 SEVERE_SLOWDOWN = 100.0
 ITL_STALL_S = 1.0
+# A prefill's own steps: at least this share of the steps in its span carry no other prefill (in an overload every
+# step carries several, and the span of any prompt is slow for reasons of its own).
+OWN_STEPS_SHARE = 0.5
+# Head-of-line blocking: the queue grew by MIN_QUEUED or more while the prefill ran, and had drained by at least
+# HOL_DRAINED of that growth within one prefill's length after it.
+HOL_DRAINED = 0.5
+MIN_QUEUED = 10  # requests queued behind one prefill (or in an overload) before the queue counts
 HOL_QUEUE_STEPS = 100.0  # a request queued this many decode-only steps (p50) behind a prefill was held up by it
+# gpu_throttling: the throttled samples' SM clock at most (1 - CLOCK_DROP) of the GPU's own maximum, on at least
+# THROTTLED_SHARE of the samples in which the GPU was busy (util_gpu_pct >= BUSY_GPU_PCT, a share of its time).
+CLOCK_DROP = 0.10
+THROTTLED_SHARE = 0.10
+BUSY_GPU_PCT = 5.0
+# overload: requests waited OVERLOAD_QUEUE_STEPS of the engine's decode-only steps (p50) or more, the queue held
+# MIN_QUEUED or more, for OVERLOAD_MIN_BUCKETS buckets of the window (a 1/OVERLOAD_BUCKETS share each) in which the
+# engine was busy (stepping at least BUSY_SHARE of the time), and no more than OWN_STEPS_SHARE of that time went to
+# long prefills (those are head-of-line blocking).
+OVERLOAD_QUEUE_STEPS = 100.0
+OVERLOAD_BUCKETS = 30
+OVERLOAD_MIN_BUCKETS = 3
+BUSY_SHARE = 0.8
 # legitimately_slow and gpu_xid
 SLOW_STEP = 10.0  # a step this many decode-only step p50s long is slow for this engine
 # prefix_cache_collapse: a bucket with fewer prefix-cache lookups (tokens) than this share of one step's token

@@ -10,7 +10,8 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stepline.diagnosis import hardware, health, prefill
+from stepline.diagnosis import hardware, health, load, prefill, throttling
+from stepline.diagnosis.causes import merge
 from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.findings import Finding, Window
 from stepline.summary import Reads
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("prefill_interference", prefill.prefill_interference),
     ("head_of_line_blocking", prefill.head_of_line_blocking),
+    ("overload", load.overload),
+    ("gpu_throttling", throttling.gpu_throttling),
     ("scheduler_vs_hardware", hardware.scheduler_vs_hardware),
     ("prefix_cache_collapse", health.prefix_cache_collapse),
     ("kv_pressure", health.kv_pressure),
@@ -33,7 +36,8 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
 
 def diagnose(reader: Reads, window: Window,
              detectors: Sequence[tuple[str, Detector]] = DETECTORS) -> list[Finding]:
-    """Every detector's findings, ranked; a detector that fails is logged and reported, never fatal."""
+    """Every detector's findings, each cause once with its symptoms (causes.merge), ranked; a detector that fails
+    is logged and reported, never fatal."""
     found: list[Finding] = []
     reader = Memo(reader)
     for name, detect in detectors:
@@ -44,7 +48,7 @@ def diagnose(reader: Reads, window: Window,
             found.append(Finding("detector_failed", "info", window.engine, window.start, window.end,
                                  f"detector {name} failed: {' '.join(str(exc).split())}"[:76],
                                  {"detector": name, "error": " ".join(str(exc).split())[:500]}))
-    return sorted(found, key=Finding.rank_key)
+    return merge(found)
 
 
 def as_json(findings: Sequence[Finding]) -> str:
@@ -61,9 +65,12 @@ def render(findings: Sequence[Finding], width: int = 80, max_evidence: int = 8) 
         lines = [f"{i}. {f.severity.upper()}  {f.kind}  {f.engine or '(all engines)'}  "
                  f"{hms(f.start)}..{hms(f.end)} UTC",
                  *textwrap.wrap(f.title, width, initial_indent="   ", subsequent_indent="   ")]
-        for key, value in list(f.evidence.items())[:max_evidence]:
+        for key, value in [kv for kv in f.evidence.items() if kv[0] != "symptoms"][:max_evidence]:
             lines.extend(textwrap.wrap(f"{key}: {_value(value)}", width, initial_indent="   - ",
                                        subsequent_indent="       "))
+        for symptom in f.evidence.get("symptoms", []):
+            lines.extend(textwrap.wrap(f"also {symptom['kind']}: {symptom['title']}", width,
+                                       initial_indent="   + ", subsequent_indent="       "))
         if f.lever:
             lines.extend(textwrap.wrap(f"lever: {f.lever}", width, initial_indent="   ", subsequent_indent="     "))
         if f.sql:

@@ -21,13 +21,9 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import whole_minutes
-from stepline.schema import timeline_sql
 from stepline.summary import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
-CLOCK_DROP = 0.10
-THROTTLE_FLAGS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
-                  "hw_power_brake_slowdown")
 
 _BAND = """multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, '8k-32k',
                prompt_tokens < 100000, '32k-100k', '>= 100k') AS band"""
@@ -97,67 +93,15 @@ def _bands(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
     return by_engine
 
 
-# Each of the engine's steps (one in `every`: all of them unless the window holds more than EXACT_MAX_STEPS) beside
-# its GPUs' sample (the timeline view), the GPU side bounded to the window (from 10 s before, so the first steps
-# find their sample) and to the GPUs that served the engine in it.
-_GPU_WINDOW = " AND ts >= {start:DateTime64(6)} - INTERVAL 10 SECOND AND ts <= {end:DateTime64(6)}"
-_TIMELINE = timeline_sql(
-    "", " AND s.engine = {engine:String} AND s.ts >= {start:DateTime64(6)} AND s.ts <= {end:DateTime64(6)}"
-    " AND s.step % {every:UInt64} = 0",
-    f"{_GPU_WINDOW} AND (host, gpu_index) IN (SELECT host, gpu_index FROM gpu_samples WHERE engine = {{engine:String}}"
-    f"{_GPU_WINDOW})")
-_GPU_DURING = f"""
-SELECT elapsed_ms > {{slow_ms:Float64}} AS slow, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms,
-       avg(sm_clock_mhz) AS sm_mhz, avg(power_w) AS power_w,
-       countIf(hasAny(clock_event_flags, {{flags:Array(String)}})) / count() AS throttled_share,
-       arrayDistinct(arrayFlatten(groupArray(clock_event_flags))) AS flags
-FROM ({_TIMELINE})
-WHERE gpu_ts > 0
-GROUP BY slow ORDER BY slow
-"""
-
-
-# Like for like: decode-only steps of a similar batch, throttled against not. Under open-loop load the batch
-# grows as steps slow, so comparing against every fast step would always blame the scheduler.
-_MATCHED = f"""
-SELECT throttled, count() AS n, quantileExact(0.5)(elapsed_ms) AS step_p50_ms, avg(sm_clock_mhz) AS sm_mhz
-FROM (
-    SELECT *, quantileExactIf(0.5)(decoding, throttled) OVER () AS mid
-    FROM (SELECT elapsed_ms, sm_clock_mhz, decoding, hasAny(clock_event_flags, {{flags:Array(String)}}) AS throttled
-          FROM ({_TIMELINE})
-          WHERE gpu_ts > 0 AND prefill_tokens = 0 AND decoding > 0)
-)
-WHERE decoding BETWEEN mid * 0.7 AND mid * 1.3
-GROUP BY throttled ORDER BY throttled
-"""
-MATCHED_MIN_STEPS = 20
-
-
-def _clock_explains(reader: Reads, engine: str, window: Window, every: int) -> tuple[bool, dict[str, object]]:
-    """Whether throttled decode-only steps are slower than unthrottled ones of the same batch by what the clock lost."""
-    rows = {bool(r[0]): r for r in Query(_MATCHED, engine=engine, start=window.start, end=window.end,
-                                         flags=list(THROTTLE_FLAGS), every=every).rows(reader)}
-    if True not in rows or False not in rows or min(int(rows[True][1]), int(rows[False][1])) < MATCHED_MIN_STEPS:
-        return False, {}
-    throttled, free = rows[True], rows[False]
-    drop = 1 - number(throttled[3]) / number(free[3], 1e-9)
-    slowdown = number(throttled[2]) / number(free[2], 1e-9)
-    evidence: dict[str, object] = {"matched_clock_drop": round(drop, 3), "matched_step_slowdown": round(slowdown, 2),
-                                   "matched_steps": f"{throttled[1]} throttled vs {free[1]} not, same batch size"}
-    # A clock drop explains a slowdown up to about its own ratio (with slack for memory stalls).
-    return drop > CLOCK_DROP and 1.2 <= slowdown <= 2 / max(1 - drop, 0.05), evidence
-
-
 def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
     """Per prompt band, decode rates under load against the engine alone; GPU counters say whether silicon slowed."""
     findings = []
-    summary = window_summary(reader, window)
     alone = _alone(reader, window)
     bands_by_engine = _bands(reader, window) if alone else {}
     for engine in engines(reader, window):
         if engine not in alone:
             continue  # without quiet steps there is nothing to compare with
-        _steps, (alone_lo, alone_mid, alone_hi), alone_step_ms, approximate = alone[engine]
+        _steps, (alone_lo, alone_mid, alone_hi), _alone_step_ms, approximate = alone[engine]
         bands_q = Query(_BANDS, engine=engine, start=window.start, end=window.end)
         bands = bands_by_engine.get(engine, [])
         if not bands:
@@ -166,49 +110,21 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
         if number(worst[4], 1e9) * LOAD_SLOWDOWN > alone_mid:
             continue
         by_band = {str(b[0]): f"{number(b[3]):.1f}..{number(b[4]):.1f} tok/s (p1..p50, {b[2]} req)" for b in bands}
-        every = max(1, math.ceil(int(summary[engine]["steps"]) / EXACT_MAX_STEPS))
-        gpu_q = Query(_GPU_DURING, engine=engine, start=window.start, end=window.end,
-                      slow_ms=LOAD_SLOWDOWN * alone_step_ms, flags=list(THROTTLE_FLAGS), every=every)
-        gpu = {bool(r[0]): r for r in gpu_q.rows(reader)}
         evidence: dict[str, object] = {
             "alone_tok_s": f"{alone_lo:.1f}..{alone_hi:.1f} (p50 {alone_mid:.1f})", "under_load_by_band": by_band,
-            "alone_from": "steps without prefill and 1-4 decoding requests: 1000 / elapsed_ms"}
+            "alone_from": "steps without prefill and 1-4 decoding requests: 1000 / elapsed_ms",
+            "slow_from": f"{LOAD_SLOWDOWN:g}x below the alone p50"}
         if approximate:
             evidence["alone_quantiles"] = APPROXIMATE
-        if every > 1:
-            evidence["gpu_comparison_steps"] = f"one step in {every} (by step number)"
-        hardware = False
-        if True in gpu and False in gpu:
-            fast, slow = gpu[False], gpu[True]
-            drop = 1 - number(slow[3]) / number(fast[3], 1e-9)
-            slowdown = number(slow[2]) / number(fast[2], 1e-9)
-            evidence.update({"sm_mhz_fast_steps": round(number(fast[3])), "sm_mhz_slow_steps": round(number(slow[3])),
-                             "clock_drop": round(drop, 3), "step_slowdown": round(slowdown, 1),
-                             "throttled_share_slow_steps": round(number(slow[5]), 2),
-                             "clock_flags_slow_steps": list(slow[6])})
-            # A clock drop explains at most its own ratio of slowdown (with slack for memory stalls); failing that,
-            # like-for-like steps decide.
-            hardware = drop > CLOCK_DROP and number(slow[5]) > 0.5 and slowdown <= 2 / max(1 - drop, 0.05)
-            if not hardware and drop > CLOCK_DROP and number(slow[5]) > 0.5:
-                hardware, matched = _clock_explains(reader, engine, window, every)
-                evidence.update(matched)
         rate = f"{number(worst[3]):.1f}..{number(worst[4]):.1f}"
-        if hardware:
-            findings.append(Finding(
-                "gpu_throttling", "warning", engine, window.start, window.end,
-                clip(f"{rate} tok/s under load vs {alone_mid:.0f} alone: GPU clocks fell "
-                     f"{number(evidence['clock_drop']):.0%}"),
-                evidence, gpu_q.literal(), "the GPUs throttle (power cap / thermal): check power limits, cooling "
-                "and clocks (nvidia-smi -q -d PERFORMANCE) before touching the scheduler", alone_mid / max(
-                    number(worst[4]), 1e-3)))
-        else:
-            findings.append(Finding(
-                "scheduler_vs_hardware", "warning", engine, window.start, window.end,
-                clip(f"{rate} tok/s under load ({worst[0]}) vs {alone_mid:.0f} alone: scheduling, not roofline"),
-                evidence, bands_q.literal(),
-                "the GPU can decode faster than requests get: the scheduler shares steps with prefill or too many "
-                "sequences; see prefill_interference and head_of_line_blocking findings",
-                alone_mid / max(number(worst[4]), 1e-3)))
+        # What every cause looks like from the requests' side (or plain batching): information, folded into the
+        # cause it overlaps (causes.EXPLAINED_BY); the GPU's side is gpu_throttling's.
+        findings.append(Finding(
+            "scheduler_vs_hardware", "info", engine, window.start, window.end,
+            clip(f"{rate} tok/s under load ({worst[0]}) vs {alone_mid:.0f} alone"),
+            evidence, bands_q.literal(),
+            "the GPU can decode faster than requests get: the scheduler shares steps with prefill or too many "
+            "sequences; see the other findings for why", 0.0))
     return findings
 
 

@@ -8,10 +8,13 @@ from typing import Any
 
 from stepline.diagnosis.baseline import (
     CRITICAL_SLOWDOWN,
+    HOL_DRAINED,
     HOL_QUEUE_STEPS,
     ITL_STALL_S,
     LONG_PROMPT_CHUNKS,
+    MIN_QUEUED,
     NO_BASELINE,
+    OWN_STEPS_SHARE,
     SEVERE_SLOWDOWN,
     SLOWDOWN,
     Baseline,
@@ -31,9 +34,8 @@ from stepline.diagnosis.common import (
     window_summary,
 )
 from stepline.diagnosis.findings import Finding, Window
+from stepline.diagnosis.runs import prefill_runs
 from stepline.summary import Reads
-
-MIN_QUEUED = 10  # requests queued behind one prefill before it counts as head-of-line blocking
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
 # when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).
@@ -78,22 +80,22 @@ SELECT countIf(inside) AS steps_inside,
        sumIf(length(itl_seconds), inside) AS itl_samples_inside,
        quantilesExactArrayIf(0.5, 0.99)(itl_seconds, inside) AS itl_inside_s,
        quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0) AS itl_outside_s,
-       sumIf(elapsed_ms * (num_generation_requests + waiting), inside) / 1000 AS delayed_request_s,
-       maxIf(waiting, inside) AS waiting_max_inside
+       sumIf(elapsed_ms * num_generation_requests, inside) / 1000 AS delayed_request_s,
+       maxIf(waiting, inside) AS waiting_max_inside,
+       countIf(inside AND num_ctx_requests = 1) / countIf(inside) AS own_steps_share
 FROM (SELECT *, ts >= {prefill_start:DateTime64(6)} AND ts <= {prefill_end:DateTime64(6)} AS inside
       FROM steps
       WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)})
 """
 
-# Requests queued while the prefill ran: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
+# Requests that arrived while the prefill ran and queued: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
 _QUEUED_BEHIND = """
 SELECT count() AS queued, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
 FROM requests FINAL
 WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds > 0
   AND queue_seconds >= {min_queue_s:Float64}
-  AND arrival_ts < {prefill_end:DateTime64(6)}
-  AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) > {prefill_start:DateTime64(6)}
+  AND arrival_ts >= {prefill_start:DateTime64(6)} AND arrival_ts < {prefill_end:DateTime64(6)}
 """
 
 # _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
@@ -101,14 +103,15 @@ WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_s
 # multiIf cases numbering them.
 _INSIDE = """
 SELECT k, count(), quantileExact(0.5)(elapsed_ms), max(num_ctx_tokens), sum(length(itl_seconds)),
-       quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * (num_generation_requests + waiting)) / 1000,
-       max(waiting)
+       quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * num_generation_requests) / 1000,
+       max(waiting), countIf(num_ctx_requests = 1) / count()
 FROM (SELECT *, multiIf(WHICH, -1) AS k FROM steps WHERE INSIDE_ANY)
 WHERE k >= 0
 GROUP BY k
 """
-# Every request queued behind any long prefill of its engine, once per prefill it waited behind (k, 1-based), when
-# it queued at least that prefill's min_queue_s (HOL_QUEUE_STEPS of its engine's decode-only steps).
+# Every request that arrived while a long prefill of its engine ran and queued at least that prefill's min_queue_s
+# (HOL_QUEUE_STEPS of its engine's decode-only steps), once per prefill (k, 1-based): a request already waiting
+# when the prefill started was queued for another reason.
 _QUEUED_BEHIND_EACH = """
 SELECT k, count(), sum(queue_seconds), max(queue_seconds),
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
@@ -116,8 +119,8 @@ FROM requests FINAL
 ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i] AND request_id != {ids:Array(String)}[i]
     AND queue_seconds >= {min_queue_s:Array(Float64)}[i]
     AND arrival_ts < fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC')
-    AND arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))
-        > fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC'), arrayEnumerate({ids:Array(String)})) AS k
+    AND arrival_ts >= fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC'), arrayEnumerate({ids:Array(String)}))
+    AS k
 WHERE engine IN {engines:Array(String)} AND queue_seconds > 0 AND arrival_ts < {hi:DateTime64(6)}
   AND ts > {lo:DateTime64(6)}
 GROUP BY k
@@ -142,6 +145,20 @@ class LongPrefill:
     queue_end: datetime  # arrival + queue time, as the engine reports it
     min_uncached_tokens: int  # what made it long on its engine (LONG_PROMPT_CHUNKS token budgets)
     first_chunk_ran: timedelta = timedelta(0)  # the first chunk's step time: it started that long before `start`
+    in_flight: bool = False  # seen in the steps only: no finished request in the window was it (yet)
+
+    @property
+    def began(self) -> datetime:
+        """When its first chunk's step began."""
+        return self.start - self.first_chunk_ran
+
+    @property
+    def name(self) -> str:
+        """How a title names it: its request, or what it has prefilled so far."""
+        if self.in_flight:
+            return f"a prefill of {self.prompt_tokens // 1000}k tokens so far"
+        uncached = self.prompt_tokens - min(self.cached_tokens, self.prompt_tokens)
+        return f"{self.request_id} ({uncached // 1000}k uncached)"
 
 
 def long_prefills(reader: Reads, window: Window) -> dict[str, list[LongPrefill]]:
@@ -159,7 +176,14 @@ def long_prefills(reader: Reads, window: Window) -> dict[str, list[LongPrefill]]
         others = found.setdefault(engine, [])
         if not any(big.start <= other.end and other.start <= big.end for other in others):
             others.append(big)
-    return found
+    # A long prefill still running (or never finished) is in the steps only: named by its tokens so far.
+    for engine, runs in prefill_runs(reader, window).items():
+        others = found.setdefault(engine, [])
+        for run in runs:
+            if not any(run.start <= other.end and other.start <= run.end for other in others):
+                others.append(LongPrefill("", run.tokens, 0, run.start, run.end, run.start, run.min_tokens,
+                                          run.first_chunk_ran, in_flight=True))
+    return {engine: bigs for engine, bigs in found.items() if bigs}
 
 
 def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[tuple[str, LongPrefill]]:
@@ -209,10 +233,12 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
                           prefill_start=big.start, prefill_end=big.end)
             if (engine, k) not in inside or not inside[engine, k][0]:
                 continue
-            _n, step_in, chunk, itl_n, itl_in, delayed, waiting = inside[engine, k]
+            _n, step_in, chunk, itl_n, itl_in, delayed, waiting, own = inside[engine, k]
             step_in = number(step_in)
-            # Relative to this engine's own decode-only steps; without any there is nothing to compare with.
-            if itl_n == 0 or b.decode_step_ms <= 0 or step_in < SLOWDOWN * b.decode_step_ms:
+            # Relative to this engine's own decode-only steps; without any there is nothing to compare with. Its
+            # own steps: where most steps of the span carry other prefills too, the span is slow for their sake.
+            if (itl_n == 0 or b.decode_step_ms <= 0 or step_in < SLOWDOWN * b.decode_step_ms
+                    or number(own) < OWN_STEPS_SHARE):
                 continue
             itl50_in, itl99_in = number(itl_in[0]), number(itl_in[1])
             itl99_out = b.itl_p99_s
@@ -220,11 +246,15 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
             uncached = big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens)
             evidence = _evidence(big, b, uncached, int(chunk), step_in, (itl50_in, itl99_in))
             evidence.update({"itl_over_step_inside": round(itl50_in * 1000 / step_in, 2) if step_in else None,
-                             "waiting_max_inside": int(waiting), "delayed_request_s": round(number(delayed), 1)})
+                             "waiting_max_inside": int(waiting), "delayed_request_s": round(number(delayed), 1),
+                             "own_steps_share": f"{number(own):.0%} of the span's steps carry no other prefill "
+                                                f"(its own from {OWN_STEPS_SHARE:.0%})"})
+            if big.in_flight:
+                evidence["in_flight"] = (f"no finished request in the window was this prefill: {big.prompt_tokens} "
+                                         f"tokens prefilled in the window's steps so far")
             findings.append(Finding(
                 "prefill_interference", "critical" if critical else "warning", engine, big.start, big.end,
-                clip(f"{big.request_id} ({uncached // 1000}k uncached) prefill: ITL p99 {itl99_in:.2f}s vs "
-                     f"{itl99_out * 1000:.0f}ms"),
+                clip(f"{big.name} prefill: ITL p99 {itl99_in:.2f}s vs {itl99_out * 1000:.0f}ms"),
                 evidence, query.literal(), _chunk_lever(config, int(chunk)), number(delayed)))
     return findings
 
@@ -276,9 +306,9 @@ def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_qu
         return {}
     rows = Query(_QUEUED_BEHIND_EACH, engines=[e for e, _, _ in flat], ids=[b.request_id for _, _, b in flat],
                  min_queue_s=[min_queue_s.get(e, 0.0) for e, _, _ in flat],
-                 starts=[round(b.start.timestamp() * 1e6) for _, _, b in flat],
+                 starts=[round(b.began.timestamp() * 1e6) for _, _, b in flat],
                  ends=[round(b.end.timestamp() * 1e6) for _, _, b in flat],
-                 lo=min(b.start for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat)).rows(reader)
+                 lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat)).rows(reader)
     return {flat[int(r[0]) - 1][:2]: tuple(r[1:]) for r in rows}
 
 
@@ -292,16 +322,19 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
     queued_behind = _queued_behind(reader, prefills, min_queue_s)
     for engine in engines(reader, window):
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.start,
+            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.began,
                           prefill_end=big.end, min_queue_s=min_queue_s.get(engine, 0.0))
             row = queued_behind.get((engine, k))
             if row is None or int(row[0]) < MIN_QUEUED:
                 continue
+            # The queue formed because of it: it grew while the prefill ran and drained after.
+            shape = _queue_shape(reader, engine, big)
+            if shape is None:
+                continue
             queued, total, worst_s, worst = int(row[0]), number(row[1]), number(row[2]), row[3]
             findings.append(Finding(
                 "head_of_line_blocking", "warning", engine, big.start, big.end,
-                clip(f"{queued} requests queued behind {big.request_id} ({big.prompt_tokens // 1000}k "
-                     f"prompt), up to {worst_s:.0f}s"),
+                clip(f"{queued} requests queued behind {big.name}, up to {worst_s:.0f}s"),
                 {"request_id": big.request_id, "prompt_tokens": big.prompt_tokens, "queued_requests": queued,
                  "queue_total_s": round(total, 1), "queue_max_s": round(worst_s, 1),
                  "longest_queued": [f"{rid} {q:.1f}s" for rid, q in worst],
@@ -309,12 +342,38 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
                  "counted_from": f"{HOL_QUEUE_STEPS:g} decode-only steps of "
                                  f"{base.get(engine, NO_BASELINE).decode_step_ms:.1f} ms (p50)",
                  "uncached_tokens": big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens),
-                 "long_from_uncached_tokens": big.min_uncached_tokens},
+                 "long_from_uncached_tokens": big.min_uncached_tokens, **shape},
                 query.literal(),
                 "admit long prompts apart from short ones (a separate engine or a priority policy), and bound "
                 "per-step prefill (--long-prefill-token-threshold) so short prompts are scheduled beside it",
                 total))
     return findings
+
+
+# The waiting queue just before a prefill, at its peak while the prefill ran, and at its lowest within one prefill's
+# length after it.
+_QUEUE_SHAPE = """
+SELECT argMaxIf(waiting, ts, ts < {began:DateTime64(6)}) AS waiting_before,
+       maxIf(waiting, ts >= {began:DateTime64(6)} AND ts <= {end:DateTime64(6)}) AS waiting_peak_inside,
+       minIf(waiting, ts > {end:DateTime64(6)}) AS waiting_min_after, countIf(ts > {end:DateTime64(6)}) AS steps_after
+FROM steps
+WHERE engine = {engine:String} AND ts >= {lo:DateTime64(6)} AND ts <= {hi:DateTime64(6)}
+"""
+
+
+def _queue_shape(reader: Reads, engine: str, big: LongPrefill) -> dict[str, Any] | None:
+    """The queue's figures around the prefill when it grew by MIN_QUEUED while the prefill ran and drained by
+    HOL_DRAINED of that after it; None otherwise (an overload's queue grows before and stays after)."""
+    span = big.end - big.began
+    row = Query(_QUEUE_SHAPE, engine=engine, began=big.began, end=big.end, lo=big.began - span,
+                hi=big.end + span).rows(reader)[0]
+    before, peak, after, steps_after = (int(number(v)) for v in row)
+    grew = peak - before
+    if grew < MIN_QUEUED or steps_after == 0 or after > before + (1 - HOL_DRAINED) * grew:
+        return None
+    return {"waiting_before": before, "waiting_peak_inside": peak, "waiting_min_after": after,
+            "queue_rule": f"grew by {MIN_QUEUED}+ during the prefill, drained by {HOL_DRAINED:.0%} of that within "
+                          "one prefill's length after"}
 
 
 _OVER_THRESHOLD = """

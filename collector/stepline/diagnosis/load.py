@@ -1,0 +1,131 @@
+"""Overload: requests arrive faster than the engine serves them, with no single prompt to blame.
+
+The engine is busy (it steps back to back), its queue holds MIN_QUEUED or more across several buckets of the
+window, requests that arrived then waited OVERLOAD_QUEUE_STEPS of its own decode-only steps (p50) or more, and
+long prefills took no more than OWN_STEPS_SHARE of that time (a queue that forms behind one prefill is
+head-of-line blocking). The evidence sets the arrival rate against the rate the engine served at.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from stepline.diagnosis.baseline import (
+    BUSY_SHARE,
+    LONG_CHUNK_SHARE,
+    MIN_QUEUED,
+    NO_BASELINE,
+    OVERLOAD_BUCKETS,
+    OVERLOAD_MIN_BUCKETS,
+    OVERLOAD_QUEUE_STEPS,
+    OWN_STEPS_SHARE,
+    baselines,
+    budgets,
+)
+from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.findings import Finding, Window
+from stepline.summary import Reads
+
+_BUCKETS = f"""
+SELECT engine, toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t, count() AS steps,
+       sum(elapsed_ms) / 1000 AS busy_s, max(waiting) AS waiting_max, argMax(waiting, ts) AS waiting_last,
+       sum(waiting * elapsed_ms) / 1000 AS queued_request_s,
+       sumIf(elapsed_ms, num_ctx_requests = 1 AND num_ctx_tokens >= transform(toString(engine),
+           {{budget_engines:Array(String)}}, {{long_chunk:Array(UInt64)}}, {{unknown:UInt64}})) / 1000 AS long_prefill_s
+FROM steps
+WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+GROUP BY engine, t ORDER BY engine, t
+"""
+# Requests that arrived in the overloaded span (their queue time), and those the engine finished in it.
+_RATES = """
+SELECT countIf(arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}) AS arrived,
+       countIf(ts >= {lo:DateTime64(6)} AND ts < {hi:DateTime64(6)}) AS finished,
+       quantileExactIf(0.5)(queue_seconds, arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)})
+           AS queue_p50_s,
+       maxIf(queue_seconds, arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}) AS queue_max_s,
+       sumIf(queue_seconds, arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}) AS queue_total_s
+FROM requests FINAL
+WHERE engine = {engine:String} AND ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}
+"""
+
+
+def _span(rows: list[tuple[Any, ...]], bucket_s: float) -> list[tuple[Any, ...]]:
+    """The longest run of consecutive buckets in which the engine was busy with MIN_QUEUED or more waiting."""
+    best: list[tuple[Any, ...]] = []
+    run: list[tuple[Any, ...]] = []
+    for row in rows:
+        t, steps, busy, waiting_max = row[0], int(row[1]), number(row[2], bucket_s), int(row[3])
+        loaded = steps > 0 and waiting_max >= MIN_QUEUED and busy >= BUSY_SHARE * bucket_s
+        adjacent = bool(run) and utc(t) - utc(run[-1][0]) <= timedelta(seconds=bucket_s * 1.5)
+        if loaded and (adjacent or not run):
+            run.append(row)
+        elif loaded:
+            run = [row]
+        else:
+            run = []
+        if len(run) > len(best):
+            best = list(run)
+    return best
+
+
+def overload(reader: Reads, window: Window) -> list[Finding]:
+    """Arrivals above what the engine serves: its queue grows while it steps flat out on ordinary prompts."""
+    findings: list[Finding] = []
+    summary = window_summary(reader, window)
+    queued = sorted(e for e, s in summary.items() if int(s.get("waiting_max") or 0) >= MIN_QUEUED)
+    if not queued:
+        return findings
+    bucket_s = max(1, round((window.end - window.start).total_seconds() / OVERLOAD_BUCKETS))
+    known = budgets(reader, window)
+    names = sorted(known)
+    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    for engine, *row in Query(_BUCKETS, engine=window.engine, start=window.start, end=window.end, bucket_s=bucket_s,
+                              budget_engines=names, long_chunk=[round(LONG_CHUNK_SHARE * known[e][0]) for e in names],
+                              unknown=2**63).rows(reader):
+        by_engine.setdefault(str(engine), []).append(tuple(row))
+    base = baselines(reader, window, queued)
+    for engine in engines(reader, window):
+        span = _span(by_engine.get(engine, []), bucket_s)
+        if len(span) < OVERLOAD_MIN_BUCKETS:
+            continue
+        busy = sum(number(r[2]) for r in span)
+        long_prefill = sum(number(r[6]) for r in span)
+        if busy > 0 and long_prefill / busy > OWN_STEPS_SHARE:
+            continue
+        lo: datetime = max(window.start, utc(span[0][0]))
+        hi: datetime = min(window.end, utc(span[-1][0]) + timedelta(seconds=bucket_s))
+        rates_q = Query(_RATES, engine=engine, lo=lo, hi=hi)
+        arrived, finished, queue_p50, queue_max, _queue_total = rates_q.rows(reader)[0]
+        b = base.get(engine, NO_BASELINE)
+        long_wait_s = OVERLOAD_QUEUE_STEPS * b.decode_step_ms / 1000
+        waiting_end = int(span[-1][4])
+        if b.decode_step_ms <= 0 or number(queue_p50) < long_wait_s:
+            continue
+        span_s = (hi - lo).total_seconds()
+        arrival_rate = (int(arrived) + waiting_end) / span_s
+        served_rate = int(finished) / span_s
+        queued_s = sum(number(r[5]) for r in span)
+        evidence: dict[str, Any] = {
+            "arrival_rate_per_s": round(arrival_rate, 2), "served_rate_per_s": round(served_rate, 2),
+            "waiting_start": int(span[0][4]), "waiting_max": max(int(r[3]) for r in span), "waiting_end": waiting_end,
+            "queue_p50_s": round(number(queue_p50), 2), "queue_max_s": round(number(queue_max), 1),
+            "queued_request_s": round(queued_s, 1), "requests_arrived": int(arrived),
+            "loaded_s": round(span_s, 1),
+            "long_wait_from_s": f"{long_wait_s:.3f} ({OVERLOAD_QUEUE_STEPS:g} decode-only steps of "
+                                f"{b.decode_step_ms:.1f} ms, p50)",
+            "long_prefill_share": f"{long_prefill / busy:.0%} of the busy time (blamed on one prompt above "
+                                  f"{OWN_STEPS_SHARE:.0%})" if busy > 0 else "n/a",
+            "loaded_from": f"{MIN_QUEUED}+ waiting and stepping {BUSY_SHARE:.0%}+ of each {bucket_s} s bucket, "
+                           f"for {OVERLOAD_MIN_BUCKETS}+ buckets",
+            **b.evidence(),
+        }
+        findings.append(Finding(
+            "overload", "warning", engine, lo, hi,
+            clip(f"overload: {arrival_rate:.1f} req/s arrive, {served_rate:.1f} served; queue p50 "
+                 f"{number(queue_p50):.1f}s"),
+            evidence, rates_q.literal(),
+            "add capacity (replicas, or a larger --max-num-seqs / --max-num-batched-tokens where the GPU has room), "
+            "admission control at the router (rate-limit, shed or queue elsewhere), or route to less loaded engines",
+            queued_s))
+    return findings

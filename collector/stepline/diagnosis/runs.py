@@ -1,0 +1,73 @@
+"""Long prefills read from the steps: runs of consecutive steps that each carry one request's budget-sized chunk.
+
+`requests` holds finished requests only, so a long prefill still running when the window ends (the very state
+of an incident) is not there. Its steps are: a run of consecutive iterations, each with one prefilling request
+whose chunk takes most of the token budget. The run names the prefill by what it has done so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, LONG_PROMPT_CHUNKS, budgets
+from stepline.diagnosis.common import EACH_ENGINE, Query, config_int, engine_configs, number, utc
+from stepline.diagnosis.findings import Window
+from stepline.summary import Reads
+
+# A chunk is long from LONG_CHUNK_SHARE of the engine's budget (of its long_prefill_token_threshold when that is
+# smaller: chunks are bounded by it); a run is a long prefill from LONG_PROMPT_CHUNKS budgets in all. Iteration
+# numbers less their rank number a run: consecutive iterations share it.
+_RUNS = f"""
+SELECT engine, min(ts) AS first_step, max(ts) AS last_step, count() AS steps, sum(num_ctx_tokens) AS tokens,
+       argMin(elapsed_ms, ts) AS first_step_ms, max(num_ctx_tokens) AS chunk_tokens
+FROM (SELECT engine, engine_index, ts, elapsed_ms, num_ctx_tokens,
+             toInt64(step) - toInt64(row_number() OVER (PARTITION BY engine, engine_index ORDER BY step)) AS run
+      FROM steps
+      WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+        AND num_ctx_requests = 1
+        AND num_ctx_tokens >= transform(toString(engine), {{budget_engines:Array(String)}},
+                                        {{min_chunk:Array(UInt64)}}, {{unknown:UInt64}}))
+GROUP BY engine, engine_index, run
+HAVING tokens >= transform(toString(engine), {{budget_engines:Array(String)}}, {{min_tokens:Array(UInt64)}},
+                           {{unknown:UInt64}})
+ORDER BY engine, tokens DESC
+LIMIT 5 BY engine
+"""
+
+
+@dataclass(frozen=True)
+class PrefillRun:
+    """A long prefill seen in the steps: its first and last chunk's steps and the tokens it prefilled in them."""
+
+    start: datetime
+    end: datetime
+    steps: int
+    tokens: int
+    chunk_tokens: int
+    first_chunk_ran: timedelta
+    min_tokens: int  # what made it long on its engine
+
+
+def prefill_runs(reader: Reads, window: Window) -> dict[str, list[PrefillRun]]:
+    """engine -> its longest runs of long single-request chunks in the window, most tokens first."""
+    known = budgets(reader, window)
+    configs = engine_configs(reader, window)
+    names = sorted(known)
+    if not names:
+        return {}
+    chunk: dict[str, int] = {}
+    for e in names:
+        threshold = config_int(configs.get(e, {}), "long_prefill_token_threshold") or 0
+        bound = min(known[e][0], threshold) if threshold > 0 else known[e][0]
+        chunk[e] = max(1, round(LONG_CHUNK_SHARE * bound))
+    total = {e: round(LONG_PROMPT_CHUNKS * known[e][0]) for e in names}
+    rows = Query(_RUNS, engine=window.engine, start=window.start, end=window.end, budget_engines=names,
+                 min_chunk=[chunk[e] for e in names], min_tokens=[total[e] for e in names],
+                 unknown=2**63).rows(reader)
+    out: dict[str, list[PrefillRun]] = {}
+    for engine, first, last, steps, tokens, first_ms, biggest in rows:
+        out.setdefault(str(engine), []).append(PrefillRun(
+            utc(first), utc(last), int(steps), int(tokens), int(biggest), timedelta(milliseconds=number(first_ms)),
+            total[str(engine)]))
+    return out

@@ -62,12 +62,22 @@ OVERLOAD_MIN_BUCKETS = 3
 BUSY_SHARE = 0.8
 # legitimately_slow and gpu_xid
 SLOW_STEP = 10.0  # a step this many decode-only step p50s long is slow for this engine
-# prefix_cache_collapse: a bucket with fewer prefix-cache lookups (tokens) than this share of one step's token
-# budget says nothing about the hit rate
-MIN_BUCKET_LOOKUP_BUDGETS = 0.125
+# prefix_cache_collapse, against the engine's usual hit rate (its earliest buckets in the window, per request): a
+# bucket below COLLAPSE_SHARE of it is low; MIN_LOW_BUCKETS such buckets of MIN_BUCKET_REQUESTS requests each are
+# a collapse; an engine whose usual rate is below MIN_USUAL_HIT_RATE has no cache to lose.
+COLLAPSE_SHARE = 0.5
+MIN_BUCKET_REQUESTS = 5
+MIN_LOW_BUCKETS = 2
+MIN_USUAL_HIT_RATE = 0.3
 # `stepline requests` tok·pf: a step carrying at least this share of the engine's token budget in prefill
 # tokens carries a long prefill chunk
 LONG_CHUNK_SHARE = 0.5
+# leaked slots (a wedge on its way): over the window's last LEAK_RECENT_SHARE, in MIN_LEAK_STEPS or more steps with
+# requests waiting and half the token budget unused, the median step left IDLE_SLOT_SHARE of its running requests
+# unscheduled.
+LEAK_RECENT_SHARE = 0.25
+MIN_LEAK_STEPS = 20
+IDLE_SLOT_SHARE = 0.25
 # Not a fact about the engine but about its telemetry: an idle vLLM reports stats only every ~10 s (log()), and a
 # scrape every few seconds, so a stall shorter than this can be delivery lag. The wedge budget is the larger of
 # this and WEDGE_STEP_MULTIPLE times the engine's slowest recent step.

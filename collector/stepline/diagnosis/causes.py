@@ -1,8 +1,8 @@
 """One cause, one finding: findings that describe the same requests and window merge under their cause.
 
 A long prefill both slows the decoders beside it (prefill_interference) and queues the requests that arrive
-during it (head_of_line_blocking): one cause, told once, as the prefill's own finding with the queued requests'
-request-seconds added to its impact (head-of-line blocking stands alone where no decoder was slowed).
+during it (head_of_line_blocking): one cause, told once, under whichever of the two ranks first (graver, then more
+request-seconds lost), with both impacts summed.
 A slow decode rate under load (scheduler_vs_hardware) is what every cause of the same engine and time looks like
 from the requests' side: it becomes evidence of the cause it overlaps. The symptom's figures stay, attached to
 the cause's evidence under `symptoms`.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from stepline.diagnosis.findings import SEVERITIES, Finding
+from stepline.diagnosis.findings import Finding
 
 # symptom kind -> the kinds that explain it when they cover the same engine and time
 EXPLAINED_BY: dict[str, tuple[str, ...]] = {
@@ -23,7 +23,8 @@ EXPLAINED_BY: dict[str, tuple[str, ...]] = {
     "scheduler_vs_hardware": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling",
                               "kv_pressure", "wedged_engine"),
     "legitimately_slow": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling"),
-    "overload": ("gpu_throttling",),
+    # A full KV cache caps what the engine admits: its queue is the cache's doing, not the arrivals'.
+    "overload": ("gpu_throttling", "kv_pressure", "wedged_engine"),
 }
 # Symptoms whose lost request-seconds are the cause's too (requests the cause's own figures do not count).
 ADDS_IMPACT = ("head_of_line_blocking",)
@@ -46,9 +47,18 @@ def _symptom(f: Finding) -> dict[str, Any]:
             **dict(list(f.evidence.items())[:SYMPTOM_EVIDENCE])}
 
 
+def _fold(cause: Finding, symptom: Finding) -> Finding:
+    """One finding of the two. A symptom whose request-seconds are the cause's too (one prefill's two findings)
+    is told under whichever of the two ranks first (graver, then more request-seconds), the impact summed."""
+    own = symptom.kind in ADDS_IMPACT
+    first, second = (symptom, cause) if own and symptom.rank_key() < cause.rank_key() else (cause, symptom)
+    evidence = {**first.evidence, "symptoms": [*first.evidence.get("symptoms", []), _symptom(second),
+                                               *second.evidence.get("symptoms", [])]}
+    return replace(first, evidence=evidence, score=first.score + (second.score if own else 0.0))
+
+
 def merge(findings: Sequence[Finding]) -> list[Finding]:
-    """The findings with each symptom folded into the cause that explains it (the largest, when several do);
-    the cause keeps the graver severity, and adds the symptom's request-seconds where they are its own; ranked."""
+    """The findings with each symptom folded into the cause that explains it (the largest, when several do), ranked."""
     # A symptom may explain another (head-of-line blocking explains a slow decode rate): fold the deepest first,
     # so that what a symptom carried moves with it.
     order = {kind: depth for depth, kind in enumerate(("scheduler_vs_hardware", "legitimately_slow", "overload",
@@ -59,11 +69,6 @@ def merge(findings: Sequence[Finding]) -> list[Finding]:
             cause = next((c for c in kept if c is not s and _explains(c, s)), None)
             if cause is None:
                 continue
-            evidence = {**cause.evidence, "symptoms": [*cause.evidence.get("symptoms", []), _symptom(s),
-                                                       *s.evidence.get("symptoms", [])]}
-            grave = s.kind in ADDS_IMPACT
-            severity = max(cause.severity, s.severity, key=SEVERITIES.index) if grave else cause.severity
-            merged = replace(cause, severity=severity, evidence=evidence,
-                             score=cause.score + (s.score if grave else 0.0))
+            merged = _fold(cause, s)
             kept = [merged if f is cause else f for f in kept if f is not s]
     return sorted(kept, key=Finding.rank_key)

@@ -6,13 +6,15 @@ from datetime import timedelta
 from typing import Any
 
 from stepline.diagnosis.baseline import (
-    MIN_BUCKET_LOOKUP_BUDGETS,
+    COLLAPSE_SHARE,
+    MIN_BUCKET_REQUESTS,
+    MIN_LOW_BUCKETS,
+    MIN_USUAL_HIT_RATE,
     NO_BASELINE,
     SLOW_STEP,
     WEDGE_MIN_BUDGET_S,
     WEDGE_STEP_MULTIPLE,
     baselines,
-    budgets,
 )
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
@@ -52,35 +54,50 @@ def _buckets(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
     return by_engine
 
 
+# Per request, unweighted: one uncached 300k-token prompt is one request, not the whole bucket's lookups. Only the
+# plugin's reports carry vLLM's cached tokens (a request OTLP alone reported has none).
+_REQUEST_HITS = f"""
+SELECT engine, toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t, count() AS requests,
+       avg(least(cached_tokens, prompt_tokens) / prompt_tokens) AS hit_share,
+       sum(prompt_tokens) AS prompt_sum
+FROM requests FINAL
+WHERE {EACH_ENGINE} AND source = 'plugin' AND prompt_tokens > 0
+  AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+GROUP BY engine, t ORDER BY engine, t
+"""
+
+
 def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
-    """The windowed hit rate fell far below the engine's own baseline earlier in the window."""
+    """The requests' hit rate (each request's cached share, averaged) fell far below the engine's usual rate,
+    its earliest buckets in the window."""
     findings = []
-    buckets = _buckets(reader, window)
-    known = budgets(reader, window)
+    bucket_s = _bucket_s(window)
+    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    for engine, *row in Query(_REQUEST_HITS, engine=window.engine, start=window.start, end=window.end,
+                              bucket_s=bucket_s).rows(reader):
+        by_engine.setdefault(str(engine), []).append(tuple(row))
     for engine in engines(reader, window):
-        query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
-        # Enough lookups for a hit rate: a share of one step's token budget of this engine.
-        budget, budget_from = known.get(engine, (0, "unknown"))
-        min_lookups = round(MIN_BUCKET_LOOKUP_BUDGETS * budget)
-        rows = [r for r in buckets.get(engine, []) if int(r[2]) >= max(1, min_lookups)]
+        query = Query(_REQUEST_HITS, engine=engine, start=window.start, end=window.end, bucket_s=bucket_s)
+        rows = [r for r in by_engine.get(engine, []) if int(r[1]) >= MIN_BUCKET_REQUESTS]
         if len(rows) < 3:
             continue
-        # The baseline is the earliest fifth of the buckets, unweighted: a burst's many lookups must not define it.
+        # The usual rate is the earliest fifth of the buckets, unweighted: a burst's many requests must not define it.
         first = rows[: max(1, len(rows) // 5)]
-        baseline = sum(int(r[1]) / int(r[2]) for r in first) / len(first)
-        low = [r for r in rows[len(first):] if int(r[1]) / int(r[2]) < baseline / 2]
-        if baseline < 0.3 or not low:
+        usual = sum(number(r[2]) for r in first) / len(first)
+        low = [r for r in rows[len(first):] if number(r[2]) < usual * COLLAPSE_SHARE]
+        if usual < MIN_USUAL_HIT_RATE or len(low) < MIN_LOW_BUCKETS:
             continue
-        low_rate = sum(int(r[1]) for r in low) / sum(int(r[2]) for r in low)
-        missed = sum(int(r[2]) * baseline - int(r[1]) for r in low)
+        low_rate = sum(number(r[2]) * int(r[1]) for r in low) / sum(int(r[1]) for r in low)
+        missed = sum(int(r[3]) * (usual - number(r[2])) for r in low)
         findings.append(Finding(
-            "prefix_cache_collapse", "warning", engine, utc(low[0][0]), utc(low[-1][0]) + timedelta(
-                seconds=_bucket_s(window)),
-            clip(f"prefix-cache hit rate {low_rate:.1%} vs {baseline:.1%} earlier"),
-            {"hit_rate_baseline": round(baseline, 3), "hit_rate_low": round(low_rate, 3),
-             "low_buckets": len(low), "bucket_s": _bucket_s(window),
-             "tokens_recomputed_beyond_baseline": round(missed), "bucket_min_lookup_tokens": min_lookups,
-             "token_budget": budget, "token_budget_from": budget_from},
+            "prefix_cache_collapse", "warning", engine, utc(low[0][0]), utc(low[-1][0]) + timedelta(seconds=bucket_s),
+            clip(f"prefix-cache hit rate {low_rate:.1%} vs {usual:.1%} earlier (per request)"),
+            {"hit_rate_usual": round(usual, 3), "hit_rate_low": round(low_rate, 3),
+             "low_buckets": len(low), "requests_in_low_buckets": sum(int(r[1]) for r in low), "bucket_s": bucket_s,
+             "tokens_recomputed_beyond_usual": round(missed),
+             "low_from": f"below {COLLAPSE_SHARE:.0%} of the usual rate, in {MIN_LOW_BUCKETS}+ buckets of "
+                         f"{MIN_BUCKET_REQUESTS}+ requests",
+             "hit_rate_from": "each request's cached share of its prompt, averaged per bucket (plugin reports)"},
             query.literal(),
             "the burst's prompts share little prefix (or evict each other): check KV headroom "
             "(num_gpu_blocks), cache-aware routing, and whether clients still send the shared system prompt",

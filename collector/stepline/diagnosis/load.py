@@ -39,7 +39,7 @@ GROUP BY engine, t ORDER BY engine, t
 """
 # Requests that arrived in the overloaded span (their queue time), and those the engine finished in it.
 _RATES = """
-SELECT countIf(arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}) AS arrived,
+SELECT countIf(arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}) AS requests_arrived,
        countIf(ts >= {lo:DateTime64(6)} AND ts < {hi:DateTime64(6)}) AS finished,
        quantileExactIf(0.5)(queue_seconds, arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)})
            AS queue_p50_s,

@@ -90,7 +90,7 @@ FROM (SELECT *, ts >= {prefill_start:DateTime64(6)} AND ts <= {prefill_end:DateT
 
 # Requests that arrived while the prefill ran and queued: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
 _QUEUED_BEHIND = """
-SELECT count() AS queued, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
+SELECT count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
 FROM requests FINAL
 WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds > 0
@@ -247,8 +247,8 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
             evidence = _evidence(big, b, uncached, int(chunk), step_in, (itl50_in, itl99_in))
             evidence.update({"itl_over_step_inside": round(itl50_in * 1000 / step_in, 2) if step_in else None,
                              "waiting_max_inside": int(waiting), "delayed_request_s": round(number(delayed), 1),
-                             "own_steps_share": f"{number(own):.0%} of the span's steps carry no other prefill "
-                                                f"(its own from {OWN_STEPS_SHARE:.0%})"})
+                             "own_steps_share": round(number(own), 3),
+                             "own_steps_from": f"{OWN_STEPS_SHARE:.0%} of the span's steps with no other prefill"})
             if big.in_flight:
                 evidence["in_flight"] = (f"no finished request in the window was this prefill: {big.prompt_tokens} "
                                          f"tokens prefilled in the window's steps so far")

@@ -12,13 +12,13 @@ from stepline.sim.engine import Simulation
 from stepline.sim.records import StepRecord
 from stepline.sim.scenarios import Scenario, run_engines, simulate
 from stepline.sim.telemetry import engine_config, scheduler_stats
-from stepline.sim.workloads import chat_arrivals, compose, one_request
+from stepline.sim.workloads import Arrival, chat_arrivals, compose, one_request
 from stepline.store import Store
 
 END_AT = 1_700_000_000.0
 
 
-def _steps(config: EngineConfig, *parts: list, duration_s: float = 30.0) -> list[StepRecord]:  # type: ignore[type-arg]
+def _steps(config: EngineConfig, *parts: list[Arrival], duration_s: float = 30.0) -> list[StepRecord]:
     steps: list[StepRecord] = []
     sim = Simulation(compose("t", duration_s, 60.0, *parts), config, on_step=steps.append)
     sim.advance_to(duration_s + 3600.0)
@@ -26,7 +26,7 @@ def _steps(config: EngineConfig, *parts: list, duration_s: float = 30.0) -> list
     return steps
 
 
-def _pool(count: int = 8, output: int = 400) -> list:  # type: ignore[type-arg]
+def _pool(count: int = 8, output: int = 400) -> list[Arrival]:
     return [one_request(f"r{i}", 0.1 * i, 1000, output, 0.9) for i in range(count)]
 
 
@@ -115,7 +115,8 @@ def test_several_engines_replay_into_one_store(chdb_dir: Path) -> None:
     assert window.start.timestamp() == pytest.approx(min(r.start_ts for r in runs))
     store = Store.open(url)
     try:
-        steps = dict(store.query("SELECT engine, count() FROM steps GROUP BY engine").result_rows)
+        steps: dict[str, int] = {str(e): int(n) for e, n in
+                                 store.query("SELECT engine, count() FROM steps GROUP BY engine").result_rows}
         assert set(steps) == {"fast", "slow"} and steps["slow"] < steps["fast"]
         spec = store.query("SELECT engine, sum(spec_num_draft_tokens) FROM steps GROUP BY engine").result_rows
         assert {e: int(n) > 0 for e, n in spec} == {"fast": False, "slow": True}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +62,10 @@ SEVERITIES_ALARMING = ("warning", "critical")
 MIN_STEP_OVERHEAD_S = 4.5e-3
 # Replay cost is per step and per request: fast engines get shorter windows and ordinary traffic is capped.
 MAX_ORDINARY_REQUESTS = 700
+# Engines replay one after another, all stamped to end together: ending this far ahead of the clock keeps every
+# engine's start-up event (stamped on receipt) inside the window and ends the window where the data ends, not
+# when the last replay happened to finish (the collector takes rows up to 300 s ahead).
+REPLAY_LEAD_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ def run_case(case: Case, store_url: str, *, end_at: float | None = None) -> Wind
 
 def replay_case(case: Case, store_url: str, *, end_at: float | None = None) -> tuple[list[ScenarioRun], Window]:
     """Replay `case` into `store_url`; returns each engine's run and the window to diagnose."""
+    end_at = end_at if end_at is not None else time.time() + REPLAY_LEAD_S
     _, window = runs_window = run_engines(case.engines, store_url, end_at=end_at)
     return runs_window[0], replace(window, engine="")
 
@@ -195,11 +201,17 @@ def _ordinary(rng: random.Random, e: _Engine, start_s: float, end_s: float, pref
     return arrivals(rng, f"{e.name}-{prefix}", start_s, end_s, rate, mix, spikes)
 
 
-def _decoding_pool(rng: random.Random, e: _Engine, start_s: float, end_s: float, lasting_s: float,
-                   step_s: float) -> list[Arrival]:
-    """16-48 cached requests arriving over [start_s, end_s) whose answers last `lasting_s` at `step_s` per token."""
+def _pool_output(e: _Engine, before_s: float, during_s: float, chunk_s: float) -> int:
+    """Tokens an answer needs to keep decoding `before_s` at full speed, then `during_s` beside prefill chunks."""
+    spec = e.config.speculative
+    per_step = 1 + spec.num_tokens if spec is not None else 1  # at most, with every draft accepted
+    alone_s = decode_step_seconds(e.cost, 32, 4000)
+    return min(40_000, round(1.5 * per_step * (before_s / alone_s + during_s / chunk_s)))
+
+
+def _decoding_pool(rng: random.Random, e: _Engine, start_s: float, end_s: float, output: int) -> list[Arrival]:
+    """16-48 cached requests arriving over [start_s, end_s), each answering `output` tokens."""
     count = rng.randint(16, 48)
-    output = max(50, min(6000, round(lasting_s / step_s)))
     prompt = min(2000, e.mix.max_prompt)
     return [one_request(f"{e.name}-decode-{i:03d}", rng.uniform(start_s, end_s), prompt, output, 0.9)
             for i in range(count)]
@@ -212,8 +224,9 @@ def _monster(rng: random.Random, e: _Engine, in_flight: bool) -> dict[str, Any]:
     tokens = tokens_for_prefill(e.cost, target, e.budget, 1_000_000)
     prefill_s = prefill_seconds(e.cost, tokens, e.budget)
     chunk_s = e.cost.chunk_step_seconds(tokens // 2, e.budget, 32, 32 * 4000)
+    output = _pool_output(e, 3.5, prefill_s + 5, chunk_s)
     # A deployment serving million-token prompts has the KV cache for them (and for what decodes beside).
-    pool_tokens = 48 * (2000 + max(50, min(6000, round((prefill_s + 10) / chunk_s))))
+    pool_tokens = 48 * (2000 + output)
     blocks = math.ceil((tokens + pool_tokens + 100_000) / 0.6 / e.config.block_size)
     e.config = replace(e.config, num_gpu_blocks=max(e.config.num_gpu_blocks, blocks))
     if in_flight:
@@ -224,7 +237,7 @@ def _monster(rng: random.Random, e: _Engine, in_flight: bool) -> dict[str, Any]:
         at = min(at, d - 1.3 * prefill_s - 10)
     at = max(at, 15.0)
     e.parts.append(_ordinary(rng, e, 0.0, at - 10, load=(0.15, 0.3)))
-    e.parts.append(_decoding_pool(rng, e, at - 10, at - 1, prefill_s + 10, chunk_s))
+    e.parts.append(_decoding_pool(rng, e, at - 3, at - 0.5, output))
     e.parts.append([one_request(f"{e.name}-monster-{tokens // 1000}k", at, tokens, rng.randint(50, 200))])
     e.parts.append(_ordinary(rng, e, at + prefill_s + 5, d, prefix="after", load=(0.15, 0.3)))
     return {"monster_prompt_tokens": tokens, "monster_at_s": round(at, 1), "monster_prefill_s": round(prefill_s, 1)}
@@ -278,6 +291,12 @@ def _kv_pressure(rng: random.Random, e: _Engine) -> dict[str, Any]:
     fraction = rng.uniform(0.3, 0.5)
     largest = mix.max_prompt + 4 * mix.output_median
     tokens = max(round(fraction * need), 2 * largest)
+    if tokens > fraction * need:
+        # The cache must hold the largest request: send more at once instead, until it holds `fraction` of them.
+        context = mix.mean_prompt + mix.mean_output / 2
+        running = tokens / (fraction * context)
+        rate = running / (mix.mean_output * decode_step_seconds(e.cost, round(running), context))
+        need = running * context
     e.config = replace(e.config, num_gpu_blocks=math.ceil(tokens / e.config.block_size))
     e.parts.append(arrivals(rng, f"{e.name}-chat", 0.0, e.duration_s, rate, mix))
     return {"kv_capacity_tokens": e.config.kv_capacity_tokens, "expected_kv_demand_tokens": round(need)}
@@ -297,9 +316,9 @@ def _throttling(rng: random.Random, e: _Engine) -> dict[str, Any]:
 
 def _prefix_collapse(rng: random.Random, e: _Engine) -> dict[str, Any]:
     d = e.duration_s
-    prompt_cap = tokens_for_prefill(e.cost, 0.25, e.budget, 8192)
+    prompt_cap = tokens_for_prefill(e.cost, 0.5, e.budget, 8192)
     mix = Mix(max(64, min(3000, prompt_cap // 3)), 0.5, max(128, prompt_cap), (0.9, 0.99),
-              e.mix.output_median)
+              min(e.mix.output_median, 100))
     fresh = mix.with_cached((0.0, 0.1))
     e.mix = mix
     at = rng.uniform(0.35, 0.55) * d

@@ -77,8 +77,12 @@ def _load_integral(ts_s: str, e: str, start_s: int) -> str:
     return f"(0.55 * ({ts_s} - {start_s}) - {0.45 / w} * (cos({phase(ts_s)}) - cos({phase(str(start_s))})))"
 
 
-def _columns(table: str) -> str:
-    return ", ".join(f"`{c}`" for c in TABLE_BY_NAME[table].column_names)
+def _columns(table: str, upto: str = "") -> str:
+    """The table's columns in order, up to and including `upto` (the rest take their defaults)."""
+    names = list(TABLE_BY_NAME[table].column_names)
+    if upto:
+        names = names[:names.index(upto) + 1]
+    return ", ".join(f"`{c}`" for c in names)
 
 
 def steps_sql(shape: Shape, e: int) -> str:
@@ -249,7 +253,7 @@ def gpu_samples_sql(shape: Shape) -> str:
     g = "toUInt8(number % " + str(shape.engines) + ")"
     u = partial(_u, "g", "number", offset=200)
     return f"""
-INSERT INTO gpu_samples ({_columns('gpu_samples')})
+INSERT INTO gpu_samples ({_columns('gpu_samples', upto='processes')})
 SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}', concat('{HOST}:', toString(8000 + g)), g,
        concat('GPU-5f3c7e1a-0000-4000-8000-00000000000', toString(g)), 'NVIDIA H200',
        if(capped, 1250 + 30 * {u(1)}, 1980 - 15 * {u(1)}), 3201, power, toUInt64(ts_s * 1000 * 550),

@@ -250,11 +250,11 @@ def test_grafana_provisioning_mounts_and_datasources_agree() -> None:
 def _secret_files(svc: dict[str, Any]) -> dict[str, tuple[str, int]]:
     """Container path -> (secret name, file mode) of a compose service's secrets (compose's defaults: target
     /run/secrets/<source>, mode 0400, owned by root: docker/compose pkg/compose/secrets.go `createTar`)."""
-    out = {}
+    out: dict[str, tuple[str, int]] = {}
     for entry in svc.get("secrets", []):
-        spec = {"source": entry} if isinstance(entry, str) else entry
-        target = spec.get("target") or spec["source"]
-        out[target if target.startswith("/") else f"/run/secrets/{target}"] = (spec["source"], spec.get("mode", 0o400))
+        spec: dict[str, Any] = {"source": entry} if isinstance(entry, str) else entry
+        source, target = str(spec["source"]), str(spec.get("target") or spec["source"])
+        out[target if target.startswith("/") else f"/run/secrets/{target}"] = (source, int(spec.get("mode", 0o400)))
     return out
 
 

@@ -23,6 +23,7 @@ from stepline.diagnosis.engine import diagnose
 from stepline.diagnosis.findings import Finding
 from stepline.reader import open_reader, render_table
 from stepline.sim.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
+from stepline.store import Store
 
 Result = tuple[Verdict, str, float, float, list[str]]  # verdict, description, replay s, diagnose s, findings
 
@@ -39,6 +40,10 @@ def run_one(seed: int, store_dir: str) -> Result:
         findings = sorted(diagnose(reader.client, window), key=Finding.rank_key)
     finally:
         reader.close()
+    # Every case's parts merge in the background: dropped, they no longer slow the next cases.
+    store = Store.open(url)
+    store.client.command(f"DROP DATABASE IF EXISTS `{store.database}`")
+    store.close()
     diagnosed = time.monotonic()
     shown = [f"{f.severity} {f.kind}@{f.engine}: {f.title}" for f in findings[:4]]
     return judge(case, findings), case.description, replayed - started, diagnosed - replayed, shown

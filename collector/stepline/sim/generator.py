@@ -329,17 +329,17 @@ def _prefix_collapse(rng: random.Random, e: _Engine) -> dict[str, Any]:
 
 
 def _wedge(rng: random.Random, e: _Engine) -> dict[str, Any]:
+    """Clients that disconnect early leak their slots until max_num_seqs is used up; traffic keeps arriving."""
     d = e.duration_s
     seqs = rng.randint(8, 24)
-    abort_share = rng.uniform(0.15, 0.3)
     e.config = replace(e.config, max_num_seqs=seqs, leak_aborted_slots=True)
     e.drain_s = 0.0
-    mix = replace(e.mix, output_median=min(e.mix.output_median, 100), abort_share=abort_share)
-    e.mix = mix
-    # Enough aborts to leak every slot in the first half, at a load the engine serves until then.
-    rate = max(3 * seqs / (abort_share * d), rng.uniform(0.2, 0.4) * e.capacity(batch=seqs))
-    e.parts.append(arrivals(rng, f"{e.name}-chat", 0.0, d, rate, mix))
-    return {"max_num_seqs": seqs, "abort_share": round(abort_share, 2), "rate_per_s": round(rate, 2)}
+    e.mix = replace(e.mix, output_median=min(e.mix.output_median, 100))
+    e.parts.append(_ordinary(rng, e, 0.0, d, load=(0.1, 0.25)))
+    last = rng.uniform(0.1, 0.25) * d
+    e.parts.append([Arrival(rng.uniform(0.05 * d, last), f"{e.name}-gone-{i:02d}", rng.randint(200, 1000),
+                            rng.randint(1, 5), 0.5, "abort", 256) for i in range(seqs)])
+    return {"max_num_seqs": seqs, "aborted": seqs, "last_abort_s": round(last, 1)}
 
 
 def _config_not_in_effect(rng: random.Random, e: _Engine) -> dict[str, Any]:

@@ -128,7 +128,11 @@ def test_one_model_name_across_tables(run: Run) -> None:
 
 
 def test_diagnose_names_the_uncached_long_prompt(run: Run) -> None:
-    assert run.diagnose_rc == 0 and not any(f.get("severity") == "critical" for f in run.diagnosis), run.diagnosis
+    # The long prompt's interference is warning or critical by how far the CPU engine's own ITL p99 fell (a loaded
+    # machine slows the prefill's steps more); nothing else may be critical, and the exit code says which it was.
+    critical = [f for f in run.diagnosis if f.get("severity") == "critical"]
+    assert all(f.get("kind") == "prefill_interference" for f in critical), run.diagnosis
+    assert run.diagnose_rc == (1 if critical else 0), run.diagnosis
     interference = [json.dumps(f) for f in run.diagnosis if f.get("kind") == "prefill_interference"]
     uncached, cached = run.long_request_ids
     assert any(uncached in f for f in interference), run.diagnosis

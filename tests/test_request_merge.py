@@ -4,6 +4,7 @@ collector restart, a retry and a replayed batch (against the embedded ClickHouse
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -24,19 +25,28 @@ from stepline.testing import wait_until
 from stepline.writer import Writers
 
 HOST = "h"
-NOW = time.time() - 30
+NOW = time.time() - 30  # set again before each test: the collector remembers only the last ten minutes' requests
+
+
+@pytest.fixture(autouse=True)
+def _now_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A module-level instant grows older while the rest of the suite runs; past the collector's memory window
+    # (RecentRequests.WINDOW_S) a restarted collector would rightly not remember the first reports.
+    monkeypatch.setattr(sys.modules[__name__], "NOW", time.time() - 30)
 CACHED = 20_875
 
 
-def _plugin(rid: str, cached: int = CACHED, model: str = "served-model", at: float = NOW) -> Request:
+def _plugin(rid: str, cached: int = CACHED, model: str = "served-model", at: float | None = None) -> Request:
     """What the plugin receiver makes of vLLM's FinishedRequestStats (a fully cached prompt, preempted twice)."""
+    at = NOW if at is None else at
     return Request(micros(at), HOST, "eng", 1, model, rid, "plugin", "stop", micros(at - 2.0), 0.25, 0.05, 1.7,
                    1.75, 2.0, 0.3, 1.7 / 15, 20_876, cached, 16, 64, 2)
 
 
-def _otlp(rid: str, at: float = NOW) -> Request:
+def _otlp(rid: str, at: float | None = None) -> Request:
     """What the OTLP receiver makes of vLLM's llm_request span for the same request: no finish reason, cached
     tokens, preemptions or engine index; a span ending 3 ms after the plugin's step."""
+    at = NOW if at is None else at
     attrs = {"gen_ai.request.id": AnyValue(string_value=rid),
              "gen_ai.response.model": AnyValue(string_value="served-model"),
              "gen_ai.usage.prompt_tokens": AnyValue(int_value=20_876),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,6 +48,39 @@ def _literal(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_literal(v) for v in value) + "]"
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def which_span(sql: str, spans: Sequence[tuple[str, datetime, datetime]]) -> tuple[str, dict[str, Any]]:
+    """`sql` over the steps of a few (engine, from, to) spans, numbered from 0, and the parameters it binds.
+
+    Fills in INSIDE_ANY (a step of any span: an OR of engine-and-time ranges, which the steps' primary key
+    prunes by, so a day's table is read only where the spans are), WHICH (multiIf cases giving a step's first
+    span) and EVERY_SPAN (an array of every span a step lies in, for spans that overlap)."""
+    conditions = [f"engine = {{e{i}:String}} AND ts >= {{lo{i}:DateTime64(6)}} AND ts <= {{hi{i}:DateTime64(6)}}"
+                  for i in range(len(spans))]
+    params: dict[str, Any] = {}
+    for i, (engine, lo, hi) in enumerate(spans):
+        params.update({f"e{i}": engine, f"lo{i}": lo, f"hi{i}": hi})
+    filled = (sql.replace("WHICH", ", ".join(f"{c}, {i}" for i, c in enumerate(conditions)))
+              .replace("EVERY_SPAN", ", ".join(f"if({c}, {i}, -1)" for i, c in enumerate(conditions)))
+              .replace("INSIDE_ANY", " OR ".join(f"({c})" for c in conditions)))
+    return filled, params
+
+
+# How the requests table merges a request's reports (schema.merged): the times by min, every other field by max.
+_MERGED_BY_MIN = ("ts", "arrival_ts")
+
+
+def merged_requests(where: str, columns: Sequence[str]) -> str:
+    """`requests` as FINAL reads it (one row per engine and request id, `columns` merged as the table merges
+    them), over the reports that match `where`: a table expression, without FINAL's merge of every row in range.
+
+    `where` must hold alike for every report of a request that knows the fields it reads (engine, times, prompt
+    tokens, queue time), never test a field only one report carries (cached tokens): a request whose reports it
+    splits would be merged from part of them. Filter on merged values outside."""
+    merged = ", ".join(f"{'min' if c in _MERGED_BY_MIN else 'max'}({c}) AS {c}" for c in columns)
+    return (f"(SELECT engine, request_id, {merged} FROM (SELECT engine, request_id, {', '.join(columns)} "
+            f"FROM requests WHERE {where}) GROUP BY engine, request_id)")
 
 
 def utc(moment: datetime) -> datetime:

@@ -25,17 +25,19 @@ from stepline.diagnosis.baseline import (
 )
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
+from stepline.diagnosis.rollup import Agg, rolled
 from stepline.summary import Reads
 
-_BUCKETS = f"""
-SELECT engine, toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t, count() AS steps,
-       sum(elapsed_ms) / 1000 AS busy_s, max(waiting) AS waiting_max, argMax(waiting, ts) AS waiting_last,
-       sum(waiting * elapsed_ms) / 1000 AS queued_request_s,
-       sumIf(elapsed_ms, num_ctx_requests = 1 AND num_ctx_tokens >= transform(toString(engine),
-           {{budget_engines:Array(String)}}, {{long_chunk:Array(UInt64)}}, {{unknown:UInt64}})) / 1000 AS long_prefill_s
+# Per bucket of the window, from the steps' projections (a day of steps is read as its minutes): how long the engine
+# stepped and how many waited. Then, over the loaded span only, the raw steps (_SPAN).
+_BUCKET_AGGS = (Agg("steps", "count()", "sum({})"), Agg("busy_ms", "sum(elapsed_ms)", "sum({})"),
+                Agg("waiting_max", "max(waiting)", "max({})"), Agg("last", "max(ts)", "max({})"),
+                Agg("waiting_last", "argMax(waiting, ts)", "argMax({}, p_last)"))
+_SPAN = """
+SELECT sum(waiting * elapsed_ms) / 1000 AS queued_request_s,
+       sumIf(elapsed_ms, num_ctx_requests = 1 AND num_ctx_tokens >= {long_chunk:UInt64}) / 1000 AS long_prefill_s
 FROM steps
-WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
-GROUP BY engine, t ORDER BY engine, t
+WHERE engine = {engine:String} AND ts >= {lo:DateTime64(6)} AND ts < {hi:DateTime64(6)}
 """
 # Requests that arrived in the overloaded span (their queue time), and those the engine finished in it.
 _RATES = """
@@ -79,22 +81,28 @@ def overload(reader: Reads, window: Window) -> list[Finding]:
     bucket_s = max(1, round((window.end - window.start).total_seconds() / OVERLOAD_BUCKETS))
     known = budgets(reader, window)
     names = sorted(known)
+    long_chunk = {e: round(LONG_CHUNK_SHARE * known[e][0]) for e in names}
+    per_bucket = "toStartOfInterval(bucket, toIntervalSecond({bucket_s:UInt32}))"
+    sql, bounds = rolled(_BUCKET_AGGS, EACH_ENGINE, window.start, window.end, minutes=bucket_s % 60 == 0,
+                         keys=(("engine", "engine"), ("t", per_bucket)))
     by_engine: dict[str, list[tuple[Any, ...]]] = {}
-    for engine, *row in Query(_BUCKETS, engine=window.engine, start=window.start, end=window.end, bucket_s=bucket_s,
-                              budget_engines=names, long_chunk=[round(LONG_CHUNK_SHARE * known[e][0]) for e in names],
-                              unknown=2**63).rows(reader):
-        by_engine.setdefault(str(engine), []).append(tuple(row))
+    for engine, t, steps, busy_ms, waiting_max, _last, waiting_last in Query(
+            sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
+        by_engine.setdefault(str(engine), []).append((t, steps, number(busy_ms) / 1000, waiting_max, waiting_last))
     base = baselines(reader, window, queued)
     for engine in engines(reader, window):
         span = _span(by_engine.get(engine, []), bucket_s)
         if len(span) < OVERLOAD_MIN_BUCKETS:
             continue
-        busy = sum(number(r[2]) for r in span)
-        long_prefill = sum(number(r[6]) for r in span)
-        if busy > 0 and long_prefill / busy > OWN_STEPS_SHARE:
-            continue
         lo: datetime = max(window.start, utc(span[0][0]))
         hi: datetime = min(window.end, utc(span[-1][0]) + timedelta(seconds=bucket_s))
+        # A long chunk is LONG_CHUNK_SHARE of the engine's budget (none counts on an engine of unknown budget).
+        ((queued_s, long_prefill),) = Query(_SPAN, engine=engine, lo=lo, hi=hi,
+                                            long_chunk=long_chunk.get(engine, 2**63)).rows(reader)
+        queued_s, long_prefill = number(queued_s), number(long_prefill)
+        busy = sum(number(r[2]) for r in span)
+        if busy > 0 and long_prefill / busy > OWN_STEPS_SHARE:
+            continue
         rates_q = Query(_RATES, engine=engine, lo=lo, hi=hi)
         arrived, finished, queue_p50, queue_max, _queue_total = rates_q.rows(reader)[0]
         b = base.get(engine, NO_BASELINE)
@@ -105,7 +113,6 @@ def overload(reader: Reads, window: Window) -> list[Finding]:
         span_s = (hi - lo).total_seconds()
         arrival_rate = (int(arrived) + waiting_end) / span_s
         served_rate = int(finished) / span_s
-        queued_s = sum(number(r[5]) for r in span)
         evidence: dict[str, Any] = {
             "arrival_rate_per_s": round(arrival_rate, 2), "served_rate_per_s": round(served_rate, 2),
             "waiting_start": int(span[0][4]), "waiting_max": max(int(r[3]) for r in span), "waiting_end": waiting_end,

@@ -29,24 +29,27 @@ from stepline.diagnosis.common import (
     config_int,
     engine_configs,
     engines,
+    merged_requests,
     number,
     utc,
+    which_span,
     window_summary,
 )
 from stepline.diagnosis.findings import Finding, Window
-from stepline.diagnosis.runs import prefill_runs
+from stepline.diagnosis.runs import PrefillRun, prefill_runs
 from stepline.summary import Reads
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
 # when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).
 # Their span runs from the end of their queue time to their first token, then narrows to the steps (_CARRIED).
+_REQUEST_FIELDS = ("ts", "arrival_ts", "prompt_tokens", "cached_tokens", "queue_seconds", "ttft_seconds")
 _LONG_PREFILLS = f"""
 SELECT engine, request_id, prompt_tokens, cached_tokens,
        arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS prefill_start,
        arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)) AS prefill_end
-FROM requests FINAL
-WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND arrival_ts <= {{end:DateTime64(6)}}
-  AND isFinite(queue_seconds) AND isFinite(ttft_seconds)
+FROM {merged_requests(EACH_ENGINE + " AND ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)}"
+                      " AND prompt_tokens >= {least_uncached:UInt64}", _REQUEST_FIELDS)}
+WHERE isFinite(queue_seconds) AND isFinite(ttft_seconds)
   AND prompt_tokens - least(cached_tokens, prompt_tokens) >= transform(toString(engine),
       {{budget_engines:Array(String)}}, {{min_uncached:Array(UInt64)}}, {{unknown:UInt64}})
 ORDER BY engine, prompt_tokens DESC, request_id
@@ -59,12 +62,8 @@ LIMIT 5 BY engine
 # decode-only step of before the prefill.
 _CARRIED = """
 SELECT k, min(ts), max(ts), argMin(elapsed_ms, ts)
-FROM steps
-ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i]
-    AND ts >= fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC')
-    AND ts <= fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC'), arrayEnumerate({engines:Array(String)})) AS k
-WHERE engine IN {engines:Array(String)} AND num_ctx_tokens > 0 AND ts >= {lo:DateTime64(6)}
-  AND ts <= {hi:DateTime64(6)}
+FROM (SELECT ts, elapsed_ms, [EVERY_SPAN] AS spans FROM steps WHERE num_ctx_tokens > 0 AND (INSIDE_ANY))
+ARRAY JOIN arrayFilter(x -> x >= 0, spans) AS k
 GROUP BY k
 """
 
@@ -112,17 +111,34 @@ GROUP BY k
 # Every request that arrived while a long prefill of its engine ran and queued at least that prefill's min_queue_s
 # (HOL_QUEUE_STEPS of its engine's decode-only steps), once per prefill (k, 1-based): a request already waiting
 # when the prefill started was queued for another reason.
-_QUEUED_BEHIND_EACH = """
+_QUEUED_BEHIND_EACH = f"""
 SELECT k, count(), sum(queue_seconds), max(queue_seconds),
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
-FROM requests FINAL
-ARRAY JOIN arrayFilter(i -> engine = {engines:Array(String)}[i] AND request_id != {ids:Array(String)}[i]
-    AND queue_seconds >= {min_queue_s:Array(Float64)}[i]
-    AND arrival_ts < fromUnixTimestamp64Micro({ends:Array(Int64)}[i], 'UTC')
-    AND arrival_ts >= fromUnixTimestamp64Micro({starts:Array(Int64)}[i], 'UTC'), arrayEnumerate({ids:Array(String)}))
-    AS k
-WHERE engine IN {engines:Array(String)} AND queue_seconds > 0 AND arrival_ts < {hi:DateTime64(6)}
-  AND ts > {lo:DateTime64(6)}
+FROM {merged_requests("engine IN {engines:Array(String)} AND queue_seconds >= {least_queue_s:Float64}"
+                      " AND queue_seconds > 0 AND arrival_ts < {hi:DateTime64(6)} AND ts > {lo:DateTime64(6)}",
+                      ("ts", "arrival_ts", "queue_seconds"))}
+ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i] AND request_id != {{ids:Array(String)}}[i]
+    AND queue_seconds >= {{min_queue_s:Array(Float64)}}[i]
+    AND arrival_ts < fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
+    AND arrival_ts >= fromUnixTimestamp64Micro({{starts:Array(Int64)}}[i], 'UTC'),
+    arrayEnumerate({{ids:Array(String)}})) AS k
+GROUP BY k
+"""
+# The finished request behind each run of long chunks (runs.prefill_runs; k, 1-based), when there is one: on the
+# run's engine, arrived before its first chunk, first token at or after its last, with at least the run's tokens
+# uncached; the largest such. A run no finished request explains is a prefill still running (or never finished).
+_RUN_REQUESTS = f"""
+SELECT k, argMax((request_id, prompt_tokens, cached_tokens,
+                  arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))), prompt_tokens)
+FROM {merged_requests("engine IN {engines:Array(String)} AND prompt_tokens >= {least_tokens:UInt64}"
+                      " AND ts >= {lo:DateTime64(6)} AND arrival_ts <= {hi:DateTime64(6)}", _REQUEST_FIELDS)}
+ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i]
+    AND arrival_ts <= fromUnixTimestamp64Micro({{starts:Array(Int64)}}[i], 'UTC')
+    AND arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6))
+        >= fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
+    AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {{tokens:Array(UInt64)}}[i],
+    arrayEnumerate({{engines:Array(String)}})) AS k
+WHERE isFinite(ttft_seconds) AND isFinite(queue_seconds)
 GROUP BY k
 """
 # The first token comes with the step of the last chunk (both stamped with vLLM's iteration timestamp), but arrival
@@ -170,31 +186,51 @@ def long_prefills(reader: Reads, window: Window) -> dict[str, list[LongPrefill]]
                                             minimums.get(str(engine), 0)))
                   for engine, rid, prompt, cached, start, end in Query(
                       _LONG_PREFILLS, engine=window.engine, start=window.start, end=window.end,
-                      budget_engines=names, min_uncached=[minimums[e] for e in names], unknown=2**63).rows(reader)]
+                      budget_engines=names, min_uncached=[minimums[e] for e in names], unknown=2**63,
+                      least_uncached=min(minimums.values(), default=2**63)).rows(reader)]
     found: dict[str, list[LongPrefill]] = {}
     for engine, big in _carried(reader, candidates):
         others = found.setdefault(engine, [])
         if not any(big.start <= other.end and other.start <= big.end for other in others):
             others.append(big)
-    # A long prefill still running (or never finished) is in the steps only: named by its tokens so far.
-    for engine, runs in prefill_runs(reader, window).items():
+    # A long prefill still running (or never finished) is in the steps only: named by its tokens so far. A run a
+    # finished request explains (one smaller than the largest few read above) is named by that request.
+    runs = [(engine, run) for engine, each in prefill_runs(reader, window).items() for run in each
+            if not any(run.start <= other.end and other.start <= run.end for other in found.get(engine, []))]
+    for (engine, run), request in zip(runs, _run_requests(reader, runs), strict=True):
         others = found.setdefault(engine, [])
-        for run in runs:
-            if not any(run.start <= other.end and other.start <= run.end for other in others):
-                others.append(LongPrefill("", run.tokens, 0, run.start, run.end, run.start, run.min_tokens,
-                                          run.first_chunk_ran, in_flight=True))
+        if any(run.start <= other.end and other.start <= run.end for other in others):
+            continue
+        if request is None:
+            others.append(LongPrefill("", run.tokens, 0, run.start, run.end, run.start, run.min_tokens,
+                                      run.first_chunk_ran, in_flight=True))
+        else:
+            rid, prompt, cached, queue_end = request
+            others.append(LongPrefill(str(rid), int(prompt), int(cached), run.start, run.end, utc(queue_end),
+                                      run.min_tokens, run.first_chunk_ran))
     return {engine: bigs for engine, bigs in found.items() if bigs}
+
+
+def _run_requests(reader: Reads, runs: list[tuple[str, PrefillRun]]) -> list[tuple[Any, ...] | None]:
+    """Per run, the finished request that it was part of (_RUN_REQUESTS), or None."""
+    if not runs:
+        return []
+    rows = Query(_RUN_REQUESTS, engines=[e for e, _ in runs],
+                 starts=[round(r.start.timestamp() * 1e6) for _, r in runs],
+                 ends=[round((r.end - ROUNDING).timestamp() * 1e6) for _, r in runs],
+                 tokens=[r.tokens for _, r in runs], least_tokens=min(r.tokens for _, r in runs),
+                 lo=min(r.end for _, r in runs) - ROUNDING, hi=max(r.start for _, r in runs)).rows(reader)
+    found = {int(k) - 1: tuple(request) for k, request in rows}
+    return [found.get(i) for i in range(len(runs))]
 
 
 def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[tuple[str, LongPrefill]]:
     """The candidates, each span narrowed to the steps that carried prefill tokens within it (_CARRIED)."""
     if not candidates:
         return candidates
-    rows = Query(_CARRIED, engines=[e for e, _ in candidates],
-                 starts=[round(b.start.timestamp() * 1e6) for _, b in candidates],
-                 ends=[round((b.end + ROUNDING).timestamp() * 1e6) for _, b in candidates],
-                 lo=min(b.start for _, b in candidates), hi=max(b.end for _, b in candidates) + ROUNDING).rows(reader)
-    spans = {int(k) - 1: (utc(first), utc(last), timedelta(milliseconds=number(first_ms)))
+    sql, params = which_span(_CARRIED, [(e, b.start, b.end + ROUNDING) for e, b in candidates])
+    rows = Query(sql, **params).rows(reader)
+    spans = {int(k): (utc(first), utc(last), timedelta(milliseconds=number(first_ms)))
              for k, first, last, first_ms in rows}
     return [(engine, replace(big, start=spans[i][0], end=spans[i][1], first_chunk_ran=spans[i][2])
              if i in spans else big) for i, (engine, big) in enumerate(candidates)]
@@ -208,13 +244,7 @@ def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]
     spans = [span for span in spans if span[2] <= span[3]]
     if not spans:
         return {}
-    conditions = [f"engine = {{e{i}:String}} AND ts >= {{lo{i}:DateTime64(6)}} AND ts <= {{hi{i}:DateTime64(6)}}"
-                  for i in range(len(spans))]
-    sql = (_INSIDE.replace("WHICH", ", ".join(f"{c}, {i}" for i, c in enumerate(conditions)))
-           .replace("INSIDE_ANY", " OR ".join(f"({c})" for c in conditions)))
-    params: dict[str, Any] = {}
-    for i, (engine, _k, lo, hi) in enumerate(spans):
-        params.update({f"e{i}": engine, f"lo{i}": lo, f"hi{i}": hi})
+    sql, params = which_span(_INSIDE, [(engine, lo, hi) for engine, _k, lo, hi in spans])
     return {(spans[int(r[0])][0], spans[int(r[0])][1]): tuple(r[1:]) for r in Query(sql, **params).rows(reader)}
 
 
@@ -308,7 +338,9 @@ def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_qu
                  min_queue_s=[min_queue_s.get(e, 0.0) for e, _, _ in flat],
                  starts=[round(b.began.timestamp() * 1e6) for _, _, b in flat],
                  ends=[round(b.end.timestamp() * 1e6) for _, _, b in flat],
-                 lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat)).rows(reader)
+                 lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat),
+                 # The row's own filter first: the per-prefill test runs on the few that queued that long.
+                 least_queue_s=min(min_queue_s.get(e, 0.0) for e, _, _ in flat)).rows(reader)
     return {flat[int(r[0]) - 1][:2]: tuple(r[1:]) for r in rows}
 
 

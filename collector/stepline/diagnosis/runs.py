@@ -3,6 +3,11 @@
 `requests` holds finished requests only, so a long prefill still running when the window ends (the very state
 of an incident) is not there. Its steps are: a run of consecutive iterations, each with one prefilling request
 whose chunk takes most of the token budget. The run names the prefill by what it has done so far.
+
+Only the window's tail is read step by step: a prefill still running at the window's end began after the engine's
+last decode-only step (one with no prefill tokens breaks every run), which the steps' per-minute projection
+finds; a prefill that ended earlier finished, and is in `requests`. A day's window reads minutes, then a few
+minutes of steps.
 """
 
 from __future__ import annotations
@@ -11,29 +16,31 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, LONG_PROMPT_CHUNKS, budgets
-from stepline.diagnosis.common import EACH_ENGINE, Query, config_int, engine_configs, number, utc
+from stepline.diagnosis.common import EACH_ENGINE, Query, config_int, engine_configs, number, utc, which_span
 from stepline.diagnosis.findings import Window
+from stepline.diagnosis.rollup import Agg, rolled
 from stepline.summary import Reads
 
 # A chunk is long from LONG_CHUNK_SHARE of the engine's budget (of its long_prefill_token_threshold when that is
 # smaller: chunks are bounded by it); a run is a long prefill from LONG_PROMPT_CHUNKS budgets in all. Iteration
 # numbers less their rank number a run: consecutive iterations share it.
-_RUNS = f"""
+_RUNS = """
 SELECT engine, min(ts) AS first_step, max(ts) AS last_step, count() AS steps, sum(num_ctx_tokens) AS tokens,
        argMin(elapsed_ms, ts) AS first_step_ms, max(num_ctx_tokens) AS chunk_tokens
 FROM (SELECT engine, engine_index, ts, elapsed_ms, num_ctx_tokens,
              toInt64(step) - toInt64(row_number() OVER (PARTITION BY engine, engine_index ORDER BY step)) AS run
       FROM steps
-      WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
-        AND num_ctx_requests = 1
-        AND num_ctx_tokens >= transform(toString(engine), {{budget_engines:Array(String)}},
-                                        {{min_chunk:Array(UInt64)}}, {{unknown:UInt64}}))
+      WHERE (INSIDE_ANY) AND num_ctx_requests = 1
+        AND num_ctx_tokens >= transform(toString(engine), {budget_engines:Array(String)},
+                                        {min_chunk:Array(UInt64)}, {unknown:UInt64}))
 GROUP BY engine, engine_index, run
-HAVING tokens >= transform(toString(engine), {{budget_engines:Array(String)}}, {{min_tokens:Array(UInt64)}},
-                           {{unknown:UInt64}})
+HAVING tokens >= transform(toString(engine), {budget_engines:Array(String)}, {min_tokens:Array(UInt64)},
+                           {unknown:UInt64})
 ORDER BY engine, tokens DESC
 LIMIT 5 BY engine
 """
+# Per engine, the start of the last minute with a decode-only step (none: the window's start).
+_TAIL_AGGS = (Agg("steps", "count()", "sum({})"), Agg("prefill_steps", "countIf(num_ctx_tokens > 0)", "sum({})"))
 
 
 @dataclass(frozen=True)
@@ -62,12 +69,24 @@ def prefill_runs(reader: Reads, window: Window) -> dict[str, list[PrefillRun]]:
         bound = min(known[e][0], threshold) if threshold > 0 else known[e][0]
         chunk[e] = max(1, round(LONG_CHUNK_SHARE * bound))
     total = {e: round(LONG_PROMPT_CHUNKS * known[e][0]) for e in names}
-    rows = Query(_RUNS, engine=window.engine, start=window.start, end=window.end, budget_engines=names,
-                 min_chunk=[chunk[e] for e in names], min_tokens=[total[e] for e in names],
-                 unknown=2**63).rows(reader)
+    tails = _tails(reader, window)
+    sql, spans = which_span(_RUNS, [(e, max(window.start, tails.get(e, window.start)), window.end) for e in names])
+    rows = Query(sql, **spans, budget_engines=names, min_chunk=[chunk[e] for e in names],
+                 min_tokens=[total[e] for e in names], unknown=2**63).rows(reader)
     out: dict[str, list[PrefillRun]] = {}
     for engine, first, last, steps, tokens, first_ms, biggest in rows:
         out.setdefault(str(engine), []).append(PrefillRun(
             utc(first), utc(last), int(steps), int(tokens), int(biggest), timedelta(milliseconds=number(first_ms)),
             total[str(engine)]))
     return out
+
+
+def _tails(reader: Reads, window: Window) -> dict[str, datetime]:
+    """engine -> where its window's tail starts: the minute of its last decode-only step (on any engine index)."""
+    sql, bounds = rolled(_TAIL_AGGS, EACH_ENGINE, window.start, window.end,
+                         keys=(("engine", "engine"), ("engine_index", "engine_index"),
+                               ("t", "toStartOfMinute(bucket)")))
+    rows = Query(f"SELECT engine, min(tail) FROM (SELECT engine, engine_index, maxIf(t, steps > prefill_steps) AS "
+                 f"tail, countIf(steps > prefill_steps) AS decoded FROM ({sql}) GROUP BY engine, engine_index "
+                 f"HAVING decoded > 0) GROUP BY engine", engine=window.engine, **bounds).rows(reader)
+    return {str(engine): utc(tail) for engine, tail in rows}

@@ -2,10 +2,7 @@
 
 Only what `v1.PodResourcesLister/List` needs, with kubelet's package, service, message names and field numbers, so the
 bytes are kubelet's: fields left out (cpu_ids, memory, topology, dynamic_resources) are skipped as unknown fields on
-decoding. Checked against the API as quoted in kubernetes/enhancements (KEP 2403, pod-resources ListAndWatch) and the
-kubernetes/website device-plugins page (`k8s.io/kubelet/pkg/apis/podresources/v1/api.proto` itself was not readable
-here): ListPodResourcesResponse.pod_resources = 1; PodResources.name = 1, namespace = 2, containers = 3;
-ContainerResources.name = 1, devices = 2; ContainerDevices.resource_name = 1, device_ids = 2.
+decoding. Checked against kubelet's own proto (see the comment above `_MESSAGES`).
 """
 
 from __future__ import annotations
@@ -23,6 +20,12 @@ _MESSAGE = descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE
 _OPTIONAL = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
 _REPEATED = descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
 
+# Field names, numbers and types as in kubelet's pkg/apis/podresources/v1/api.proto (kubernetes/kubelet, the
+# staging copy of kubernetes/kubernetes staging/src/k8s.io/kubelet/pkg/apis/podresources/v1/api.proto), compared at
+# tags v0.20.0 (Kubernetes 1.20, 30b4cd52c54d), v0.28.0 (64c8471fa33c), v0.36.0 (eb8f71c979ae) and master
+# 63b3249724f7 (package v1, service PodResourcesLister, rpc List): the same in all. The fields left out
+# (ContainerDevices.topology = 3, ContainerResources.cpu_ids = 3, memory = 4, dynamic_resources = 5, and on master
+# PodResources.cpu_ids = 4, memory = 5) are skipped as unknown on decoding.
 # message -> its fields: (name, number, label, type, message type name or "")
 _MESSAGES: dict[str, tuple[tuple[str, int, int, int, str], ...]] = {
     "ListPodResourcesRequest": (),

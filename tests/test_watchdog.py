@@ -271,16 +271,19 @@ def test_window_figures_and_gpu_metrics() -> None:
     assert h.metrics.registry.get_sample_value("stepline_gpu_present") == 0
     for i in range(10):
         h.clock.advance(0.5)
+        # Prefill steps take three times as long: half the steps, three quarters of the time. One lookup of a huge
+        # uncached prompt weighs as one step's ratio, not as its 300k tokens.
         h.step(ctx_tokens=512 if i % 2 else 0, ctx_requests=1 if i % 2 else 0, itl=[0.01] * 9 + [0.5],
-               queries=100, hits=25, preempted=1 if i == 3 else 0)
+               elapsed_ms=90.0 if i % 2 else 30.0, queries=300_000 if i == 9 else 100, hits=0 if i == 9 else 25,
+               preempted=1 if i == 3 else 0)
         h.gpu(80.0, flags=["sw_power_cap"], remap=(True, False))
         h.gpu(60.0, index=1)
     h.event("gpu_xid", xid="79", gpu="1")
     h.event("gpu_lost", gpu="1")
     h.tick(0.1)
     assert h.value("stepline_engine_itl_p99_seconds") == 0.5
-    assert h.value("stepline_engine_prefill_step_share") == 0.5
-    assert h.value("stepline_engine_prefix_cache_hit_ratio") == 0.25
+    assert h.value("stepline_engine_prefill_step_share") == pytest.approx(0.75)
+    assert h.value("stepline_engine_prefix_cache_hit_ratio") == pytest.approx(0.9 * 0.25)
     assert h.value("stepline_engine_kv_cache_usage_ratio") == pytest.approx(0.4)
     assert h.value("stepline_engine_preemptions_total") == 1
     assert h.value("stepline_engine_gpu_utilization_ratio") == pytest.approx(0.7)
@@ -299,46 +302,72 @@ def test_window_figures_and_gpu_metrics() -> None:
     assert h.metrics.registry.get_sample_value("stepline_gpu_present") == 0
 
 
-def test_the_top_finding_of_a_stalled_engine_is_exported_and_replaced() -> None:
-    answers: list[tuple[str, str, str] | None] = [("wedged_engine", "critical", "4 waiting, no step for 9s"),
-                                                  ("kv_pressure", "warning", "KV full")]
-    calls: list[str] = []
+def test_the_top_finding_is_refreshed_while_work_is_in_flight_and_kept_after_recovery() -> None:
+    answers: list[tuple[str, str, str] | None] = [None, ("prefill_interference", "critical", "monster prefill"),
+                                                  ("wedged_engine", "critical", "4 waiting, no step for 9s")]
+    calls: list[tuple[float, list[str]]] = []
 
-    def fake_diagnose(_reader: Reads, engine: str, _now: float) -> tuple[str, str, str] | None:
-        calls.append(engine)
-        return answers[min(len(calls) - 1, len(answers) - 1)]
+    def fake_diagnose(_reader: Reads, engines: Sequence[str], now: float) -> dict[str, tuple[str, str, str] | None]:
+        calls.append((now, list(engines)))
+        return {e: answers[min(len(calls) - 1, len(answers) - 1)] for e in engines}
 
-    h = Harness(reader_factory=lambda: object(), diagnose=fake_diagnose, diagnose_every_s=30.0)
+    h = Harness(reader_factory=lambda: object(), diagnose=fake_diagnose, diagnose_every_s=5.0,
+                diagnose_idle_every_s=60.0)
+    steady(h, 1, running=2, waiting=4)
+    h.dog.refresh_findings()
+    assert len(calls) == 1  # first seen: diagnosed at once, nothing found
     steady(h, 2, running=2, waiting=4)
-    for _ in range(8):
+    h.dog.refresh_findings()
+    assert len(calls) == 1  # progressing, in flight: not before diagnose_every_s
+    steady(h, 4, running=2, waiting=4)
+    h.dog.refresh_findings()
+    assert len(calls) == 2  # in flight, 6 s on: diagnosed while still progressing
+    monster = {"engine": E, "kind": "prefill_interference", "severity": "critical", "title": "monster prefill"}
+    assert h.value("stepline_engine_top_finding_info", **monster) == 1
+    for _ in range(6):  # no progress: stalled after the 5 s floor, and diagnosed on the change at once
         h.tick()
-    h.dog.refresh_findings()
-    first = {"engine": E, "kind": "wedged_engine", "severity": "critical", "title": "4 waiting, no step for 9s"}
-    assert h.value("stepline_engine_top_finding_info", **first) == 1
-    h.tick(10.0)
-    h.dog.refresh_findings()
-    assert calls == [E]  # at most every 30 s
-    h.tick(25.0)
-    h.dog.refresh_findings()
-    assert h.value("stepline_engine_top_finding_info", **first) is None
-    assert h.value("stepline_engine_top_finding_info", engine=E, kind="kv_pressure", severity="warning",
-                   title="KV full") == 1
+        h.dog.refresh_findings()
+    assert h.state() == "stalled" and len(calls) == 3
+    wedge = {"engine": E, "kind": "wedged_engine", "severity": "critical", "title": "4 waiting, no step for 9s"}
+    assert h.value("stepline_engine_top_finding_info", **wedge) == 1
+    assert h.value("stepline_engine_top_finding_info", **monster) is None  # replaced, not added
     h.step(running=0, decoding=0)
     h.tick()
-    assert h.value("stepline_engine_top_finding_info", engine=E, kind="kv_pressure", severity="warning",
-                   title="KV full") is None
+    h.dog.refresh_findings()
+    assert h.state() == "idle" and len(calls) == 3
+    assert h.value("stepline_engine_top_finding_info", **wedge) == 1  # recovery does not drop it
+    answers.append(None)
+    h.tick(61.0)
+    h.dog.refresh_findings()
+    assert len(calls) == 4 and h.value("stepline_engine_top_finding_info", **wedge) is None  # aged out
+
+
+def test_one_diagnosis_covers_every_engine_due() -> None:
+    calls: list[list[str]] = []
+
+    def fake_diagnose(_reader: Reads, engines: Sequence[str], _now: float) -> dict[str, tuple[str, str, str] | None]:
+        calls.append(sorted(engines))
+        return {"e2": ("overload", "warning", "arrivals above capacity")}
+
+    h = Harness(reader_factory=lambda: object(), diagnose=fake_diagnose)
+    h.step(running=2)
+    h.step(running=3, engine="e2")
+    h.tick()
+    h.dog.refresh_findings()
+    assert calls == [["e1", "e2"]]
+    assert h.value("stepline_engine_top_finding_info", engine="e2", kind="overload", severity="warning",
+                   title="arrivals above capacity") == 1
 
 
 def test_a_failing_diagnosis_is_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
-    def broken(_reader: Reads, _engine: str, _now: float) -> tuple[str, str, str] | None:
+    def broken(_reader: Reads, _engines: Sequence[str], _now: float) -> dict[str, tuple[str, str, str] | None]:
         raise ConnectionError("store gone")
 
     h = Harness(reader_factory=lambda: object(), diagnose=broken)
     steady(h, 1, running=2, waiting=4)
     for _ in range(7):
         h.tick()
-    h.dog.refresh_findings()
-    h.dog.refresh_findings()
+        h.dog.refresh_findings()
     assert sum("store gone" in r.getMessage() for r in caplog.records) == 1
     assert h.state() == "stalled"
 

@@ -127,7 +127,8 @@ class SelfMetrics:
             "remap waits for a GPU reset) or failed (no spare rows left); NVML nvmlDeviceGetRemappedRows.",
             ["engine", "gpu", "state"], registry=r)
         self.top_finding = Gauge("stepline_engine_top_finding_info",
-                                 "The top diagnosis finding of a slow or stalled engine.",
+                                 "The engine's top warning or critical diagnosis finding over the last 5 minutes "
+                                 "(refreshed on each state change and every few seconds while work is in flight).",
                                  ["engine", "kind", "severity", "title"], registry=r)
 
 

@@ -2,8 +2,10 @@
 
 The model (budgets and states) is in `watchdog_model`. Here: the tap (`observe`, on the ingest
 path, so it only files rows), the timer thread that assesses each engine, exports the figures on
-the collector's /metrics, puts an `engine_state` event on the timeline at each change, and, for a
-slow or stalled engine, runs the diagnosis every ~30 s and exports its top finding.
+the collector's /metrics, puts an `engine_state` event on the timeline at each change, and keeps
+each engine's top finding (the diagnosis of its last few minutes) fresh: at once when its state
+changes, every few seconds while it has work in flight, and now and then while idle, until the
+finding has aged out of the window. A page that fires names the cause it has at that moment.
 """
 
 from __future__ import annotations
@@ -31,18 +33,26 @@ CLOCK_REASONS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_therm
 GPU_PRESENT_WINDOW_S = 60.0
 
 Emit = Callable[[Sequence[Row]], object]
-Diagnose = Callable[[Reads, str, float], tuple[str, str, str] | None]
+Label = tuple[str, str, str]  # kind, severity, title
+Diagnose = Callable[[Reads, Sequence[str], float], dict[str, Label | None]]
+# The window the watchdog diagnoses: long enough for an engine's own baseline, short enough to poll.
+DIAGNOSE_WINDOW_S = 300.0
+# Findings that name a cause; info notes ("legitimately slow", "cache cold") are not what a page should say.
+CAUSE_SEVERITIES = ("critical", "warning")
 
 
-def top_finding(reader: Reads, engine: str, now: float) -> tuple[str, str, str] | None:
-    """(kind, severity, title) of the top finding over the last 10 minutes, or None."""
-    from stepline.diagnosis import Window, diagnose  # the detectors are heavy; only a slow engine needs them
+def top_findings(reader: Reads, engines: Sequence[str], now: float) -> dict[str, Label | None]:
+    """engine -> (kind, severity, title) of its top warning or critical finding over the last DIAGNOSE_WINDOW_S,
+    or None; one diagnosis for all `engines` (over every engine when there are several)."""
+    from stepline.diagnosis import Window, diagnose  # the detectors are heavy: imported once, when first needed
 
     end = datetime.fromtimestamp(now, UTC)
-    for f in diagnose(reader, Window(end - timedelta(minutes=10), end, engine)):
-        if f.kind != "detector_failed":
-            return f.kind, f.severity, f.title
-    return None
+    window = Window(end - timedelta(seconds=DIAGNOSE_WINDOW_S), end, engines[0] if len(engines) == 1 else "")
+    found: dict[str, Label | None] = dict.fromkeys(engines)
+    for f in diagnose(reader, window):  # ranked: the first per engine is its top finding
+        if f.engine in found and found[f.engine] is None and f.severity in CAUSE_SEVERITIES:
+            found[f.engine] = (f.kind, f.severity, f.title)
+    return found
 
 
 class Watchdog:
@@ -50,8 +60,8 @@ class Watchdog:
 
     def __init__(self, metrics: SelfMetrics, emit: Emit, *, host: str = "", clock: Clock | None = None,
                  policy: Policy | None = None, interval_s: float = 1.0,
-                 reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_finding,
-                 diagnose_every_s: float = 30.0, dwell_s: float = 10.0) -> None:
+                 reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_findings,
+                 diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0) -> None:
         self._metrics = metrics
         self._emit = emit
         self._host = host
@@ -62,13 +72,15 @@ class Watchdog:
         self._reader: Reads | None = None
         self._diagnose = diagnose
         self._diagnose_every_s = diagnose_every_s
+        self._diagnose_idle_every_s = diagnose_idle_every_s
         self._dwell_s = dwell_s
         self._lock = threading.Lock()
         self._engines: dict[str, EngineModel] = {}
         self._gpus: dict[tuple[str, int], GpuSample] = {}
         self._last_gpu_ts = 0.0
         self._states: dict[str, tuple[str, float]] = {}  # engine -> (state, since)
-        self._findings: dict[str, tuple[float, tuple[str, str, str] | None]] = {}  # engine -> (at, labels)
+        # engine -> (when diagnosed, the state it was in then, its top finding)
+        self._findings: dict[str, tuple[float, str, Label | None]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors = RateLimitedLog(log, interval_s=60.0)
@@ -205,8 +217,6 @@ class Watchdog:
                 _remove(gauge, e)  # absent, not 0: "no data" must not read as "idle GPU" or "no hits"
             else:
                 gauge.labels(e).set(value)
-        if a.state not in ("slow", "stalled"):
-            self._set_finding(e, None)
 
     def _export_gpus(self, now: float) -> None:
         m = self._metrics
@@ -222,41 +232,55 @@ class Watchdog:
                 if value is not None:  # None: the GPU has no row remapper, or the reading failed
                     m.gpu_row_remap.labels(engine, gpu, state).set(1 if value else 0)
 
-    # --- the top finding of a slow or stalled engine ---
+    # --- each engine's top finding ---
+
+    def _due(self, now: float) -> list[str]:
+        """Engines to diagnose now: a state changed since the last diagnosis, work in flight and diagnose_every_s
+        passed, or idle with a finding still shown and diagnose_idle_every_s passed (so that it ages out)."""
+        due = []
+        for engine, (state, _) in self._states.items():
+            at, diagnosed_in, found = self._findings.get(engine, (-1e18, "", None))
+            model = self._engines.get(engine)
+            busy = model is not None and state not in ("idle", "down") and bool(
+                sum(q[1] + q[2] for q in model.queue.values()))
+            if (state != diagnosed_in and state != "idle") or (busy and now - at >= self._diagnose_every_s) or (
+                    found is not None and now - at >= self._diagnose_idle_every_s):
+                due.append(engine)
+        return due
 
     def refresh_findings(self) -> None:
-        """Diagnose each slow or stalled engine at most every diagnose_every_s (in the timer's thread)."""
+        """Diagnose the engines that are due (in the timer's thread), all in one diagnosis."""
         if self._reader_factory is None:
             return
         now = self._clock.time()
         with self._lock:
-            due = [e for e, (state, _) in self._states.items() if state in ("slow", "stalled")
-                   and now - self._findings.get(e, (-1e18, None))[0] >= self._diagnose_every_s]
-        for engine in due:
-            try:
-                if self._reader is None:
-                    self._reader = self._reader_factory()
-                found = self._diagnose(self._reader, engine, now)
-            except Exception as exc:  # a store hiccup costs the finding, not the watchdog
-                self._errors.warning(f"diagnose:{engine}", "watchdog diagnosis of %s failed: %s: %s",
-                                     engine, type(exc).__name__, " ".join(str(exc).split())[:200])
-                with self._lock:
-                    self._findings[engine] = (now, self._findings.get(engine, (0.0, None))[1])
-                continue
+            due = self._due(now)
+            states = {e: self._states[e][0] for e in due}
+        if not due:
+            return
+        try:
+            if self._reader is None:
+                self._reader = self._reader_factory()
+            found = self._diagnose(self._reader, due, now)
+        except Exception as exc:  # a store hiccup costs the finding, not the watchdog
+            self._errors.warning("diagnose", "watchdog diagnosis of %s failed: %s: %s", ", ".join(due),
+                                 type(exc).__name__, " ".join(str(exc).split())[:200])
             with self._lock:
-                if self._states.get(engine, ("", 0.0))[0] in ("slow", "stalled"):
-                    self._set_finding(engine, found, now)
+                for engine in due:  # kept as it was, tried again when next due
+                    _, _, old = self._findings.get(engine, (0.0, "", None))
+                    self._findings[engine] = (now, states[engine], old)
+            return
+        with self._lock:
+            for engine in due:
+                self._set_finding(engine, found.get(engine), now, states[engine])
 
-    def _set_finding(self, engine: str, found: tuple[str, str, str] | None, at: float | None = None) -> None:
-        old = self._findings.get(engine)
-        if old is not None and old[1] is not None and old[1] != found:
-            _remove(self._metrics.top_finding, engine, *old[1])
+    def _set_finding(self, engine: str, found: Label | None, at: float, state: str) -> None:
+        old = self._findings.get(engine, (0.0, "", None))[2]
+        if old is not None and old != found:
+            _remove(self._metrics.top_finding, engine, *old)
         if found is not None:
             self._metrics.top_finding.labels(engine, *found).set(1)
-        if at is None:
-            self._findings.pop(engine, None)  # next slow spell diagnoses at once
-        else:
-            self._findings[engine] = (at, found)
+        self._findings[engine] = (at, state, found)
 
 
 def _remove(gauge: Any, *labels: str) -> None:

@@ -1,7 +1,8 @@
 """The watchdog's model of one engine: progress, work in flight, fitted step costs, budget and state.
 
-Progress is a step that ended, or a generated-token / iteration / prompt-token counter that moved on
-the engine's /metrics. The budget is what the next step may take given the work in flight: a
+Progress is a step that ended (at its own ts), or a generated-token / iteration / prompt-token counter
+that moved on the engine's /metrics (at the scrape before the one that saw it move: the moment it is known
+to have moved after). The budget is what the next step may take given the work in flight: a
 least-squares fit of elapsed_ms ~ a + b*prefill_tokens + c*decoding_requests over the engine's last
 64 steps, pulled towards priors (a=20 ms, b=0.06 ms/token, c=0.3 ms/request) while data is scarce;
 the expected step is the larger of that prediction and the last step's time (context, which the
@@ -35,7 +36,9 @@ PROGRESS_COUNTERS = frozenset({"vllm:generation_tokens_total", "vllm:iteration_t
 QUEUE_GAUGES = frozenset({"vllm:num_requests_waiting", "vllm:num_requests_running"})
 WINDOW_S = 60.0  # ITL p99, prefill share and prefix-cache hit ratio look this far back
 GPU_WINDOW_S = 10.0
-LONG_PREFILL_TOKENS = 8192  # a prefill this long, in flight this long, is what requests queue behind
+# A prefill of this many of the engine's token budgets (its largest chunk), in flight this long, is what requests
+# queue behind (the diagnosis calls a prompt long from the same number of budgets: baseline.LONG_PROMPT_CHUNKS).
+LONG_PREFILL_CHUNKS = 4
 LONG_PREFILL_AGE_S = 10.0
 
 
@@ -156,6 +159,7 @@ class _WindowStep:
     queries: int
     hits: int
     itl: list[float]
+    elapsed_s: float = 0.0
 
 
 @dataclass
@@ -171,6 +175,7 @@ class EngineModel:
     down_message: str = ""
     has_steps: bool = False
     last_scrape: float | None = None
+    previous_scrape: float | None = None  # the scrape before last_scrape
     scrape_interval_s: float = 0.0
     last_queue_gauge: float | None = None  # ts of the newest queue gauge reading
     # engine_index -> (ts, waiting, running): newest report wins, from steps or /metrics
@@ -223,7 +228,7 @@ class EngineModel:
         if s.num_ctx_tokens > 0:
             self._chunk(ts, s.num_ctx_tokens, elapsed)
         self.window.append(_WindowStep(ts, s.num_ctx_tokens > 0, s.prefix_cache_queries, s.prefix_cache_hits,
-                                       s.itl_seconds))
+                                       s.itl_seconds, elapsed / 1000))
 
     def _chunk(self, ts: float, tokens: int, elapsed_ms: float) -> None:
         self.max_chunk = max(self.max_chunk, tokens)
@@ -249,13 +254,17 @@ class EngineModel:
         self._seen(ts)
         if self.last_scrape is not None and ts > self.last_scrape:
             self.scrape_interval_s = ts - self.last_scrape
+            self.previous_scrape = self.last_scrape
         self.last_scrape = max(self.last_scrape or ts, ts)
         if self.down_since is not None and ts > self.down_since:
             self.down_since = None
         metric = s.metric
         if metric in PROGRESS_COUNTERS:
             if s.delta > 0:
-                self.last_progress = max(self.last_progress or ts, ts)
+                # The counter moved some time after the previous scrape, not at this one: stamped by the data's
+                # own time, a scrape that follows the last step must not restart the stall clock.
+                moved = self.previous_scrape if self.previous_scrape is not None and ts == self.last_scrape else ts
+                self.last_progress = max(self.last_progress or moved, moved)
         elif metric in QUEUE_GAUGES:
             self.last_queue_gauge = max(self.last_queue_gauge or ts, ts)
             index = s.engine_index or "0"
@@ -343,7 +352,8 @@ class EngineModel:
         if {state, previous} == {"slow", "progressing"} and now - since < dwell_s:
             state, reason = previous or state, "held (flapping damped)"
         prompt = self.prompt_tokens if self._prefill_in_flight(now) else 0
-        queued = waiting if (prompt >= LONG_PREFILL_TOKENS and now - self.prompt_start >= LONG_PREFILL_AGE_S) else 0
+        long_prefill = prompt >= LONG_PREFILL_CHUNKS * self.max_chunk and now - self.prompt_start >= LONG_PREFILL_AGE_S
+        queued = waiting if prompt and long_prefill else 0
         return Assessment(
             self.name, state, age, budget, expected_ms / 1000, waiting, running, prefill, decoding,
             max(prompt, self.decoding_context), queued, self._gpu_utilization(now), self._itl_p99(),
@@ -380,11 +390,24 @@ class EngineModel:
         return itl[min(len(itl) - 1, math.ceil(0.99 * len(itl)) - 1)] if itl else None
 
     def _prefill_share(self) -> float | None:
-        return sum(w.prefill for w in self.window) / len(self.window) if self.window else None
+        """The share of the engine's time spent in steps that carry prefill (of steps, without iteration times):
+        50 fast decode steps and one 1.4 s chunk are mostly prefill, however the steps count."""
+        if not self.window:
+            return None
+        busy = sum(w.elapsed_s for w in self.window)
+        if busy > 0:
+            return sum(w.elapsed_s for w in self.window if w.prefill) / busy
+        return sum(w.prefill for w in self.window) / len(self.window)
 
     def _hit_ratio(self) -> float | None:
-        queries = sum(w.queries for w in self.window) + sum(q for _, q, _ in self.sample_cache)
-        hits = sum(w.hits for w in self.window) + sum(h for _, _, h in self.sample_cache)
+        """The prefix-cache hit ratio of the window's lookups, each step's lookups weighing alike: vLLM looks a
+        request up in the step that first schedules it, so one uncached 300k-token prompt is one step's ratio, not
+        the whole window's tokens. An engine seen only through /metrics has counter deltas, weighted by tokens."""
+        ratios = [w.hits / w.queries for w in self.window if w.queries > 0]
+        if ratios:
+            return sum(ratios) / len(ratios)
+        queries = sum(q for _, q, _ in self.sample_cache)
+        hits = sum(h for _, _, h in self.sample_cache)
         return hits / queries if queries > 0 else None
 
     def _kv(self) -> float | None:

@@ -3,24 +3,16 @@ recovery; a legitimately slow engine watched over the same span does not page.""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 
-from stepline.alerting import yamlout
 from stepline.alerting.config import AlertConfig
-from stepline.alerting.prometheus import alertmanager, rule_groups
+from stepline.alerting.localstack import ALERTMANAGER, PROMETHEUS, AlertStack, Webhook, wait_for
 from stepline.collector import Collector
 from stepline.runner import Scheduled
 from stepline.settings import Settings
@@ -32,59 +24,8 @@ from stepline.sim.workloads import chat_arrivals, compose, one_request
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
 
-PROMETHEUS = shutil.which("prometheus")
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),
                                 reason="needs Debian's prometheus and prometheus-alertmanager (.ci/run installs them)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Webhook:
-    """Alertmanager's webhook receiver: keeps every alert it is sent."""
-
-    def __init__(self) -> None:
-        self.alerts: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        webhook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with webhook._lock:
-                    webhook.alerts.extend(body.get("alerts", []))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def find(self, name: str, engine: str, status: str) -> dict[str, Any] | None:
-        with self._lock:
-            return next((a for a in self.alerts if a["labels"].get("alertname") == name
-                         and a["labels"].get("engine") == engine and a["status"] == status), None)
-
-    def names(self, engine: str) -> set[str]:
-        with self._lock:
-            return {a["labels"]["alertname"] for a in self.alerts if a["labels"].get("engine") == engine}
-
-
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"no {what} within {timeout_s:.0f} s")
 
 
 @pytest.fixture
@@ -93,11 +34,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Webhook, AlertConfig, Path]]:
     cfg = replace(AlertConfig(), stalled_for="2s", wedged_for="2s", engine_down_for="2s", evaluation_interval="1s",
                   wedge_min_age_seconds=5.0, webhook_url=f"{hook.url}/stepline", heartbeat_url=f"{hook.url}/heartbeat")
     yield hook, cfg, tmp_path
-    hook.server.shutdown()
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    hook.close()
 
 
 def test_a_wedged_engine_pages_and_resolves_a_slow_one_does_not(stack: tuple[Webhook, AlertConfig, Path],
@@ -123,7 +60,7 @@ def test_a_wedged_engine_pages_and_resolves_a_slow_one_does_not(stack: tuple[Web
                                  scrape_interval_s=1.0, disabled_sources=frozenset({"gpu", "host"}))
     collector = Collector(settings, extra=extra)
     collector.start()
-    processes: list[subprocess.Popen[bytes]] = []
+    alert_stack: AlertStack | None = None
     telemetry: list[Telemetry] = []
     try:
         otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
@@ -133,38 +70,19 @@ def test_a_wedged_engine_pages_and_resolves_a_slow_one_does_not(stack: tuple[Web
             telemetry.append(t)
             feeds[name].attach(t.on_step)
         assert collector.metrics_server is not None
-        am_port, prom_port = _free_port(), _free_port()
-        (tmp / "rules.yaml").write_text(yamlout.dump(rule_groups(cfg)))
-        am = alertmanager(cfg)
-        route = cast(dict[str, Any], am["route"])
-        for r in (route, *route["routes"]):
-            r.update(group_wait="1s", group_interval="1s")
-        (tmp / "alertmanager.yaml").write_text(yamlout.dump(am))
-        (tmp / "prometheus.yaml").write_text(yamlout.dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(tmp / "rules.yaml")],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-            "scrape_configs": [{"job_name": "stepline", "static_configs": [
-                {"targets": [f"127.0.0.1:{collector.metrics_server.port}"]}]}],
-        }))
-        processes.append(_start([ALERTMANAGER or "", f"--config.file={tmp / 'alertmanager.yaml'}",
-                                 f"--storage.path={tmp / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
-                                 "--cluster.listen-address="], tmp / "alertmanager.log"))
-        processes.append(_start([PROMETHEUS or "", f"--config.file={tmp / 'prometheus.yaml'}",
-                                 f"--storage.tsdb.path={tmp / 'prom'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                                tmp / "prometheus.log"))
+        alert_stack = AlertStack(cfg, hook, collector.metrics_server.port, tmp)
 
-        page = _wait_for(lambda: hook.find("EngineStalled", "wedge", "firing"), 120, "EngineStalled page")
+        page = wait_for(lambda: hook.find("EngineStalled", "wedge", "firing"), 120, "EngineStalled page")
         assert page["labels"]["severity"] == "critical"
         description = page["annotations"]["description"]
         # The page explains itself: engine, state, age against the budget, the top finding and what to run.
         assert "state stalled" in description and "budget of" in description, description
         assert "Top finding:" in description and "stepline diagnose --engine wedge" in description, description
         assert page["annotations"]["runbook_url"].endswith("#enginestalled")
-        _wait_for(lambda: hook.find("EngineWedgedWithQueue", "wedge", "firing"), 60, "EngineWedgedWithQueue page")
+        wait_for(lambda: hook.find("EngineWedgedWithQueue", "wedge", "firing"), 60, "EngineWedgedWithQueue page")
 
         assert wedge.release_leaked() == 4  # the operator restarts the lane
-        _wait_for(lambda: hook.find("EngineStalled", "wedge", "resolved"), 120, "EngineStalled resolve")
+        wait_for(lambda: hook.find("EngineStalled", "wedge", "resolved"), 120, "EngineStalled resolve")
         # Over the same span, the legitimately slow engine made multi-second steps and never paged.
         store = collector.store
         assert store is not None
@@ -173,14 +91,12 @@ def test_a_wedged_engine_pages_and_resolves_a_slow_one_does_not(stack: tuple[Web
             return int(store.query("SELECT count() FROM steps WHERE engine = 'slow' AND elapsed_ms > 1500"
                                    ).result_rows[0][0])
 
-        _wait_for(lambda: slow_steps() >= 8, 120, "eight multi-second steps of the slow engine")
+        wait_for(lambda: slow_steps() >= 8, 120, "eight multi-second steps of the slow engine")
         time.sleep(5)  # past the rules' `for` and Alertmanager's group wait
         assert not hook.names("slow") & {"EngineStalled", "EngineWedgedWithQueue", "EngineDown"}, hook.alerts
     finally:
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            p.wait(20)
+        if alert_stack is not None:
+            alert_stack.stop()
         for t in telemetry:
             t.close()
         wedge.stop()

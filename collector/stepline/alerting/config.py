@@ -26,19 +26,26 @@ class AlertConfig:
     slo: Slo = field(default_factory=Slo)
 
     engine_down_for: str = "1m"
-    stalled_for: str = "1m"
-    """Extra patience beyond the watchdog budget (the budget already reflects the work in flight)."""
+    stalled_for: str = "0m"
+    """Extra patience beyond the watchdog budget: none by default, the budget (ten times the step the work in
+    flight should take, 5 s at least) is the patience, so a wedge pages within its budget, a scrape and a rule
+    evaluation."""
     wedge_min_age_seconds: float = 30.0
-    """No progress for this long with a queue and idle GPUs is a wedge, whatever the budget says."""
+    """No progress for this long with a queue and idle GPUs is a wedge, however large the budget (a huge
+    prefill's); sooner when the budget says so."""
     wedge_gpu_idle_ratio: float = 0.05
     wedged_for: str = "1m"
+    """EngineStalled pages a wedge first (at its budget); this page, which says "wedged", waits out a queue or
+    GPU reading that flaps."""
     starvation_min_prefill_share: float = 0.2
     """Share of recent steps carrying prefill above which slow decode is blamed on prefill."""
-    starvation_for: str = "5m"
-    starvation_critical_for: str = "2m"
-    hol_blocked_for: str = "2m"
+    starvation_for: str = "1m"
+    starvation_critical_for: str = "1m"
+    hol_blocked_for: str = "0m"
+    """The gauge counts queued requests only once a long prefill has run for 10 s: that is the patience, and the
+    page fires while the queue is still growing."""
     hol_critical_requests: int = 10
-    hol_critical_for: str = "5m"
+    hol_critical_for: str = "1m"
     prefix_cache_drop_factor: float = 0.5
     """Hit ratio below this fraction of its own 1 h average is a collapse."""
     prefix_cache_min_baseline: float = 0.3

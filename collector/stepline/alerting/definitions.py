@@ -85,7 +85,8 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
         Alert(
             "EngineWedgedWithQueue", "critical",
             f"(stepline_engine_waiting_requests{s()} > 0)\n"
-            f"  and (stepline_engine_progress_age_seconds{s()} > {cfg.wedge_min_age_seconds:g})\n"
+            f"  and (stepline_engine_progress_age_seconds{s()} > stepline_engine_progress_budget_seconds{s()}\n"
+            f"       or stepline_engine_progress_age_seconds{s()} > {cfg.wedge_min_age_seconds:g})\n"
             f"  and (stepline_engine_gpu_utilization_ratio{s()} < {cfg.wedge_gpu_idle_ratio:g})",
             cfg.wedged_for,
             "Engine [engine] is wedged: [value] requests waiting, no progress, GPUs idle.",
@@ -118,8 +119,8 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             f"stepline_engine_queued_behind_prefill{s()} > 0",
             cfg.hol_blocked_for,
             "[value] requests on [engine] are queued behind a long prefill.",
-            "Engine [engine]: [value] requests have been waiting while a prefill of 8192+ tokens runs "
-            "for 10 s or more. Top finding: [finding]. " + diag,
+            "Engine [engine]: [value] requests have been waiting while a prefill of four or more token budgets "
+            "has run for 10 s or more. Top finding: [finding]. " + diag,
         ),
         Alert(
             "HeadOfLineBlocking", "critical",

@@ -78,10 +78,16 @@ LONG_CHUNK_SHARE = 0.5
 LEAK_RECENT_SHARE = 0.25
 MIN_LEAK_STEPS = 20
 IDLE_SLOT_SHARE = 0.25
-# Not a fact about the engine but about its telemetry: an idle vLLM reports stats only every ~10 s (log()), and a
-# scrape every few seconds, so a stall shorter than this can be delivery lag. The wedge budget is the larger of
-# this and WEDGE_STEP_MULTIPLE times the engine's slowest recent step.
-WEDGE_MIN_BUDGET_S = 30.0
+# Not a fact about the engine but about its telemetry: the plugin delivers an engine's last steps within about a
+# second (it flushes when the engine goes idle), and the queue gauge is read once a scrape, so a stall shorter than
+# WEDGE_LAG_SCRAPES of the engine's own scrape intervals (measured in the window), plus WEDGE_DELIVERY_S, can be
+# delivery lag. The wedge budget is the larger of that and WEDGE_STEP_MULTIPLE times the slowest of the engine's
+# last WEDGE_LAST_STEPS steps (the work in flight when it stopped). WEDGE_UNKNOWN_LAG_S stands in for the lag of an
+# engine whose scrapes the window does not show.
+WEDGE_LAG_SCRAPES = 2.0
+WEDGE_DELIVERY_S = 1.0
+WEDGE_UNKNOWN_LAG_S = 30.0
+WEDGE_LAST_STEPS = 8
 WEDGE_STEP_MULTIPLE = 10.0
 
 BASELINE_LOOKBACK = timedelta(hours=1)

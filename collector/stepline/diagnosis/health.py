@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -12,8 +13,11 @@ from stepline.diagnosis.baseline import (
     MIN_USUAL_HIT_RATE,
     NO_BASELINE,
     SLOW_STEP,
-    WEDGE_MIN_BUDGET_S,
+    WEDGE_DELIVERY_S,
+    WEDGE_LAG_SCRAPES,
+    WEDGE_LAST_STEPS,
     WEDGE_STEP_MULTIPLE,
+    WEDGE_UNKNOWN_LAG_S,
     baselines,
 )
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
@@ -168,12 +172,16 @@ SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:
        (SELECT argMax(value, ts) FROM engine_samples WHERE engine = {engine:String}
             AND metric = 'vllm:num_requests_waiting' AND ts <= {end:DateTime64(6)} AND ts >= {start:DateTime64(6)})
            AS waiting_scraped,
-       (SELECT max(elapsed_ms) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}
-            AND ts >= {end:DateTime64(6)} - INTERVAL 10 MINUTE) AS slowest_recent_ms,
+       (SELECT arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupArray((ts, elapsed_ms))), 1,
+            {last_steps:UInt32}))) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}
+            AND ts >= {end:DateTime64(6)} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
        (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE engine = {engine:String}
             AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 1 MINUTE) AS recent_p50_ms,
        (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE engine = {engine:String}
-            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 30 SECOND) AS gpu_util_pct
+            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 30 SECOND) AS gpu_util_pct,
+       (SELECT if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan) FROM engine_samples
+            WHERE engine = {engine:String} AND metric = 'vllm:num_requests_waiting' AND ts <= {end:DateTime64(6)}
+            AND ts >= {start:DateTime64(6)}) AS scrape_interval_s
 """
 
 
@@ -181,13 +189,16 @@ SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:
 _LAST_STEP_AGGS = (Agg("last_step", "max(ts)", "max({})"), Agg("waiting_step", "argMax(waiting, ts)",
                                                                 "argMax({}, p_last_step)"))
 _RECENT = f"""
-SELECT engine, max(elapsed_ms), quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE)
+SELECT engine, arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupArray((ts, elapsed_ms))), 1,
+                                                      {{last_steps:UInt32}}))),
+       quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE)
 FROM steps
 WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE
 GROUP BY engine
 """
 _SCRAPED_WAITING = f"""
-SELECT engine, argMax(value, ts) FROM engine_samples
+SELECT engine, argMax(value, ts), if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan)
+FROM engine_samples
 WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
   AND ts >= {{start:DateTime64(6)}}
 GROUP BY engine
@@ -204,11 +215,12 @@ def _progress(reader: Reads, window: Window) -> dict[str, tuple[Any, ...]]:
     sql, bounds = rolled(_LAST_STEP_AGGS, EACH_ENGINE, None, window.end)
     last = Query(sql, engine=window.engine, **bounds).rows(reader)
     params = {"engine": window.engine, "start": window.start, "end": window.end}
-    recent = {r[0]: r[1:] for r in Query(_RECENT, **params).rows(reader)}
-    scraped = {r[0]: r[1] for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
+    recent = {r[0]: r[1:] for r in Query(_RECENT, **params, last_steps=WEDGE_LAST_STEPS).rows(reader)}
+    scraped = {r[0]: r[1:] for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
     util = {r[0]: r[1] for r in Query(_GPU_UTIL, **params).rows(reader)}
-    return {str(engine): (last_step, waiting_step, scraped.get(engine, 0.0), *recent.get(engine, (0.0, None)),
-                          util.get(engine)) for engine, last_step, waiting_step in last}
+    return {str(engine): (last_step, waiting_step, scraped.get(engine, (0.0, math.nan))[0],
+                          *recent.get(engine, (0.0, None)), util.get(engine), scraped.get(engine, (0.0, math.nan))[1])
+            for engine, last_step, waiting_step in last}
 
 
 def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
@@ -217,20 +229,26 @@ def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
     progress = _progress(reader, window)
     base = baselines(reader, window, sorted(progress)) if progress else {}
     for engine in engines(reader, window):
-        query = Query(_PROGRESS, engine=engine, start=window.start, end=window.end)
+        query = Query(_PROGRESS, engine=engine, start=window.start, end=window.end, last_steps=WEDGE_LAST_STEPS)
         if engine not in progress:
             continue
-        last, waiting_step, waiting_scraped, slowest, recent_p50, util = progress[engine]
+        last, waiting_step, waiting_scraped, slowest, recent_p50, util, scrape_s = progress[engine]
         last = utc(last)
         if last.year < 2000:  # max() over no rows is the epoch
             continue
         waiting = max(int(waiting_step or 0), int(number(waiting_scraped)))
         stalled_s = (window.end - last).total_seconds()
-        budget_s = max(WEDGE_MIN_BUDGET_S, WEDGE_STEP_MULTIPLE * number(slowest) / 1000)
+        scrape_s = number(scrape_s, math.nan)
+        lag_s = WEDGE_LAG_SCRAPES * scrape_s + WEDGE_DELIVERY_S if scrape_s == scrape_s else WEDGE_UNKNOWN_LAG_S
+        budget_s = max(lag_s, WEDGE_STEP_MULTIPLE * number(slowest) / 1000)
+        scrape = f"{scrape_s:.1f}s" if scrape_s == scrape_s else f"? s: {WEDGE_UNKNOWN_LAG_S:g}s assumed"
         gpu_util = None if util is None or number(util, -1) < 0 else number(util)
         evidence = {"waiting": waiting, "seconds_since_last_step": round(stalled_s, 1),
                     "progress_budget_s": round(budget_s, 1), "gpu_util_pct": gpu_util,
-                    "slowest_recent_step_ms": round(number(slowest), 1)}
+                    "slowest_last_steps_ms": round(number(slowest), 1),
+                    "scrape_interval_s": round(scrape_s, 1) if scrape_s == scrape_s else None,
+                    "budget_from": f"{WEDGE_STEP_MULTIPLE:g}x the slowest of the last {WEDGE_LAST_STEPS} steps, at "
+                                   f"least {WEDGE_LAG_SCRAPES:g} scrapes (every {scrape}) + {WEDGE_DELIVERY_S:g}s"}
         if waiting > 0 and stalled_s > budget_s and (gpu_util is None or gpu_util < GPU_IDLE_PCT):
             findings.append(Finding(
                 "wedged_engine", "critical", engine, last, window.end,

@@ -178,8 +178,9 @@ def _ordinary_mix(rng: random.Random, cost: CostModel, budget: int) -> Mix:
     return Mix(max(32, median), rng.uniform(0.6, 1.0), max_prompt, cached, round(_log_uniform(rng, 40, 400)))
 
 
-def _draw_engine(rng: random.Random, name: str, duration_s: float, seed: int) -> _Engine:
-    speed = _log_uniform(rng, *SPEED_RANGE)
+def _draw_engine(rng: random.Random, name: str, duration_s: float, seed: int,
+                 speeds: tuple[float, float] = SPEED_RANGE) -> _Engine:
+    speed = _log_uniform(rng, *speeds)
     cost = CostModel().scaled(speed)
     cost = replace(cost, step_overhead_s=max(cost.step_overhead_s, MIN_STEP_OVERHEAD_S))
     budget = rng.choice((2048, 4096, 8192, 16384))
@@ -392,6 +393,34 @@ def _legitimately_slow(rng: random.Random, e: _Engine) -> dict[str, Any]:
     return {"prompt_tokens": 700_000}
 
 
+def _inject(rng: random.Random, cause: str, e: _Engine, seed: int) -> dict[str, Any]:
+    """Inject `cause` into engine `e` (its traffic and settings); returns what was injected ("healthy": nothing)."""
+    match cause:
+        case "monster_finished" | "monster_in_flight":
+            return _monster(rng, e, cause == "monster_in_flight")
+        case "head_of_line":
+            return _head_of_line(rng, e)
+        case "overload":
+            return _overload(rng, e)
+        case "kv_pressure":
+            return _kv_pressure(rng, e)
+        case "gpu_throttling":
+            return _throttling(rng, e)
+        case "prefix_cache_collapse":
+            return _prefix_collapse(rng, e)
+        case "wedge":
+            return _wedge(rng, e)
+        case "config_not_in_effect":
+            return _config_not_in_effect(rng, e)
+        case "spec_decode_shift":
+            return _spec_shift(rng, e, seed)
+        case "gpu_xid":
+            return _xid(rng, e)
+        case "legitimately_slow":
+            return _legitimately_slow(rng, e)
+    return {}
+
+
 def generate(seed: int) -> Case:
     """The case of `seed`: deterministic, its cause CAUSE_NAMES[seed % len(CAUSE_NAMES)]."""
     rng = random.Random(f"stepline-case-{seed}")
@@ -405,31 +434,8 @@ def generate(seed: int) -> Case:
         e.duration_s = duration
     target = rng.randrange(count)
     kind = CAUSES[cause]
-    facts: dict[str, Any] = {}
     t = engines[target]
-    match cause:
-        case "monster_finished" | "monster_in_flight":
-            facts = _monster(rng, t, cause == "monster_in_flight")
-        case "head_of_line":
-            facts = _head_of_line(rng, t)
-        case "overload":
-            facts = _overload(rng, t)
-        case "kv_pressure":
-            facts = _kv_pressure(rng, t)
-        case "gpu_throttling":
-            facts = _throttling(rng, t)
-        case "prefix_cache_collapse":
-            facts = _prefix_collapse(rng, t)
-        case "wedge":
-            facts = _wedge(rng, t)
-        case "config_not_in_effect":
-            facts = _config_not_in_effect(rng, t)
-        case "spec_decode_shift":
-            facts = _spec_shift(rng, t, seed)
-        case "gpu_xid":
-            facts = _xid(rng, t)
-        case "legitimately_slow":
-            facts = _legitimately_slow(rng, t)
+    facts = _inject(rng, cause, t, seed)
     for i, e in enumerate(engines):
         if i != target or cause == "healthy":
             e.parts = [_ordinary(rng, e, 0.0, e.duration_s)]
@@ -441,3 +447,40 @@ def generate(seed: int) -> Case:
     description = f"{cause}{where} ({', '.join(f'{k}={v}' for k, v in facts.items())}); {described}"
     return Case(seed, cause, kind, truth_engine, description,
                 tuple((e.name, e.scenario(seed)) for e in engines), {"target": t.name, **facts})
+
+
+# Live cases (served in real time): causes, each with the scenario second it begins at (facts -> onset).
+LIVE_CAUSES = ("monster_finished", "wedge", "gpu_throttling_lasting", "gpu_throttling_lifted", "overload",
+               "kv_pressure", "prefix_cache_collapse", "gpu_xid", "healthy", "legitimately_slow")
+# A simulator in real time steps as fast as the engine would: near the reference model's speed it keeps up on
+# two cores (a tenfold faster engine would step hundreds of times a second).
+LIVE_SPEEDS = (0.7, 1.5)
+_ONSET_FACT = {"monster_finished": "monster_at_s", "wedge": "last_abort_s", "gpu_throttling": "cap_start_s",
+               "overload": "onset_s", "prefix_cache_collapse": "collapse_at_s", "gpu_xid": "xid_at_s"}
+
+
+def live_case(cause: str, seed: int = 0, duration_s: float = 75.0) -> tuple[Case, float | None]:
+    """One engine near the reference speed, `duration_s` long, with `cause` (one of LIVE_CAUSES) injected as
+    `generate` injects it; and its onset in scenario seconds (None: nothing injected; 0: from the start). A
+    power cap comes on a third of the way in and stays (`gpu_throttling_lasting`) or is lifted a third later."""
+    if cause not in LIVE_CAUSES:
+        raise ValueError(f"unknown live cause {cause!r}; one of {', '.join(LIVE_CAUSES)}")
+    rng = random.Random(f"stepline-live-{cause}-{seed}")
+    e = _draw_engine(rng, ENGINE_NAMES[0], duration_s, seed, LIVE_SPEEDS)
+    e.config = replace(e.config, speculative=None)
+    base = "gpu_throttling" if cause.startswith("gpu_throttling") else cause
+    facts = _inject(rng, base, e, seed)
+    if base == "gpu_throttling":
+        start = round(duration_s / 3, 1)
+        end = 1e9 if cause.endswith("lasting") else round(2 * duration_s / 3, 1)
+        e.power_cap = PowerCap(start, end, facts["cap_w"])
+        facts.update(cap_start_s=start, cap_end_s=end, whole=False)
+    elif base == "healthy":
+        e.parts = [_ordinary(rng, e, 0.0, duration_s)]
+    kind = CAUSES[base]
+    onset = None if kind is None else float(facts.get(_ONSET_FACT.get(base, ""), 0.0))
+    description = (f"{cause} ({', '.join(f'{k}={v}' for k, v in facts.items())}); {e.name} x{e.speed:.2g} "
+                   f"budget {e.budget}")
+    case = Case(seed, base, kind, e.name if kind else None, description, ((e.name, e.scenario(seed)),),
+                {"target": e.name, **facts})
+    return case, onset

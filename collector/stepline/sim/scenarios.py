@@ -226,7 +226,8 @@ def simulate(
         target = k * SCRAPE_INTERVAL_S
         while now < target:
             # The tick's starting second decides the cap for the steps that end within it.
-            throttle.factor = _power_cap(scenario.power_cap, model, run.readings[-1][1] if run.readings else None, now)
+            last = run.readings[-1][1] if run.readings else None
+            throttle.factor = power_cap_factor(scenario.power_cap, model, last, now)
             now = min(now + TICK_S, target)
             sim.advance_to(now)
         if on_scrape is not None:
@@ -237,7 +238,7 @@ def simulate(
     return run
 
 
-def _power_cap(cap: PowerCap | None, model: GpuModel, last: GpuReading | None, now: float) -> float:
+def power_cap_factor(cap: PowerCap | None, model: GpuModel, last: GpuReading | None, now: float) -> float:
     """Apply the cap for simulated second `now`; returns how much slower steps run at the clocks it leaves."""
     if cap is None or not cap.start_s <= now < cap.end_s:
         model.set_power_cap(None)

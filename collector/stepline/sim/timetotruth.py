@@ -34,6 +34,10 @@ from stepline.sim.generator import live_case
 from stepline.sim.live import LiveEngine
 
 POLL_WINDOW = timedelta(minutes=3)
+# The alert that is itself the cause's name: its page names the cause whatever its text says.
+CAUSE_ALERTS = {"gpu_xid": "GpuXidError", "kv_pressure": "KVCachePressure", "gpu_throttling": "GpuThrottling",
+                "prefix_cache_collapse": "PrefixCacheCollapse", "head_of_line_blocking": "HeadOfLineBlocking",
+                "wedged_engine": "EngineWedgedWithQueue"}
 ALARMING = ("warning", "critical")
 # Prometheus scrapes the collector and evaluates the rules this often in the run (1 s, as the alert tests do).
 RULE_INTERVAL_S = 1.0
@@ -102,10 +106,14 @@ class LiveResult:
                 out.setdefault((labels["alertname"], labels["severity"]), a)
         return sorted(out.values(), key=lambda a: a["received"])
 
+    def names_cause(self, alert: dict[str, Any]) -> bool:
+        """Whether a page names the cause: its top finding says so, or it is the cause's own alert."""
+        return (f" {self.truth_kind}: " in alert["annotations"].get("description", "")
+                or CAUSE_ALERTS.get(self.truth_kind or "") == alert["labels"]["alertname"])
+
     def first_page(self) -> dict[str, Any] | None:
-        """The first page (critical alert) or ticket whose text names the cause."""
-        want = f" {self.truth_kind}: "
-        return next((a for a in self.firing() if want in a["annotations"].get("description", "")), None)
+        """The first page (critical alert) or ticket that names the cause."""
+        return next((a for a in self.firing() if self.names_cause(a)), None)
 
     def false_findings(self) -> list[str]:
         """For a run with nothing injected: every distinct warning/critical top finding."""

@@ -19,8 +19,8 @@ def _finished_monster_named(result: LiveResult) -> bool:
     return last is not None and "-monster-" in last[3] and result.first_watchdog() is not None
 
 
-def test_a_monster_prefill_is_named_before_its_request_finishes() -> None:
-    r = run_live("monster_finished", stop_when=_finished_monster_named, tail_s=4.0)
+def test_a_monster_prefill_is_named_before_its_request_finishes(store_url: str) -> None:
+    r = run_live("monster_finished", store_url=store_url, stop_when=_finished_monster_named, tail_s=4.0)
     shown = [(round(r.since_onset(p.at) or 0, 1), p.state, p.top, p.watchdog_finding) for p in r.polls]
     assert r.request_finished is not None and r.onset is not None, (r.description, shown)
     correct, watchdog = r.first_correct(), r.first_watchdog()
@@ -29,8 +29,8 @@ def test_a_monster_prefill_is_named_before_its_request_finishes() -> None:
     assert not r.wrong_before(), (r.wrong_before(), shown)
 
 
-def test_a_wedge_pages_naming_the_wedge_within_its_budget() -> None:
-    r = run_live("wedge", stop_when=lambda result: result.first_page() is not None, tail_s=2.0)
+def test_a_wedge_pages_naming_the_wedge_within_its_budget(store_url: str) -> None:
+    r = run_live("wedge", store_url=store_url, stop_when=lambda result: result.first_page() is not None, tail_s=2.0)
     shown = [(round(p.at - r.polls[0].at, 1), p.state, p.top, p.watchdog_finding) for p in r.polls]
     page = r.first_page()
     assert page is not None, (r.description, [a["labels"] for a in r.firing()], shown)

@@ -142,10 +142,11 @@ def _watchdog(metrics_url: str, engine: str) -> tuple[str, str | None]:
 
 
 def run_live(cause: str, *, seed: int = 0, duration_s: float = 75.0, poll_s: float = 2.0, tail_s: float = 10.0,
-             workdir: Path | None = None,
+             workdir: Path | None = None, store_url: str | None = None,
              stop_when: Callable[[LiveResult], bool] | None = None) -> LiveResult:
     """Serve `cause` live for `duration_s` (and its drain, unless `stop_when(result)` says enough), polling every
-    `poll_s`; the store is embedded in a temporary directory. Needs Prometheus and Alertmanager on PATH."""
+    `poll_s`, into `store_url` (default: an embedded store in a temporary directory; chDB hosts one path per
+    process, so a process that has one passes a database of it). Needs Prometheus and Alertmanager on PATH."""
     case, onset_s = live_case(cause, seed, duration_s)
     name, scenario = case.engines[0]
     with tempfile.TemporaryDirectory(prefix="stepline-ttt-") as tmp:
@@ -156,7 +157,7 @@ def run_live(cause: str, *, seed: int = 0, duration_s: float = 75.0, poll_s: flo
         engine = LiveEngine(name, scenario)
         result = LiveResult(cause, case.description, case.truth_kind, name,
                             None if onset_s is None else engine.at(onset_s))
-        settings = Settings.from_env({}, store=f"chdb://{tmp}/store", engines=(f"{name}={engine.url}",),
+        settings = Settings.from_env({}, store=store_url or f"chdb://{tmp}/store", engines=(f"{name}={engine.url}",),
                                      metrics_port=0, query_port=0, otlp_port=0,
                                      plugin_socket=os.path.join(tmp, "plugin.sock"),
                                      disabled_sources=frozenset({"gpu"}))

@@ -199,6 +199,27 @@ def scenarios() -> list[dict[str, object]]:
                 }]},
             ],
         },
+        {   # A cause no other alert tells (a power cap): ticketed once per engine and kind, though its title changes
+            # as it is re-diagnosed (the watchdog removes the old title's series: stale at the next scrape); a cause
+            # with alerts of its own (a monster's prefill) is left to them.
+            "name": "a diagnosed power cap is ticketed with its finding",
+            "input_series": [
+                series("stepline_engine_top_finding_info", 'engine="capped",kind="gpu_throttling",'
+                       'severity="warning",title="SM 1154 of 1980 MHz"', "1x4 stale"),
+                series("stepline_engine_top_finding_info", 'engine="capped",kind="gpu_throttling",'
+                       'severity="warning",title="SM 1100 of 1980 MHz"', "_x4 1x36"),
+                series("stepline_engine_top_finding_info", 'engine="big",kind="prefill_interference",'
+                       'severity="critical",title="monster"', "1x40"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "30s", "alertname": "EngineDiagnosed", "exp_alerts": []},
+                {"eval_time": "5m", "alertname": "EngineDiagnosed", "exp_alerts": [{
+                    "exp_labels": labels(engine="capped", kind="gpu_throttling", severity="warning"),
+                    "exp_annotations": expected("EngineDiagnosed", "warning", engine="capped", kind="gpu_throttling",
+                                                finding="warning gpu_throttling: SM 1100 of 1980 MHz"),
+                }]},
+            ],
+        },
         {   # The collector drops rows (20/s) and plugin records; a machine without GPUs is not a down source.
             "name": "collector dropping data and sources down",
             "input_series": [

@@ -46,6 +46,10 @@ class AlertConfig:
     page fires while the queue is still growing."""
     hol_critical_requests: int = 10
     hol_critical_for: str = "1m"
+    diagnosed_kinds: tuple[str, ...] = ("gpu_throttling", "overload", "spec_decode_acceptance_shift")
+    """Causes the watchdog's diagnosis names that no other alert tells (a power cap holding clocks down, arrivals
+    above capacity, speculative acceptance falling): EngineDiagnosed tickets them, its text the finding."""
+    diagnosed_for: str = "1m"
     prefix_cache_drop_factor: float = 0.5
     """Hit ratio below this fraction of its own 1 h average is a collapse."""
     prefix_cache_min_baseline: float = 0.3

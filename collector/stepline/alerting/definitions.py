@@ -55,6 +55,7 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
     throttled = s('reason=~"' + throttle + '"')
     fatal_xid = s('xid=~"' + fatal + '"')
     remap_pending, remap_failed = s('state="pending"'), s('state="failed"')
+    diagnosed = s('kind=~"' + "|".join(cfg.diagnosed_kinds) + '"', 'severity=~"warning|critical"')
     dropped_counters = s('counter=~"' + dropped + '"')
     drops = (
         "sum without (table, reason, source, counter) (\n"
@@ -160,6 +161,16 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "KV cache on [engine] is [value_ratio] full with a preemption storm.",
             f"Engine [engine]: KV cache usage [value_ratio] and more than {cfg.kv_preemptions_critical_per_5m} "
             "preemptions in 5m: the engine spends its time recomputing. " + diag,
+        ),
+        Alert(
+            "EngineDiagnosed", "warning",
+            # By engine and kind: the finding's title changes as it is re-diagnosed, the alert must not.
+            f"max by (job, instance, engine, kind) (stepline_engine_top_finding_info{diagnosed}) == 1",
+            cfg.diagnosed_for,
+            "Engine [engine]: the diagnosis names [kind].",
+            "The watchdog's diagnosis of engine [engine] names a cause no other alert pages on, for "
+            f"{cfg.diagnosed_for}: [finding]. (GPU throttling here includes a power cap holding clocks below the "
+            "GPU's maximum, which GpuThrottling leaves out because sw_power_cap alone is normal under load.) " + diag,
         ),
         Alert(
             "GpuThrottling", "warning",

@@ -240,9 +240,7 @@ class Watchdog:
         due = []
         for engine, (state, _) in self._states.items():
             at, diagnosed_in, found = self._findings.get(engine, (-1e18, "", None))
-            model = self._engines.get(engine)
-            busy = model is not None and state not in ("idle", "down") and bool(
-                sum(q[1] + q[2] for q in model.queue.values()))
+            busy = state not in ("idle", "down")  # every other state has requests waiting or running
             if (state != diagnosed_in and state != "idle") or (busy and now - at >= self._diagnose_every_s) or (
                     found is not None and now - at >= self._diagnose_idle_every_s):
                 due.append(engine)

@@ -165,23 +165,26 @@ def kv_pressure(reader: Reads, window: Window) -> list[Finding]:
     return findings
 
 
-_PROGRESS = """
-SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}) AS last_step,
-       (SELECT argMax(waiting, ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)})
+# The slowest of an engine's last {last_steps} steps, and the mean interval of its scrapes (NaN under two).
+_SLOWEST_LAST = ("arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupArray((ts, elapsed_ms))), 1, "
+                 "{last_steps:UInt32})))")
+_SCRAPE_INTERVAL = "if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan)"
+_PROGRESS = f"""
+SELECT (SELECT max(ts) FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}}) AS last_step,
+       (SELECT argMax(waiting, ts) FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}})
            AS waiting_step,
-       (SELECT argMax(value, ts) FROM engine_samples WHERE engine = {engine:String}
-            AND metric = 'vllm:num_requests_waiting' AND ts <= {end:DateTime64(6)} AND ts >= {start:DateTime64(6)})
+       (SELECT argMax(value, ts) FROM engine_samples WHERE engine = {{engine:String}}
+            AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}} AND ts >= {{start:DateTime64(6)}})
            AS waiting_scraped,
-       (SELECT arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupArray((ts, elapsed_ms))), 1,
-            {last_steps:UInt32}))) FROM steps WHERE engine = {engine:String} AND ts <= {end:DateTime64(6)}
-            AND ts >= {end:DateTime64(6)} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
-       (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE engine = {engine:String}
-            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 1 MINUTE) AS recent_p50_ms,
-       (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE engine = {engine:String}
-            AND ts <= {end:DateTime64(6)} AND ts >= {end:DateTime64(6)} - INTERVAL 30 SECOND) AS gpu_util_pct,
-       (SELECT if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan) FROM engine_samples
-            WHERE engine = {engine:String} AND metric = 'vllm:num_requests_waiting' AND ts <= {end:DateTime64(6)}
-            AND ts >= {start:DateTime64(6)}) AS scrape_interval_s
+       (SELECT {_SLOWEST_LAST} FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}}
+            AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
+       (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE engine = {{engine:String}}
+            AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE) AS recent_p50_ms,
+       (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE engine = {{engine:String}}
+            AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND) AS gpu_util_pct,
+       (SELECT {_SCRAPE_INTERVAL} FROM engine_samples
+            WHERE engine = {{engine:String}} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
+            AND ts >= {{start:DateTime64(6)}}) AS scrape_interval_s
 """
 
 
@@ -189,15 +192,14 @@ SELECT (SELECT max(ts) FROM steps WHERE engine = {engine:String} AND ts <= {end:
 _LAST_STEP_AGGS = (Agg("last_step", "max(ts)", "max({})"), Agg("waiting_step", "argMax(waiting, ts)",
                                                                 "argMax({}, p_last_step)"))
 _RECENT = f"""
-SELECT engine, arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupArray((ts, elapsed_ms))), 1,
-                                                      {{last_steps:UInt32}}))),
+SELECT engine, {_SLOWEST_LAST},
        quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE)
 FROM steps
 WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE
 GROUP BY engine
 """
 _SCRAPED_WAITING = f"""
-SELECT engine, argMax(value, ts), if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan)
+SELECT engine, argMax(value, ts), {_SCRAPE_INTERVAL}
 FROM engine_samples
 WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
   AND ts >= {{start:DateTime64(6)}}
@@ -218,9 +220,12 @@ def _progress(reader: Reads, window: Window) -> dict[str, tuple[Any, ...]]:
     recent = {r[0]: r[1:] for r in Query(_RECENT, **params, last_steps=WEDGE_LAST_STEPS).rows(reader)}
     scraped = {r[0]: r[1:] for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
     util = {r[0]: r[1] for r in Query(_GPU_UTIL, **params).rows(reader)}
-    return {str(engine): (last_step, waiting_step, scraped.get(engine, (0.0, math.nan))[0],
-                          *recent.get(engine, (0.0, None)), util.get(engine), scraped.get(engine, (0.0, math.nan))[1])
-            for engine, last_step, waiting_step in last}
+    out = {}
+    for engine, last_step, waiting_step in last:
+        waiting_scraped, scrape_interval = scraped.get(engine, (0.0, math.nan))
+        out[str(engine)] = (last_step, waiting_step, waiting_scraped, *recent.get(engine, (0.0, None)),
+                            util.get(engine), scrape_interval)
+    return out
 
 
 def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
@@ -239,14 +244,15 @@ def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
         waiting = max(int(waiting_step or 0), int(number(waiting_scraped)))
         stalled_s = (window.end - last).total_seconds()
         scrape_s = number(scrape_s, math.nan)
-        lag_s = WEDGE_LAG_SCRAPES * scrape_s + WEDGE_DELIVERY_S if scrape_s == scrape_s else WEDGE_UNKNOWN_LAG_S
+        scrapes_seen = not math.isnan(scrape_s)
+        lag_s = WEDGE_LAG_SCRAPES * scrape_s + WEDGE_DELIVERY_S if scrapes_seen else WEDGE_UNKNOWN_LAG_S
         budget_s = max(lag_s, WEDGE_STEP_MULTIPLE * number(slowest) / 1000)
-        scrape = f"{scrape_s:.1f}s" if scrape_s == scrape_s else f"? s: {WEDGE_UNKNOWN_LAG_S:g}s assumed"
+        scrape = f"{scrape_s:.1f}s" if scrapes_seen else f"? s: {WEDGE_UNKNOWN_LAG_S:g}s assumed"
         gpu_util = None if util is None or number(util, -1) < 0 else number(util)
         evidence = {"waiting": waiting, "seconds_since_last_step": round(stalled_s, 1),
                     "progress_budget_s": round(budget_s, 1), "gpu_util_pct": gpu_util,
                     "slowest_last_steps_ms": round(number(slowest), 1),
-                    "scrape_interval_s": round(scrape_s, 1) if scrape_s == scrape_s else None,
+                    "scrape_interval_s": round(scrape_s, 1) if scrapes_seen else None,
                     "budget_from": f"{WEDGE_STEP_MULTIPLE:g}x the slowest of the last {WEDGE_LAST_STEPS} steps, at "
                                    f"least {WEDGE_LAG_SCRAPES:g} scrapes (every {scrape}) + {WEDGE_DELIVERY_S:g}s"}
         if waiting > 0 and stalled_s > budget_s and (gpu_util is None or gpu_util < GPU_IDLE_PCT):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 
 from stepline.diagnosis.engine import as_json, diagnose, render
-from stepline.diagnosis.findings import Window
+from stepline.diagnosis.findings import Finding, Window
 from stepline.settings import SettingsError
+from stepline.summary import Reads
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,9 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_window_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    parser.add_argument("--whatif", action="store_true",
+                        help="also replay the window under each lever (`stepline whatif`, seconds more) and say "
+                             "in each finding's lever what its best lever would buy")
 
 
 def window_of(args: argparse.Namespace, now: datetime | None = None) -> Window:
@@ -38,6 +43,24 @@ def window_of(args: argparse.Namespace, now: datetime | None = None) -> Window:
     return Window(start, end, args.engine)
 
 
+def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[Finding]:
+    """`findings` with what their levers would buy; unchanged (and one line on stderr) when the window cannot be
+    replayed."""
+    from stepline.alerting.config import Slo
+    from stepline.whatif.core import WhatIfError, whatif
+    from stepline.whatif.figures import Objectives
+    from stepline.whatif.offer import annotate
+    from stepline.whatif.trace import load
+
+    slo = Slo()
+    try:
+        result = whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
+    except WhatIfError as exc:
+        print(f"stepline diagnose: whatif: {exc}", file=sys.stderr)
+        return findings
+    return annotate(findings, result)
+
+
 def run(args: argparse.Namespace) -> int:
     """1 when a finding is critical, 0 otherwise; bad arguments raise SettingsError (exit 2)."""
     from stepline.reader import open_reader
@@ -48,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         findings = diagnose(reader.client, window)
+        if args.whatif:
+            findings = with_whatif(reader.client, window, findings)
     finally:
         reader.close()
     print(as_json(findings) if args.json else render(findings))

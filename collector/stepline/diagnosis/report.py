@@ -281,11 +281,12 @@ document.getElementById('at').textContent=new Date(t*1000).toISOString().slice(1
 
 
 def render_report(reader: Reads, window: Window, findings: Sequence[Finding], *, title: str = DEFAULT_TITLE,
-                  database: str = "", asked: str = "") -> str:
+                  database: str = "", asked: str = "", appendix: str = "") -> str:
     """The report as one HTML page; `database` qualifies the tables (empty: the client's default).
 
     The plots show the span of the data and the findings within the window; `asked` says how the window was
-    asked for (e.g. "the last 1h"), for the line that tells the two apart.
+    asked for (e.g. "the last 1h"), for the line that tells the two apart; `appendix` is HTML put after the
+    timeline (the whatif section).
     """
     w0, w1 = window.start.timestamp(), window.end.timestamp()
     if not w1 > w0:
@@ -308,7 +309,10 @@ def render_report(reader: Reads, window: Window, findings: Sequence[Finding], *,
         body.append("<p>No findings in this window.</p>")
     body.append('<h2>Timeline</h2><div class="plots">')
     body.extend(render_svg(plot, t0, t1, bands) for plot in plots)
-    body.append('</div><div id="at"></div>')
+    body.append("</div>")
+    if appendix:
+        body.append(appendix)
+    body.append('<div id="at"></div>')
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body)
             + f"\n<script>{_SCRIPT}</script></body></html>\n")
@@ -335,11 +339,11 @@ def fit_axis(window: Window, data: tuple[float, float] | None, findings: Sequenc
 
 
 def write_report(reader: Reads, window: Window, findings: Sequence[Finding], out: str | Path, *,
-                 title: str = DEFAULT_TITLE, database: str = "", asked: str = "") -> Path:
+                 title: str = DEFAULT_TITLE, database: str = "", asked: str = "", appendix: str = "") -> Path:
     """Render the report and write it to `out` (UTF-8); returns the path written."""
     path = Path(out)
-    path.write_text(render_report(reader, window, findings, title=title, database=database, asked=asked),
-                    encoding="utf-8")
+    path.write_text(render_report(reader, window, findings, title=title, database=database, asked=asked,
+                                  appendix=appendix), encoding="utf-8")
     return path
 
 

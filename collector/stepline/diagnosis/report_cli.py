@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 
 from stepline.diagnosis.cli import add_window_arguments, window_of
+from stepline.diagnosis.findings import Finding, Window
+from stepline.summary import Reads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The report command's options: the diagnose window, and where to write the page."""
     add_window_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE", help="the HTML file to write (self-contained)")
+    parser.add_argument("--no-whatif", dest="whatif", action="store_false",
+                        help="leave out what each lever would buy (the window replayed under each: seconds more)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,10 +28,31 @@ def run(args: argparse.Namespace) -> int:
     reader = open_reader(args.store or default_store_url())
     try:
         findings = diagnose(reader.client, window)
+        appendix = ""
+        if args.whatif:
+            findings, appendix = _with_whatif(reader.client, window, findings)
         # The page fits its plots to the data; it says how the window was asked for beside what it shows.
         asked = "" if args.from_ or args.to else f"the last {args.since}"
-        path = write_report(reader.client, window, findings, args.out, database=reader.database, asked=asked)
+        path = write_report(reader.client, window, findings, args.out, database=reader.database, asked=asked,
+                            appendix=appendix)
     finally:
         reader.close()
     print(f"{path}: {len(findings)} finding(s)")
     return 0
+
+
+def _with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> tuple[list[Finding], str]:
+    """The findings with what their levers would buy, and the whatif section of the page."""
+    from stepline.alerting.config import Slo
+    from stepline.whatif.core import WhatIfError, whatif
+    from stepline.whatif.figures import Objectives
+    from stepline.whatif.offer import annotate
+    from stepline.whatif.render import html_section
+    from stepline.whatif.trace import load
+
+    slo = Slo()
+    try:
+        result = whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
+    except WhatIfError as exc:
+        return findings, html_section(None, str(exc))
+    return annotate(findings, result), html_section(result)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from stepline.sim.costmodel import CostModel
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,13 @@ class EngineConfig:
     cost: CostModel = field(default_factory=CostModel)
     # None: no speculative decoding (one token per decoding request per step), vLLM's default.
     speculative: SpecDecode | None = None
+    # Waiting requests are admitted only on every Nth step (Scheduler.step_index % N == 0); 1: every step.
+    prefill_schedule_interval: int = 1
+    # "fcfs": the queue in arrival order; "priority": by (Request.priority, arrival), lower first, as vLLM's.
+    policy: str = "fcfs"
+    # Research lever, not a vLLM flag: with decodes in the step, prefill chunks are cut so the step ends within
+    # max(deadline_tpot_s, the decodes' least slack on a deadline_tpot_s-per-token schedule). None: off.
+    deadline_tpot_s: float | None = None
     # Fault knobs for diagnosis scenarios; off, the simulator behaves as vLLM does.
     # An aborted request keeps its running slot and KV forever (a slot released only on success).
     leak_aborted_slots: bool = False
@@ -68,6 +76,7 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs,
             "num_gpu_blocks": self.num_gpu_blocks,
             "block_size": self.block_size,
+            "prefill_schedule_interval": self.prefill_schedule_interval,
         }
         for name, value in positive.items():
             if value < 1:
@@ -80,6 +89,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.model:
             raise ValueError("model must not be empty")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.deadline_tpot_s is not None and not self.deadline_tpot_s > 0:
+            raise ValueError(f"deadline_tpot_s must be positive when set, got {self.deadline_tpot_s}")
 
     @property
     def kv_capacity_tokens(self) -> int:

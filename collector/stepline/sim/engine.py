@@ -195,6 +195,7 @@ class Simulation:
                     arrival.cached_fraction,
                     arrival.finish_reason,
                     arrival.max_tokens,
+                    priority=arrival.priority,
                 )
             )
 

@@ -10,12 +10,33 @@ queue to be recomputed.
 With speculative decoding (EngineConfig.speculative), each decoding request also carries up to k draft
 tokens in the step's token budget; when the step ends, drafts are accepted position by position up to the
 first rejection and the request gains the accepted tokens plus one.
+
+Three levers, each off by default (then the schedule is exactly the one above):
+
+- prefill_schedule_interval = N: steps are numbered by the scheduler (`Scheduler.step_index`: 0 for the
+  first batch, +1 for every non-empty batch `schedule` returns; an empty batch gets no number). Waiting
+  requests, preempted ones included, are admitted only on steps whose number is a multiple of N; decodes
+  and the partial prefill run every step. A step that would otherwise compute nothing admits anyway: an
+  idle engine has no steps to wait out.
+- policy = "priority": the waiting queue is kept in (Request.priority, arrival) order, lower first, as
+  vLLM's priority scheduler keeps it; a new request goes behind its equals, a preempted one back to its
+  place ahead of them. Only the queue order is modelled: vLLM's priority policy also preempts the
+  lowest-priority running request (not the newest) when KV runs short, and its v0 scheduler preempted
+  lower-priority running requests for higher-priority waiting ones; here victims are still the most
+  recently admitted and waiting requests never preempt.
+- deadline_tpot_s = D (research, not in vLLM): in a step with decodes, every prefill chunk (the partial's
+  and each admission's) is also cut to the largest one whose predicted step (CostModel.step_seconds of the
+  decodes plus the chunks so far) ends within max(D, least slack of the step's decodes), where a decode's
+  slack is first_token + D * generated - now: how far ahead of a D-per-token schedule its next token is.
+  A chunk is never cut below one KV block, so a prefill always progresses.
 """
 
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stepline.sim.config import EngineConfig
@@ -43,6 +64,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "output_tokens",
+        "priority",
         "prompt_tokens",
         "request_id",
     )
@@ -56,6 +78,7 @@ class Request:
         cached_fraction: float = 0.0,
         finish_reason: FinishReason = "length",
         max_tokens: int | None = None,
+        priority: int = 0,
     ) -> None:
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(f"{request_id}: prompt and output need at least one token")
@@ -66,6 +89,7 @@ class Request:
         self.cached_fraction = min(1.0, max(0.0, cached_fraction))
         self.finish_reason: FinishReason = finish_reason
         self.max_tokens = max_tokens if max_tokens is not None else output_tokens
+        self.priority = priority  # lower first under EngineConfig.policy="priority"
         self.computed = 0  # tokens whose KV is in the cache
         self.drafted = 0  # draft tokens it carries in the current step (speculative decoding)
         self.generated = 0
@@ -135,12 +159,24 @@ class Scheduler:
         self.free_blocks = config.num_gpu_blocks
         self.partial: Request | None = None
         self.num_preemptions = 0
+        self.step_index = 0  # the number the next non-empty batch gets (see prefill_schedule_interval)
         spec = config.speculative
         self._spec_rng = random.Random(f"spec-{config.engine}-{spec.seed}") if spec is not None else None
+        self._interval = config.prefill_schedule_interval
+        self._by_priority = config.policy == "priority"
+        self._deadline = config.deadline_tpot_s
 
     def add(self, request: Request) -> None:
         """Queue an arrived request."""
-        self.waiting.append(request)
+        if self._by_priority:
+            self._queue_in_order(request, bisect_right)
+        else:
+            self.waiting.append(request)
+
+    def _queue_in_order(self, request: Request, place: Callable[..., int]) -> None:
+        """Insert into the (priority, arrival)-ordered queue; `place` says whether ahead of equals or behind."""
+        key = (request.priority, request.arrival)
+        self.waiting.insert(place(self.waiting, key, key=_queue_key), request)
 
     def has_work(self) -> bool:
         """True when anything is running or waiting."""
@@ -194,7 +230,10 @@ class Scheduler:
         self.num_preemptions += 1
         if request is self.partial:
             self.partial = None
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            self._queue_in_order(request, bisect_left)
+        else:
+            self.waiting.appendleft(request)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         threshold = 0 if self.config.ignore_long_prefill_token_threshold else self.config.long_prefill_token_threshold
@@ -239,27 +278,72 @@ class Scheduler:
             batch.decode_context_tokens += request.computed
             budget -= 1
 
+        allowed = self._allowance(batch, now) if self._deadline is not None and batch.decodes else None
         partial = self.partial
         if partial is not None and budget > 0:
             tokens = self._chunk(partial.num_tokens - partial.computed, budget)
+            if allowed is not None:
+                tokens = self._fit(batch, partial.computed, tokens, allowed)
             if self._grow(partial, tokens, batch):
                 self._add_prefill(batch, partial, tokens)
                 budget -= tokens
 
         # As in vLLM, a step that had to preempt admits nobody: the KV it freed is not spare.
-        if not batch.num_preempted:
-            self._admit(batch, budget, now)
+        interval = self._interval
+        if not batch.num_preempted and (
+            interval == 1 or self.step_index % interval == 0 or not (batch.decodes or batch.prefills)
+        ):
+            self._admit(batch, budget, now, allowed)
+        if batch.decodes or batch.prefills:
+            self.step_index += 1
         return batch
 
-    def _admit(self, batch: Batch, budget: int, now: float) -> None:
+    def _allowance(self, batch: Batch, now: float) -> float:
+        """Seconds this step may take under deadline_tpot_s: the objective, or more while every decode is ahead."""
+        deadline = self._deadline
+        assert deadline is not None
+        decodes = batch.decodes
+        due = min((r.first_token + deadline * r.generated for r in decodes if r.first_token is not None), default=now)
+        return max(deadline, due - now)
+
+    def _fit(self, batch: Batch, start: int, tokens: int, allowed: float) -> int:
+        """The largest chunk up to `tokens`, starting at `start`, whose step ends within `allowed` seconds."""
+        floor = self.config.block_size
+        if tokens <= floor:
+            return tokens
+        step_seconds = self.config.cost.step_seconds
+        carried = batch.prefill_tokens + batch.draft_tokens
+        decodes = len(batch.decodes)
+
+        def fits(chunk: int) -> bool:
+            pairs = batch.prefill_pairs + attention_pairs(start, chunk)
+            return step_seconds(carried + chunk, pairs, decodes, batch.decode_context_tokens) <= allowed
+
+        if fits(tokens):
+            return tokens
+        # Step time grows with the chunk: bisect [floor, tokens) for the last chunk that fits.
+        low, high = floor, tokens
+        if not fits(low):
+            return floor
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def _admit(self, batch: Batch, budget: int, now: float, allowed: float | None) -> None:
         waiting = self.waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = waiting[0]
             hit = self._cache_hit(request)
             remaining = request.num_tokens - hit
             tokens = self._chunk(remaining, budget)
+            if allowed is not None:
+                tokens = self._fit(batch, hit, tokens, allowed)
             if tokens < remaining and self.partial is not None:
-                break  # only one prefill may stay unfinished; FCFS, so nobody overtakes
+                break  # only one prefill may stay unfinished; nobody overtakes the head of the queue
             need = self._blocks_for(hit + tokens)
             if need > self.free_blocks:
                 break  # waiting requests never preempt running ones
@@ -341,3 +425,7 @@ class Scheduler:
                 return
             self.free_blocks += request.blocks
             request.blocks = 0
+
+
+def _queue_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival

@@ -95,6 +95,9 @@ def engine_config(config: EngineConfig) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "enable_chunked_prefill": True,
         "long_prefill_token_threshold": config.long_prefill_token_threshold,
+        "prefill_schedule_interval": config.prefill_schedule_interval,
+        # scheduler_config.policy, under the name the plugin gives it on the timeline (plugin/config.py).
+        "scheduling_policy": config.policy,
         "block_size": config.block_size,
         "num_gpu_blocks": config.num_gpu_blocks,
         "enable_prefix_caching": config.enable_prefix_caching,

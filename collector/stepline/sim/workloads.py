@@ -49,6 +49,7 @@ class Arrival:
     cached_fraction: float
     finish_reason: FinishReason
     max_tokens: int
+    priority: int = 0  # lower is served first under EngineConfig.policy="priority", as in vLLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +209,17 @@ def chat_arrivals(
 
 
 def one_request(
-    request_id: str, offset_s: float, prompt_tokens: int, output_tokens: int, cached_fraction: float = 0.0
+    request_id: str,
+    offset_s: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    cached_fraction: float = 0.0,
+    *,
+    priority: int = 0,
 ) -> Arrival:
     """A single request that runs to its max_tokens."""
-    return Arrival(offset_s, request_id, prompt_tokens, output_tokens, cached_fraction, "length", output_tokens)
+    return Arrival(offset_s, request_id, prompt_tokens, output_tokens, cached_fraction, "length", output_tokens,
+                   priority)
 
 
 def compose(name: str, duration_s: float, drain_s: float, *parts: list[Arrival]) -> Workload:

@@ -1,0 +1,248 @@
+"""Replay the recorded window through the simulator's scheduler, under the recorded settings and under each lever.
+
+The replay keeps what the recording says of every request (arrival, prompt, cached, generated tokens) and of
+every engine (its settings and its fitted step cost), and changes only the lever. What it cannot know it
+assumes, and says so: a request's prefix-cache hit recurs as recorded (on whichever engine serves it), and a
+request that arrived before the window is not replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stepline.clock import ManualClock
+from stepline.sim.config import EngineConfig
+from stepline.sim.engine import Simulation
+from stepline.sim.records import FinishReason, StepRecord
+from stepline.sim.workloads import Arrival, Workload
+from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
+from stepline.whatif.fit import Fit, FitError, fit
+from stepline.whatif.levers import Lever, baseline_config, candidates
+from stepline.whatif.trace import EngineTrace
+
+CALIBRATION_TOLERANCE = 0.15  # the replay reproduces the recording when every figure is within this
+TIMELINE_BUCKETS = 120
+MAX_STEPS_FACTOR = 50  # a replay running this many times the recorded steps (and at least MIN_STEP_LIMIT) stops
+MIN_STEP_LIMIT = 200_000
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class WhatIfError(ValueError):
+    """The window cannot be replayed (no requests, or no engine whose cost can be fitted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One engine as the replay runs it: settings with the fitted cost, and the requests it serves."""
+
+    engine: str
+    config: EngineConfig
+    arrivals: tuple[Arrival, ...]
+
+
+@dataclass(slots=True)
+class Replay:
+    """What one replay produced."""
+
+    figures: Figures
+    timeline: list[tuple[float, float]]  # (bucket start, epoch s; ITL p99 in it, s)
+    steps: int
+    stopped: str = ""  # why the replay stopped before draining ('' when it drained)
+
+
+@dataclass(slots=True)
+class Priced:
+    lever: Lever
+    replay: Replay | None  # None when unavailable
+
+    def delta(self, baseline: Figures) -> float:
+        if self.replay is None or baseline.goodput_rps <= 0:
+            return math.nan
+        return self.replay.figures.goodput_rps / baseline.goodput_rps - 1.0
+
+
+@dataclass(slots=True)
+class WhatIf:
+    start: float
+    end: float
+    objectives: Objectives
+    engines: list[str]
+    fits: dict[str, Fit]
+    skipped: dict[str, str]  # engine -> why it is not replayed
+    assumed: list[str]
+    settings: dict[str, EngineConfig]
+    recorded: Figures
+    recorded_timeline: list[tuple[float, float]]
+    baseline: Replay
+    levers: list[Priced] = field(default_factory=list)
+
+    @property
+    def calibration_errors(self) -> dict[str, float]:
+        """Relative error of the replayed baseline against the recording, per figure."""
+        out: dict[str, float] = {}
+        for name in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "goodput_rps"):
+            rec, rep = getattr(self.recorded, name), getattr(self.baseline.figures, name)
+            if rec > 0 and not math.isnan(rep):
+                out[name] = rep / rec - 1.0
+        return out
+
+    @property
+    def reproduces(self) -> bool:
+        return all(abs(e) <= CALIBRATION_TOLERANCE for e in self.calibration_errors.values()) \
+            and not self.baseline.stopped
+
+    def ranked(self) -> list[Priced]:
+        """Available levers best first (goodput, then TTFT p99), then the unavailable ones."""
+        priced = [p for p in self.levers if p.replay is not None]
+        priced.sort(key=lambda p: (-p.replay.figures.goodput_rps, p.replay.figures.ttft_p99_s)  # type: ignore[union-attr]
+                    )
+        return priced + [p for p in self.levers if p.replay is None]
+
+
+def served_recorded(traces: Iterable[EngineTrace]) -> list[Served]:
+    return [Served(r.prompt_tokens, r.generation_tokens, r.ttft_s, r.decode_s) for t in traces for r in t.requests]
+
+
+def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequence[Lever] | None = None,
+           chars_per_token: float | None = None, jobs: int | None = None) -> WhatIf:
+    """Fit, calibrate, and price every lever (or `levers`) on the window's `traces`."""
+    fits: dict[str, Fit] = {}
+    skipped: dict[str, str] = {}
+    for t in traces:
+        try:
+            fits[t.engine] = fit(t)
+        except FitError as exc:
+            skipped[t.engine] = str(exc)
+    used = [t for t in traces if t.engine in fits]
+    if not used:
+        reasons = "; ".join(skipped.values()) or "no finished requests arrived in the window"
+        raise WhatIfError(f"nothing to replay: {reasons}")
+    assumed: list[str] = []
+    configs: list[EngineConfig] = []
+    for t in used:
+        config, guessed = baseline_config(t)
+        configs.append(replace(config, cost=fits[t.engine].cost))
+        assumed.extend(f"{t.engine}: {g} (not in its engine_config)" for g in guessed)
+        if not t.config:
+            assumed.append(f"{t.engine}: no engine_config event; vLLM's defaults replayed")
+    start = min(r.arrival for t in used for r in t.requests)
+    end = max(r.arrival for t in used for r in t.requests)
+    span = max(end - start, 1.0)
+    recorded_steps = sum(len(t.steps) for t in used)
+    limit = max(MIN_STEP_LIMIT, MAX_STEPS_FACTOR * recorded_steps)
+    recorded = figures(served_recorded(used), (x for t in used for s in t.steps.itls for x in s), objectives, span)
+    recorded_timeline = itl_timeline(((ts, itls) for t in used for ts, itls in zip(t.steps.ts, t.steps.itls,
+                                                                                  strict=True)), start, end)
+    chosen = list(levers) if levers is not None else candidates(used, configs, objectives.tpot_s, chars_per_token)
+    plans = [lanes(used, configs, None, start)] + [lanes(used, configs, lv, start) for lv in chosen
+                                                   if not lv.unavailable]
+    results = _run_all(plans, start, end, span, objectives, limit, jobs)
+    result = WhatIf(start, end, objectives, [t.engine for t in used], fits, skipped, assumed,
+                    {t.engine: c for t, c in zip(used, configs, strict=True)}, recorded, recorded_timeline,
+                    results[0])
+    it = iter(results[1:])
+    result.levers = [Priced(lv, None if lv.unavailable else next(it)) for lv in chosen]
+    return result
+
+
+def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever | None, t0: float) -> list[Lane]:
+    """Each engine's settings under `lever` and the requests it would serve (sharded, when the lever says so)."""
+    settings: dict[str, Any] = dict(lever.settings) if lever else {}
+    tuned = [replace(c, **settings) for c in configs]
+    requests = [[(r, t.engine) for r in t.requests] for t in traces]
+    if lever is not None and lever.shard_tokens is not None and len(traces) >= 2:
+        pooled = sorted((x for rs in requests for x in rs), key=lambda x: x[0].arrival)
+        long_lane = max(range(len(tuned)), key=lambda i: (tuned[i].kv_capacity_tokens, -i))
+        short = [i for i in range(len(tuned)) if i != long_lane]
+        requests = [[] for _ in tuned]
+        turn = 0
+        for x in pooled:
+            if x[0].prompt_tokens >= lever.shard_tokens:
+                requests[long_lane].append(x)
+            else:
+                requests[short[turn % len(short)]].append(x)
+                turn += 1
+    priority = lever is not None and lever.priority_by_band
+    names = [name for name, _ in BANDS]
+    out = []
+    for t, config, rs in zip(traces, tuned, requests, strict=True):
+        arrivals = tuple(Arrival(r.arrival - t0, f"{source}/{r.request_id}", max(1, r.prompt_tokens),
+                                 max(1, r.generation_tokens),
+                                 r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
+                                 _FINISH.get(r.finish_reason, "length"), max(r.max_tokens, r.generation_tokens, 1),
+                                 names.index(band(r.prompt_tokens)) if priority else 0)
+                         for r, source in sorted(rs, key=lambda x: x[0].arrival))
+        out.append(Lane(t.engine, config, arrivals))
+    return out
+
+
+class _Runaway(Exception):
+    pass
+
+
+def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Objectives, limit: int) -> Replay:
+    """Run every lane of `plan` to the end of its work (or `limit` steps)."""
+    served: list[Served] = []
+    stamped: list[tuple[float, tuple[float, ...]]] = []
+    steps = 0
+    stopped = ""
+    unfinished = 0
+
+    def on_step(step: StepRecord) -> None:
+        nonlocal steps
+        steps += 1
+        stamped.append((step.ts, step.inter_token_latencies_iter))
+        served.extend(Served(f.num_prompt_tokens, f.num_generation_tokens, f.time_to_first_token, f.decode_time)
+                      for f in step.finished_requests)
+        if steps > limit:
+            raise _Runaway
+
+    for lane in plan:
+        if not lane.arrivals:
+            continue
+        last = lane.arrivals[-1].offset_s
+        sim = Simulation(Workload("whatif", last, 0.0, lane.arrivals), lane.config, ManualClock(t0),
+                         on_step=on_step)
+        before = len(served)
+        try:
+            sim.advance_to(math.inf)
+        except _Runaway:
+            stopped = f"{lane.engine}: stopped after {limit:,} steps without draining"
+        unfinished += len(lane.arrivals) - (len(served) - before)
+    itls = (x for _, s in stamped for x in s)
+    return Replay(figures(served, itls, objectives, span, unfinished), itl_timeline(stamped, t0, end), steps,
+                  stopped)
+
+
+def _run_one(args: tuple[list[Lane], float, float, float, Objectives, int]) -> Replay:
+    return replay(*args)
+
+
+def _run_all(plans: list[list[Lane]], t0: float, end: float, span: float, objectives: Objectives, limit: int,
+             jobs: int | None) -> list[Replay]:
+    work = [(p, t0, end, span, objectives, limit) for p in plans]
+    workers = min(len(work), jobs if jobs is not None else (os.cpu_count() or 1))
+    if workers <= 1:
+        return [_run_one(w) for w in work]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_run_one, work))
+
+
+def itl_timeline(stamped: Iterable[tuple[float, Sequence[float]]], start: float, end: float
+                 ) -> list[tuple[float, float]]:
+    """ITL p99 per bucket of the window (TIMELINE_BUCKETS of them, at least 1 s), for the overlay plot."""
+    width = max(1.0, (end - start) / TIMELINE_BUCKETS)
+    buckets: dict[int, list[float]] = {}
+    for ts, itls in stamped:
+        if itls:
+            buckets.setdefault(int((ts - start) // width), []).extend(itls)
+    out = []
+    for k in sorted(buckets):
+        values = sorted(buckets[k])
+        out.append((start + k * width, values[min(len(values) - 1, int(0.99 * len(values)))]))
+    return out

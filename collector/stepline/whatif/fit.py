@@ -1,0 +1,204 @@
+"""The engine's step cost, fitted from its recorded steps.
+
+A step's period (the time from the previous step's end to its own, taken only where the previous step left work
+in flight, so the engine went straight on) is fitted as the simulator's cost model is written:
+
+    period = overhead + a * prefill tokens + b * attention pairs + c * decoding requests + d * decode context
+
+Prefill tokens and decoding requests are the step's own (SchedulerIterationDetails; draft tokens count as prefill
+tokens, as the engine verifies them). The other two are not recorded and are rebuilt from the requests: each
+request prefills between its scheduling and its first token, so a step's prefill tokens are handed, oldest first,
+to the requests prefilling then, and a chunk's attention pairs follow from where in its prompt it starts; the
+decode context is the prompt plus the tokens generated so far of every request decoding then (tokens assumed to
+come evenly between first and last). Coefficients are non-negative (a least-squares fit with an active set), and
+the fit is checked on held-out steps: every fifth run of 50 consecutive steps is kept out of the fit that is
+scored, and the model returned is refitted on all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from stepline.sim.costmodel import CostModel, attention_pairs
+from stepline.whatif.trace import EngineTrace, TracedRequest
+
+TERMS = ("overhead", "prefill_token", "attention_pair", "decode_request", "decode_context_token")
+EPS_S = 50e-6  # request times and step stamps are microseconds apart at worst: closer than this is the same moment
+HOLD_OUT_BLOCK = 50
+HOLD_OUT_EVERY = 5
+MIN_STEPS = 20
+
+
+class FitError(ValueError):
+    """The recorded steps cannot support a fit (too few, or no iteration details)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A fitted cost model and how well it predicts steps it did not see."""
+
+    cost: CostModel
+    steps: int  # steps the model was fitted on (each with a known period)
+    held_out: int
+    median_error: float  # of |predicted - recorded| / recorded over held-out steps
+    p90_error: float
+    total_error: float  # (sum predicted - sum recorded) / sum recorded over held-out steps: the replay's clock
+
+    def describe(self) -> str:
+        c = self.cost
+        return (f"step = {c.step_overhead_s * 1e3:.2f} ms + {c.prefill_token_s * 1e6:.3g} us/prefill token + "
+                f"{c.prefill_attention_pair_s * 1e9:.3g} ns/attention pair + {c.decode_request_s * 1e3:.3g} "
+                f"ms/decoding request + {c.decode_context_token_s * 1e9:.3g} ns/context token")
+
+
+def features(trace: EngineTrace) -> list[tuple[float, float, float, float, float]]:
+    """Per recorded step: (1, prefill tokens, attention pairs, decoding requests, decode context tokens)."""
+    steps = trace.steps
+    pairs = _prefill_pairs(trace)
+    context = _decode_context(trace)
+    return [(1.0, float(steps.ctx_tokens[i] + max(0, steps.gen_tokens[i] - steps.gen_requests[i])), pairs[i],
+             float(steps.gen_requests[i]), context[i]) for i in range(len(steps))]
+
+
+def fit(trace: EngineTrace) -> Fit:
+    """Fit `trace`'s engine; FitError when its steps cannot tell the cost."""
+    if not trace.has_iteration_details:
+        raise FitError(f"engine {trace.engine}: its steps carry no composition (vLLM ran without "
+                       "--enable-logging-iteration-details), so its step cost cannot be fitted")
+    steps = trace.steps
+    rows = features(trace)
+    samples = [(rows[i], steps.ts[i] - steps.ts[i - 1]) for i in range(1, len(steps))
+               if steps.in_flight_after[i - 1] > 0 and steps.ts[i] > steps.ts[i - 1]]
+    if len(samples) < MIN_STEPS:
+        raise FitError(f"engine {trace.engine}: {len(samples)} back-to-back steps in the window, too few to fit "
+                       f"its step cost (at least {MIN_STEPS})")
+    held = [k for k in range(len(samples)) if (k // HOLD_OUT_BLOCK) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    held_set = set(held)
+    train = [samples[k] for k in range(len(samples)) if k not in held_set] if held else samples
+    scored = [samples[k] for k in held] if held else samples
+    coefficients = _nnls([x for x, _ in train], [y for _, y in train])
+    errors = sorted(abs(_dot(coefficients, x) - y) / y for x, y in scored)
+    predicted = sum(_dot(coefficients, x) for x, _ in scored)
+    recorded = sum(y for _, y in scored)
+    final = _nnls([x for x, _ in samples], [y for _, y in samples])
+    return Fit(CostModel(*final), len(samples), len(scored), _quantile(errors, 0.5), _quantile(errors, 0.9),
+               (predicted - recorded) / recorded)
+
+
+def _dot(a: list[float], b: tuple[float, ...]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
+def _prefill_pairs(trace: EngineTrace) -> list[float]:
+    steps = trace.steps
+    pending = sorted((r for r in trace.requests if r.prompt_tokens > r.cached_tokens),
+                     key=lambda r: (r.scheduled, r.arrival))
+    active: list[list[float]] = []  # [first token, next chunk start, prompt end], oldest first
+    cursor = 0
+    out: list[float] = []
+    for i, ts in enumerate(steps.ts):
+        while cursor < len(pending) and pending[cursor].scheduled < ts - EPS_S:
+            r = pending[cursor]
+            active.append([r.first_token, float(r.cached_tokens), float(r.prompt_tokens)])
+            cursor += 1
+        active = [a for a in active if a[0] >= ts - EPS_S and a[1] < a[2]]
+        left = float(steps.ctx_tokens[i])
+        pairs = 0.0
+        for a in active:
+            if left <= 0:
+                break
+            chunk = min(left, a[2] - a[1])
+            pairs += attention_pairs(int(a[1]), int(chunk))
+            a[1] += chunk
+            left -= chunk
+        if left > 0:  # tokens no recorded request accounts for: a prompt of its own, from its start
+            pairs += attention_pairs(0, int(left))
+        out.append(pairs)
+    return out
+
+
+def _decode_context(trace: EngineTrace) -> list[float]:
+    # A decoding request's context grows linearly from prompt + 1 at its first token to prompt + generated at its
+    # end: the sum over those decoding at t is s0 + s1 * t, kept by adding and removing requests in time order.
+    decoding = [r for r in trace.requests if r.generation_tokens > 1]
+    starts = sorted(decoding, key=lambda r: r.first_token)
+    ends = sorted(decoding, key=lambda r: r.finished)
+    s0 = s1 = 0.0
+    i = j = 0
+    out: list[float] = []
+
+    def terms(r: TracedRequest) -> tuple[float, float]:
+        span = r.finished - r.first_token
+        rate = (r.generation_tokens - 1) / span if span > 0 else 0.0
+        return r.prompt_tokens + 1 - rate * r.first_token, rate
+
+    for ts in trace.steps.ts:
+        while i < len(starts) and starts[i].first_token < ts - EPS_S:
+            a, b = terms(starts[i])
+            s0, s1 = s0 + a, s1 + b
+            i += 1
+        while j < len(ends) and ends[j].finished < ts - EPS_S:
+            a, b = terms(ends[j])
+            s0, s1 = s0 - a, s1 - b
+            j += 1
+        out.append(max(0.0, s0 + s1 * ts))
+    return out
+
+
+def _nnls(xs: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: solve on the free terms, drop the most negative, repeat."""
+    width = len(xs[0])
+    scale = [max((abs(x[k]) for x in xs), default=0.0) or 1.0 for k in range(width)]
+    free = [k for k in range(width) if any(x[k] for x in xs)]
+    while free:
+        solution = _solve(xs, ys, free, scale)
+        worst = min(free, key=lambda k: solution[k])
+        if solution[worst] >= 0:
+            return solution
+        free.remove(worst)
+    return [0.0] * width
+
+
+def _solve(xs: list[tuple[float, ...]], ys: list[float], free: list[int], scale: list[float]) -> list[float]:
+    n = len(free)
+    a = [[0.0] * n for _ in range(n)]
+    b = [0.0] * n
+    for x, y in zip(xs, ys, strict=True):
+        v = [x[k] / scale[k] for k in free]
+        for p in range(n):
+            b[p] += v[p] * y
+            row = a[p]
+            for q in range(n):
+                row[q] += v[p] * v[q]
+    for p in range(n):
+        a[p][p] += 1e-12 * (a[p][p] or 1.0)  # a ridge too small to matter, so a duplicate column still solves
+    coefficients = _gauss(a, b)
+    out = [0.0] * len(scale)
+    for p, k in enumerate(free):
+        out[k] = coefficients[p] / scale[k]
+    return out
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if m[r][r] == 0:
+            continue
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out

@@ -1,0 +1,56 @@
+"""What `whatif` adds to a diagnosis: for a finding with a lever, what the best of its levers would buy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from stepline.diagnosis.findings import Finding
+from stepline.whatif.core import Priced, WhatIf
+from stepline.whatif.render import seconds
+
+# The lever families that answer each finding kind (diagnosis/causes.py names the kinds).
+FAMILIES = {
+    "prefill_interference": ("long_prefill_token_threshold", "max_num_batched_tokens", "deadline_chunk", "shard"),
+    "head_of_line_blocking": ("shard", "policy", "long_prefill_token_threshold", "max_num_batched_tokens"),
+    "overload": ("max_num_seqs", "max_num_batched_tokens", "policy", "shard"),
+    "kv_pressure": ("max_num_seqs", "max_num_batched_tokens"),
+}
+
+
+def best_for(result: WhatIf, kind: str) -> Priced | None:
+    """The best-ranked available lever of the families that answer `kind`, or None."""
+    families = FAMILIES.get(kind)
+    if not families:
+        return None
+    return next((p for p in result.ranked() if p.replay is not None and p.lever.family in families), None)
+
+
+def summary(result: WhatIf, priced: Priced) -> str:
+    """One line: what the lever buys against the replayed baseline, and how far to trust it."""
+    assert priced.replay is not None
+    base, f = result.baseline.figures, priced.replay.figures
+    delta = priced.delta(base)
+    gain = "" if math.isnan(delta) else f"goodput {delta:+.0%} ({base.goodput_rps:.2f} -> {f.goodput_rps:.2f}/s), "
+    trust = ("the replay reproduces the recording" if result.reproduces else
+             "the replay does not reproduce the recording: a direction, not an amount")
+    return (f"whatif: {priced.lever.name} gives {gain}ITL p99 {seconds(base.itl_p99_s)} -> {seconds(f.itl_p99_s)}, "
+            f"TTFT p99 {seconds(base.ttft_p99_s)} -> {seconds(f.ttft_p99_s)} ({trust})")
+
+
+def annotate(findings: Sequence[Finding], result: WhatIf) -> list[Finding]:
+    """The findings, those with a lever family extended by what its best lever would buy (evidence['whatif'])."""
+    out = []
+    for f in findings:
+        priced = best_for(result, f.kind) if f.lever else None
+        if priced is None or (f.engine and f.engine not in result.engines):
+            out.append(f)
+            continue
+        line = summary(result, priced)
+        assert priced.replay is not None
+        evidence = {**f.evidence, "whatif": {"lever": priced.lever.name, "goodput_delta": round(
+            priced.delta(result.baseline.figures), 4), "itl_p99_s": round(priced.replay.figures.itl_p99_s, 4),
+            "ttft_p99_s": round(priced.replay.figures.ttft_p99_s, 4), "reproduces": result.reproduces}}
+        out.append(replace(f, lever=f"{f.lever}. {line}", evidence=evidence))
+    return out

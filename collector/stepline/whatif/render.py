@@ -1,0 +1,175 @@
+"""`stepline whatif` as text and as JSON."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from html import escape
+from typing import Any
+
+from stepline.reader import render_table
+from stepline.whatif.core import CALIBRATION_TOLERANCE, Priced, WhatIf
+from stepline.whatif.figures import BANDS, Figures
+
+FIGURE_NAMES = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99", "goodput_rps": "goodput"}
+
+
+def seconds(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.2f}s" if x < 100 else f"{x:.0f}s"
+
+
+def rate_range(figures: Figures, name: str) -> str:
+    r = figures.decode_rates.get(name)
+    return f"{r[0]:.1f}-{r[2]:.1f}" if r else "-"
+
+
+def _row(label: str, f: Figures, delta: str) -> list[str]:
+    return [label, seconds(f.ttft_p50_s), seconds(f.ttft_p99_s), seconds(f.itl_p99_s),
+            f"{f.goodput_rps:.3f}/s ({f.good}/{f.requests})", delta]
+
+
+def _rates(label: str, f: Figures, bands: list[str]) -> list[str]:
+    return [label, *(rate_range(f, b) for b in bands)]
+
+
+def _hms(epoch: float) -> str:
+    return f"{datetime.fromtimestamp(epoch, UTC):%H:%M:%S}"
+
+
+def render(result: WhatIf, *, top: int | None = None) -> str:
+    bands = [name for name, _ in BANDS if name in result.recorded.decode_rates]
+    header = ["", "TTFT p50", "TTFT p99", "ITL p99", "goodput", "vs baseline"]
+    rates_header = ["decode tok/s p10-p90", *bands]
+    o = result.objectives
+    lines = [f"whatif: {result.recorded.requests} requests arriving {_hms(result.start)}..{_hms(result.end)} UTC "
+             f"on {', '.join(result.engines)}; goodput = requests/s with TTFT <= {seconds(o.ttft_s)} and mean "
+             f"TPOT <= {seconds(o.tpot_s)}; decode tok/s as p10-p90 per prompt band", ""]
+    for engine, fit in result.fits.items():
+        lines.append(f"step cost of {engine}, fitted on {fit.steps:,} steps: {fit.describe()}")
+        lines.append(f"  on {fit.held_out:,} held-out steps: median error {fit.median_error:.1%}, p90 "
+                     f"{fit.p90_error:.1%}, total time {fit.total_error:+.1%}")
+    for why in result.skipped.values():
+        lines.append(f"not replayed: {why}")
+    for note in result.assumed:
+        lines.append(f"assumed: {note}")
+    lines.append("")
+    lines.append("calibration: the recorded window, and the same requests replayed under the recorded settings")
+    lines.append(render_table(header[:-1], [_row("recorded", result.recorded, "")[:-1],
+                                            _row("replayed", result.baseline.figures, "")[:-1]]))
+    lines.append(render_table(rates_header, [_rates("recorded", result.recorded, bands),
+                                             _rates("replayed", result.baseline.figures, bands)]))
+    errors = result.calibration_errors
+    worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
+    if result.baseline.stopped:
+        lines.append(f"the replay does NOT reproduce the recording: {result.baseline.stopped}")
+    elif worst is not None and result.reproduces:
+        lines.append(f"the replay reproduces the recording within {CALIBRATION_TOLERANCE:.0%} (worst: "
+                     f"{FIGURE_NAMES[worst]} {errors[worst]:+.0%})")
+    elif worst is not None:
+        off = ", ".join(f"{FIGURE_NAMES[k]} {v:+.0%}" for k, v in errors.items() if abs(v) > CALIBRATION_TOLERANCE)
+        lines.append(f"the replay does NOT reproduce the recording: {off} (tolerance {CALIBRATION_TOLERANCE:.0%}); "
+                     "read the levers' figures as directions, not amounts")
+    lines.append("")
+    ranked = result.ranked()
+    shown = [p for p in ranked if p.replay is not None][:top] if top else [p for p in ranked if p.replay]
+    base = result.baseline.figures
+    labels = ["replayed baseline", *(f"{i}. {p.lever.name}" for i, p in enumerate(shown, 1))]
+    figs = [base, *(p.replay.figures for p in shown if p.replay is not None)]
+    deltas = ["", *(_delta(p, base) for p in shown)]
+    lines.append("levers, ranked by goodput")
+    lines.append(render_table(header, [_row(lb, f, d) for lb, f, d in zip(labels, figs, deltas, strict=True)],
+                              max_width=44))
+    lines.append("")
+    lines.append(render_table(rates_header, [_rates(lb, f, bands) for lb, f in zip(labels, figs, strict=True)],
+                              max_width=44))
+    for p in shown:
+        if p.replay is not None and (p.replay.stopped or p.replay.figures.unfinished):
+            lines.append(f"  {p.lever.name}: {p.replay.stopped or ''} {p.replay.figures.unfinished} requests "
+                         "unserved".strip())
+    unavailable = [p for p in ranked if p.replay is None]
+    if unavailable:
+        lines.append("")
+        lines.append("unavailable on this engine:")
+        lines.extend(f"  {p.lever.name}: {p.lever.unavailable}" for p in unavailable)
+    notes = {p.lever.family: p.lever.note for p in ranked if p.lever.note}
+    if notes:
+        lines.append("")
+        lines.extend(f"  {family}: {note}" for family, note in notes.items())
+    return "\n".join(lines)
+
+
+def _delta(p: Priced, base: Figures) -> str:
+    d = p.delta(base)
+    return "-" if math.isnan(d) else f"{d:+.0%} goodput"
+
+
+def as_json(result: WhatIf) -> dict[str, Any]:
+    return {
+        "start": datetime.fromtimestamp(result.start, UTC).isoformat(),
+        "end": datetime.fromtimestamp(result.end, UTC).isoformat(),
+        "objectives": {"ttft_s": result.objectives.ttft_s, "tpot_s": result.objectives.tpot_s},
+        "engines": result.engines,
+        "fits": {e: {"model": f.describe(), "steps": f.steps, "held_out_steps": f.held_out,
+                     "median_error": f.median_error, "p90_error": f.p90_error, "total_error": f.total_error,
+                     "coefficients": {"overhead_s": f.cost.step_overhead_s, "prefill_token_s": f.cost.prefill_token_s,
+                                      "attention_pair_s": f.cost.prefill_attention_pair_s,
+                                      "decode_request_s": f.cost.decode_request_s,
+                                      "decode_context_token_s": f.cost.decode_context_token_s}}
+                 for e, f in result.fits.items()},
+        "skipped": result.skipped,
+        "assumed": result.assumed,
+        "recorded": result.recorded.as_json(),
+        "baseline": result.baseline.figures.as_json(),
+        "calibration_errors": result.calibration_errors,
+        "reproduces": result.reproduces,
+        "levers": [{"lever": p.lever.name, "family": p.lever.family, "note": p.lever.note,
+                    "available": p.replay is not None, "unavailable": p.lever.unavailable,
+                    "figures": p.replay.figures.as_json() if p.replay else None,
+                    "goodput_delta": None if math.isnan(p.delta(result.baseline.figures)) else
+                    p.delta(result.baseline.figures),
+                    "stopped": p.replay.stopped if p.replay else ""}
+                   for p in result.ranked()],
+    }
+
+
+HTML_LEVERS = 8
+
+
+def html_section(result: WhatIf | None, why_not: str = "") -> str:
+    """The report's whatif section: the calibration, the ranked levers, and ITL p99 over time recorded, replayed
+    and under the best lever on one axis."""
+    from stepline.diagnosis.report import Plot, Series, render_svg
+
+    if result is None:
+        return f"<h2>What each lever would buy</h2><p>Not available: {escape(why_not)}</p>"
+    base = result.baseline.figures
+    ranked = [p for p in result.ranked() if p.replay is not None]
+    errors = result.calibration_errors
+    verdict = ("The replay reproduces the recording within " f"{CALIBRATION_TOLERANCE:.0%}" if result.reproduces
+               else "The replay does NOT reproduce the recording: read the levers as directions, not amounts")
+    calibration = ", ".join(f"{FIGURE_NAMES[k]} {v:+.0%}" for k, v in errors.items())
+    rows = [("recorded", result.recorded, ""), ("replayed baseline", base, "")]
+    rows += [(p.lever.name, p.replay.figures, _delta(p, base)) for p in ranked[:HTML_LEVERS]  # type: ignore[union-attr]
+             ]
+    cells = "".join(
+        f"<tr><td>{escape(label)}</td><td>{seconds(f.ttft_p50_s)}</td><td>{seconds(f.ttft_p99_s)}</td>"
+        f"<td>{seconds(f.itl_p99_s)}</td><td>{f.goodput_rps:.3f}/s ({f.good}/{f.requests})</td>"
+        f"<td>{escape(d)}</td></tr>" for label, f, d in rows)
+    unavailable = "".join(f"<li>{escape(p.lever.name)}: {escape(p.lever.unavailable)}</li>"
+                          for p in result.ranked() if p.replay is None)
+    series = [Series("recorded", result.recorded_timeline), Series("replayed baseline", result.baseline.timeline)]
+    if ranked and ranked[0].replay is not None:
+        series.append(Series(f"best lever: {ranked[0].lever.name}", ranked[0].replay.timeline))
+    plot = Plot("ITL p99: recorded, replayed, and under the best lever", "s", series)
+    t0 = min([result.start, *(t for s in series for t, _ in s.points)])
+    t1 = max([result.end, *(t for s in series for t, _ in s.points)])
+    o = result.objectives
+    return (f'<h2>What each lever would buy</h2><div class="meta">{escape(verdict)} ({escape(calibration)}); '
+            f"goodput counts requests with TTFT &lt;= {seconds(o.ttft_s)} and mean TPOT &lt;= {seconds(o.tpot_s)}. "
+            f"`stepline whatif` prints every lever.</div>"
+            "<table><tr><th></th><th>TTFT p50</th><th>TTFT p99</th><th>ITL p99</th><th>goodput</th>"
+            f"<th>vs baseline</th></tr>{cells}</table>"
+            + (f"<p>Unavailable on this engine:</p><ul>{unavailable}</ul>" if unavailable else "")
+            + render_svg(plot, t0, t1 + 1.0, []))

@@ -1,0 +1,107 @@
+"""The recorded window as the replay needs it: each engine's finished requests, its steps and its settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from stepline.diagnosis.common import EACH_ENGINE, Query, engine_configs, number, utc
+from stepline.diagnosis.findings import Window
+from stepline.summary import Reads
+
+
+@dataclass(frozen=True, slots=True)
+class TracedRequest:
+    """One finished request, times in epoch seconds."""
+
+    request_id: str
+    arrival: float
+    finished: float
+    queue_s: float
+    ttft_s: float
+    decode_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    finish_reason: str
+    max_tokens: int
+
+    @property
+    def scheduled(self) -> float:
+        return self.arrival + self.queue_s
+
+    @property
+    def first_token(self) -> float:
+        return self.arrival + self.ttft_s
+
+
+@dataclass(slots=True)
+class Steps:
+    """An engine's steps in time order, one list per column."""
+
+    ts: list[float] = field(default_factory=list)
+    elapsed_s: list[float] = field(default_factory=list)
+    ctx_tokens: list[int] = field(default_factory=list)
+    gen_requests: list[int] = field(default_factory=list)
+    gen_tokens: list[int] = field(default_factory=list)
+    in_flight_after: list[int] = field(default_factory=list)  # running + waiting after the step
+    itls: list[tuple[float, ...]] = field(default_factory=list)  # each step's inter-token latencies
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+@dataclass(slots=True)
+class EngineTrace:
+    """One engine's share of the window."""
+
+    engine: str
+    config: dict[str, str]
+    requests: list[TracedRequest]
+    steps: Steps
+
+    @property
+    def has_iteration_details(self) -> bool:
+        """False when vLLM ran without --enable-logging-iteration-details: no step composition to fit."""
+        return any(e == e for e in self.steps.elapsed_s)  # NaN != NaN
+
+
+_REQUESTS = (
+    "SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), toUnixTimestamp64Micro(ts), queue_seconds, "
+    "ttft_seconds, decode_seconds, prompt_tokens, cached_tokens, generation_tokens, finish_reason, max_tokens "
+    "FROM requests FINAL WHERE arrival_ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)} "
+    f"AND {EACH_ENGINE} ORDER BY engine, arrival_ts, request_id"
+)
+_STEPS = (
+    "SELECT engine, toUnixTimestamp64Micro(ts), elapsed_ms, num_ctx_tokens, num_generation_requests, "
+    "num_generation_tokens, running + waiting, itl_seconds FROM steps WHERE ts >= {start:DateTime64(6)} AND "
+    f"ts <= {{end:DateTime64(6)}} AND NOT is_dummy AND {EACH_ENGINE} ORDER BY engine, ts, step"
+)
+
+
+def load(reader: Reads, window: Window) -> list[EngineTrace]:
+    """Every engine with finished requests that arrived in the window. Steps are read up to the last of those
+    requests' finish, so the replay and the recording cover the same work."""
+    requests: dict[str, list[TracedRequest]] = {}
+    for row in Query(_REQUESTS, start=window.start, end=window.end, engine=window.engine).rows(reader):
+        engine = str(row[0])
+        requests.setdefault(engine, []).append(TracedRequest(
+            str(row[1]), int(row[2]) / 1e6, int(row[3]) / 1e6, number(row[4]), number(row[5]), number(row[6]),
+            int(row[7]), int(row[8]), int(row[9]), str(row[10]), int(row[11])))
+    if not requests:
+        return []
+    last = max(r.finished for rs in requests.values() for r in rs)
+    steps: dict[str, Steps] = {}
+    end = max(window.end, utc(datetime.fromtimestamp(last)))
+    for row in Query(_STEPS, start=window.start, end=end, engine=window.engine).rows(reader):
+        s = steps.setdefault(str(row[0]), Steps())
+        s.ts.append(int(row[1]) / 1e6)
+        s.elapsed_s.append(float(row[2]) / 1e3)
+        s.ctx_tokens.append(int(row[3]))
+        s.gen_requests.append(int(row[4]))
+        s.gen_tokens.append(int(row[5]))
+        s.in_flight_after.append(int(row[6]))
+        s.itls.append(tuple(float(v) for v in row[7]))
+    configs = engine_configs(reader, window)
+    return [EngineTrace(engine, configs.get(engine, {}), rs, steps.get(engine, Steps()))
+            for engine, rs in sorted(requests.items())]

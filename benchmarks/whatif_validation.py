@@ -17,6 +17,7 @@ import math
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import clickhouse_connect
@@ -48,8 +49,11 @@ def cases() -> dict[str, Case]:
         "steady-hot": [("e0", steady(seed=2, duration_s=90.0, rate_per_s=12.0),
                         EngineConfig(num_gpu_blocks=12_000, max_num_seqs=64))],
         "burst": [("e0", make_workload("burst"), EngineConfig())],
+        # Both 30 s of arrivals and 45 s of drain: the recording aligns engines by their end (run_engines), the
+        # truth below by their start, and equal spans make the two the same.
         "two-engines": [("e0", short_burst(seed=3), EngineConfig()),
-                        ("e1", steady(seed=4, duration_s=75.0, rate_per_s=6.0), EngineConfig())],
+                        ("e1", replace(steady(seed=4, duration_s=30.0, rate_per_s=8.0), drain_s=45.0),
+                         EngineConfig())],
     }
 
 

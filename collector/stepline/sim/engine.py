@@ -43,7 +43,10 @@ class Simulation:
         *,
         on_step: StepCallback | None = None,
         repeat: bool = False,
+        step_noise: Callable[[float], float] | None = None,
     ) -> None:
+        """`step_noise` maps the cost model's seconds for a step to the seconds it takes (a replay of a real
+        engine draws its recorded jitter there); None: exactly the model's."""
         self.workload = workload
         self.config = config or EngineConfig()
         # Wall-clock time of simulated second 0; records are stamped start_ts + simulated seconds.
@@ -54,6 +57,7 @@ class Simulation:
         self.metrics = VllmMetrics(self.config)
         self._scheduler = Scheduler(self.config)
         self._cost = self.config.cost
+        self._step_noise = step_noise
         self._on_step = on_step
         self._repeat = repeat and bool(workload.arrivals)
         self._cursor = 0
@@ -150,6 +154,8 @@ class Simulation:
                         len(batch.decodes),
                         batch.decode_context_tokens,
                     )
+                    if self._step_noise is not None:
+                        cost = self._step_noise(cost)
                     self._inflight = (batch, self.now + cost)
                     continue
                 if batch.num_preempted:

@@ -21,7 +21,7 @@ from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord
 from stepline.sim.workloads import Arrival, Workload
 from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
-from stepline.whatif.fit import Fit, FitError, fit
+from stepline.whatif.fit import Fit, FitError, Jitter, fit
 from stepline.whatif.levers import Lever, baseline_config, candidates
 from stepline.whatif.trace import EngineTrace
 
@@ -38,11 +38,13 @@ class WhatIfError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Lane:
-    """One engine as the replay runs it: settings with the fitted cost, and the requests it serves."""
+    """One engine as the replay runs it: settings with the fitted cost, the requests it serves, and the residuals
+    of its fit that each step's time draws from (none: the model's time exactly)."""
 
     engine: str
     config: EngineConfig
     arrivals: tuple[Arrival, ...]
+    residuals: tuple[tuple[float, tuple[float, ...]], ...] = ()
 
 
 @dataclass(slots=True)
@@ -108,6 +110,19 @@ def served_recorded(traces: Iterable[EngineTrace]) -> list[Served]:
     return [Served(r.prompt_tokens, r.generation_tokens, r.ttft_s, r.decode_s) for t in traces for r in t.requests]
 
 
+def arrival_span(traces: Sequence[EngineTrace]) -> tuple[float, float]:
+    """First and last arrival of the traces' requests."""
+    arrivals = [r.arrival for t in traces for r in t.requests]
+    return min(arrivals), max(arrivals)
+
+
+def recorded_figures(traces: Sequence[EngineTrace], objectives: Objectives) -> Figures:
+    """The figures of what the traces recorded, computed as a replay's are."""
+    start, end = arrival_span(traces)
+    return figures(served_recorded(traces), (x for t in traces for s in t.steps.itls for x in s), objectives,
+                   max(end - start, 1.0))
+
+
 def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequence[Lever] | None = None,
            chars_per_token: float | None = None, jobs: int | None = None) -> WhatIf:
     """Fit, calibrate, and price every lever (or `levers`) on the window's `traces`."""
@@ -130,17 +145,17 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
         assumed.extend(f"{t.engine}: {g} (not in its engine_config)" for g in guessed)
         if not t.config:
             assumed.append(f"{t.engine}: no engine_config event; vLLM's defaults replayed")
-    start = min(r.arrival for t in used for r in t.requests)
-    end = max(r.arrival for t in used for r in t.requests)
+    start, end = arrival_span(used)
     span = max(end - start, 1.0)
     recorded_steps = sum(len(t.steps) for t in used)
     limit = max(MIN_STEP_LIMIT, MAX_STEPS_FACTOR * recorded_steps)
-    recorded = figures(served_recorded(used), (x for t in used for s in t.steps.itls for x in s), objectives, span)
+    recorded = recorded_figures(used, objectives)
     recorded_timeline = itl_timeline(((ts, itls) for t in used for ts, itls in zip(t.steps.ts, t.steps.itls,
                                                                                   strict=True)), start, end)
     chosen = list(levers) if levers is not None else candidates(used, configs, objectives.tpot_s, chars_per_token)
-    plans = [lanes(used, configs, None, start)] + [lanes(used, configs, lv, start) for lv in chosen
-                                                   if not lv.unavailable]
+    residuals = [fits[t.engine].residuals for t in used]
+    plans = [lanes(used, configs, lv, start, residuals) for lv in [None, *(lv for lv in chosen
+                                                                          if not lv.unavailable)]]
     results = _run_all(plans, start, end, span, objectives, limit, jobs)
     result = WhatIf(start, end, objectives, [t.engine for t in used], fits, skipped, assumed,
                     {t.engine: c for t, c in zip(used, configs, strict=True)}, recorded, recorded_timeline,
@@ -150,7 +165,8 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
     return result
 
 
-def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever | None, t0: float) -> list[Lane]:
+def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever | None, t0: float,
+          residuals: Sequence[tuple[tuple[float, tuple[float, ...]], ...]] = ()) -> list[Lane]:
     """Each engine's settings under `lever` and the requests it would serve (sharded, when the lever says so)."""
     settings: dict[str, Any] = dict(lever.settings) if lever else {}
     tuned = [replace(c, **settings) for c in configs]
@@ -170,14 +186,14 @@ def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever |
     priority = lever is not None and lever.priority_by_band
     names = [name for name, _ in BANDS]
     out = []
-    for t, config, rs in zip(traces, tuned, requests, strict=True):
+    for i, (t, config, rs) in enumerate(zip(traces, tuned, requests, strict=True)):
         arrivals = tuple(Arrival(r.arrival - t0, f"{source}/{r.request_id}", max(1, r.prompt_tokens),
                                  max(1, r.generation_tokens),
                                  r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
                                  _FINISH.get(r.finish_reason, "length"), max(r.max_tokens, r.generation_tokens, 1),
                                  names.index(band(r.prompt_tokens)) if priority else 0)
                          for r, source in sorted(rs, key=lambda x: x[0].arrival))
-        out.append(Lane(t.engine, config, arrivals))
+        out.append(Lane(t.engine, config, arrivals, residuals[i] if i < len(residuals) else ()))
     return out
 
 
@@ -207,7 +223,7 @@ def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Obj
             continue
         last = lane.arrivals[-1].offset_s
         sim = Simulation(Workload("whatif", last, 0.0, lane.arrivals), lane.config, ManualClock(t0),
-                         on_step=on_step)
+                         on_step=on_step, step_noise=Jitter(lane.residuals, lane.engine) if lane.residuals else None)
         before = len(served)
         try:
             sim.advance_to(math.inf)

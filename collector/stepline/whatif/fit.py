@@ -17,8 +17,11 @@ scored, and the model returned is refitted on all of them.
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from stepline.sim.costmodel import CostModel, attention_pairs
 from stepline.whatif.trace import EngineTrace, TracedRequest
@@ -28,6 +31,8 @@ EPS_S = 50e-6  # request times and step stamps are microseconds apart at worst: 
 HOLD_OUT_BLOCK = 50
 HOLD_OUT_EVERY = 5
 MIN_STEPS = 20
+JITTER_BUCKETS = 8  # residuals are drawn from steps of about the same predicted time: an eighth of the steps
+JITTER_FLOOR = 0.1  # a step never takes less than this share of what the model predicts
 
 
 class FitError(ValueError):
@@ -44,12 +49,33 @@ class Fit:
     median_error: float  # of |predicted - recorded| / recorded over held-out steps
     p90_error: float
     total_error: float  # (sum predicted - sum recorded) / sum recorded over held-out steps: the replay's clock
+    # (highest predicted seconds of a bucket of steps, the recorded - predicted seconds of its steps), ascending
+    residuals: tuple[tuple[float, tuple[float, ...]], ...] = field(default=(), repr=False)
+
+    def jitter(self, seed: str) -> Jitter:
+        """A replay's step times: the model's, plus a residual of a recorded step of about the same size."""
+        return Jitter(self.residuals, seed)
 
     def describe(self) -> str:
         c = self.cost
         return (f"step = {c.step_overhead_s * 1e3:.2f} ms + {c.prefill_token_s * 1e6:.3g} us/prefill token + "
                 f"{c.prefill_attention_pair_s * 1e9:.3g} ns/attention pair + {c.decode_request_s * 1e3:.3g} "
                 f"ms/decoding request + {c.decode_context_token_s * 1e9:.3g} ns/context token")
+
+
+class Jitter:
+    """Maps a step's predicted seconds to a drawn step time (seeded: every replay of a window draws alike)."""
+
+    def __init__(self, residuals: tuple[tuple[float, tuple[float, ...]], ...], seed: str) -> None:
+        self._bounds = [b for b, _ in residuals]
+        self._residuals = [r for _, r in residuals]
+        self._rng = random.Random(seed)
+
+    def __call__(self, predicted: float) -> float:
+        if not self._bounds:
+            return predicted
+        k = min(bisect.bisect_left(self._bounds, predicted), len(self._bounds) - 1)
+        return max(JITTER_FLOOR * predicted, predicted + self._rng.choice(self._residuals[k]))
 
 
 def features(trace: EngineTrace) -> list[tuple[float, float, float, float, float]]:
@@ -83,7 +109,15 @@ def fit(trace: EngineTrace) -> Fit:
     recorded = sum(y for _, y in scored)
     final = _nnls([x for x, _ in samples], [y for _, y in samples])
     return Fit(CostModel(*final), len(samples), len(scored), _quantile(errors, 0.5), _quantile(errors, 0.9),
-               (predicted - recorded) / recorded)
+               (predicted - recorded) / recorded, _residuals(final, samples))
+
+
+def _residuals(coefficients: list[float], samples: Sequence[tuple[tuple[float, ...], float]]
+               ) -> tuple[tuple[float, tuple[float, ...]], ...]:
+    pairs = sorted((_dot(coefficients, x), y) for x, y in samples)
+    size = max(1, -(-len(pairs) // JITTER_BUCKETS))
+    return tuple((chunk[-1][0], tuple(y - p for p, y in chunk))
+                 for chunk in (pairs[i:i + size] for i in range(0, len(pairs), size)))
 
 
 def _dot(a: list[float], b: tuple[float, ...]) -> float:

@@ -16,12 +16,13 @@ from unittest import mock
 import pytest
 
 from stepline import matrix
-from stepline.matrix import percentile, render, run_matrix
+from stepline.matrix import render, run_matrix
 from stepline.matrix_client import (
     LONG_MAX_TOKENS,
     UNCOUNTED_SHARE,
     Endpoint,
     MatrixError,
+    percentile,
     prompt_text,
     size_long_prompt,
 )

@@ -178,11 +178,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
          "write a self-contained HTML incident report (findings and plots on one time axis)",
          "Diagnose a window and write one HTML file that opens anywhere without a network: the findings, then "
          "step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis with the findings' windows marked."),
+        ("whatif", "stepline.whatif.cli", "what each scheduler lever would buy, replayed on the recorded window",
+         "Fits the engine's step cost from its recorded steps (error on held-out steps), replays the window's "
+         "requests through the simulator's scheduler under the recorded settings (the calibration check, beside "
+         "the recording) and under each lever: chunk threshold, token budget, max_num_seqs, prefill interval, "
+         "priority, shape-sharding, deadline-aware chunks. TTFT, ITL, decode rates and goodput, ranked."),
         ("matrix", "stepline.matrix", "interference test: decode-only vs + long uncached prompt vs + cached prompt",
          "Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one long "
          "uncached prompt; the same with that prompt cached. Every token is timestamped on the client; TTFT and "
          "ITL p50/p95/p99 and the worst gap per run, with deltas. Results also go to the store as matrix_run "
-         "events."),
+         "events. With --sweep NAME=V1,V2 --launch 'COMMAND ... {NAME}' it starts the engine with each value, "
+         "measures it (the matrix, or --replay of a recorded window), stops it, and prints one table."),
+        ("replay", "stepline.replay", "send a recorded window's request shape to an engine, at its arrival times",
+         "Read a window's finished requests from the store and send the same shape to any OpenAI-compatible "
+         "streaming endpoint: the same arrival offsets (divided by --speed), prompt and output lengths in tokens, "
+         "and prefix-cache hits made to recur through shared token-id prefixes. Prints what was sent and what came "
+         "back: requests completed and failed, tokens, client-side TTFT and ITL p50/p99."),
         ("alerts", "stepline.alerting.cli",
          "generate the alert rules, Alertmanager example and Grafana alert provisioning",
          "`stepline alerts build` regenerates everything in alerts/ from the one alert config: Prometheus rules, "

@@ -13,8 +13,8 @@ how many tokens the events carried. The long prompt is sized to the model's `max
 The runs are stored as `matrix_run` events: through the running collector that holds the store (its events
 endpoint, with the token from its runtime file), else straight into the store.
 
-The matrix cannot change server settings: for `--sweep NAME=v1,v2` the user restarts the engine
-with each value when asked, and the value only labels the runs.
+For `--sweep NAME=v1,v2` alone the user restarts the engine with each value when asked, and the value only
+labels the runs. With `--launch COMMAND` the sweep starts the engine itself, once per value (sweep.py).
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ from stepline.matrix_client import (
     MatrixError,
     StreamResult,
     long_prompt,
+    percentile,
     prompt_text,
     size_long_prompt,
 )
+from stepline.replay import add_replay_arguments, split_engine
 from stepline.rows import Event, micros
 from stepline.runtimefile import collector_for, locate_store, store_without_password
 from stepline.store import Store, StoreError, StoreLocked
@@ -52,6 +54,7 @@ RUNS = (("a", "decode-only"), ("b", "+ uncached long prompt"), ("c", "+ cached l
 BUNCHED_GAP_S = 0.001
 BUNCHED_SHARE_NOTED = 0.25
 NEW_STORE_RETENTION_DAYS = 30  # the collector's default, for a store the matrix is the first to open
+STOP_GRACE_S = 30.0  # a launched engine's time to stop on SIGINT before its process group is killed
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,17 +109,6 @@ class MatrixResult:
     def run(self, key: str) -> RunStats:
         """The run called `key` ("a", "b" or "c")."""
         return next(r for r in self.runs if r.key == key)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), interpolating linearly between ranks; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def run_matrix(
@@ -322,7 +314,11 @@ def store_results(store_url: str, rows: Sequence[Event]) -> str:
                          ) from None
     finally:
         store.close()
-    return f"stored {len(rows)} matrix_run events in {store.url.redacted()}"
+    return f"stored {len(rows)} {_kinds(rows)} events in {store.url.redacted()}"
+
+
+def _kinds(rows: Sequence[Event]) -> str:
+    return " and ".join(sorted({row.kind for row in rows})) or "matrix_run"
 
 
 def deliver(rows: Sequence[Event], store: str | None, collector: str | None) -> str:
@@ -335,13 +331,14 @@ def deliver(rows: Sequence[Event], store: str | None, collector: str | None) -> 
         if not token:
             raise EventsRefused("--collector needs the token the collector runs with in $STEPLINE_OTLP_TOKEN")
         taken = post_events(collector, token, rows)
-        return f"handed {taken} matrix_run events to the collector at {collector}, which writes them into its store"
+        return (f"handed {taken} {_kinds(rows)} events to the collector at {collector}, which writes them into its "
+                "store")
     located = locate_store(store)
     running = located.collector or collector_for(store_without_password(parse_store_url(located.url)))
     if running is None or not running.events_url:
         return store_results(located.url, rows)
     taken = post_events(running.events_url, running.events_token, rows)
-    return (f"handed {taken} matrix_run events to the running collector (pid {running.pid}), which writes them "
+    return (f"handed {taken} {_kinds(rows)} events to the running collector (pid {running.pid}), which writes them "
             f"into {running.store}")
 
 
@@ -364,8 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, dest="timeout_s", metavar="SECONDS",
                         help="longest wait for any answer or token (default: %(default)s)")
     parser.add_argument("--sweep", metavar="NAME=V1,V2",
-                        help="label the matrix with each value in turn; restart the engine with each when asked "
-                             "(the matrix cannot change server settings itself)")
+                        help="run once per value: with --launch, each value on an engine started for it; without, "
+                             "the value only labels the runs and you restart the engine with each when asked")
     parser.add_argument("--store", help="store URL for the matrix_run events (default: $STEPLINE_STORE, else "
                                         "./stepline-data when it exists, else the running collector's store); "
                                         "when a running collector holds it, the events go through that collector")
@@ -374,23 +371,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "logs it; the token is the collector's $STEPLINE_OTLP_TOKEN, read from the same "
                              "variable here) instead of finding it through its runtime file")
     parser.add_argument("--no-store", action="store_true", help="only print the results")
+    launch = parser.add_argument_group("launching the engine per --sweep value")
+    launch.add_argument("--launch", metavar="COMMAND",
+                        help="the engine's command line, with {NAME} (the --sweep name in braces) where each value "
+                             "goes, e.g. '... --max-num-batched-tokens {max_num_batched_tokens}'; it must serve at "
+                             "--engine; started in a process group of its own, stopped with SIGINT (SIGKILL after "
+                             f"{STOP_GRACE_S:g} s) once measured")
+    launch.add_argument("--launch-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="longest wait for the launched engine's /health and /v1/models (default: %(default)g)")
+    launch.add_argument("--replay", action="store_true",
+                        help="measure each value with a `stepline replay` of the recorded window (the options "
+                             "below; read from --store once) instead of the matrix")
+    add_replay_arguments(launch)
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    """NAME=V1,V2,... as (NAME, [V1, V2, ...]); MatrixError otherwise."""
+    name, sep, values = spec.partition("=")
+    listed = [v.strip() for v in values.split(",") if v.strip()]
+    if not (name.strip() and sep and listed):
+        raise MatrixError(f"--sweep {spec!r} must be NAME=V1,V2,...")
+    return name.strip(), listed
 
 
 def _sweep_labels(spec: str | None) -> list[str | None]:
     if spec is None:
         return [None]
-    name, sep, values = spec.partition("=")
-    labels = [f"{name.strip()}={v.strip()}" for v in values.split(",") if v.strip()]
-    if not (name.strip() and sep and labels):
-        raise MatrixError(f"--sweep {spec!r} must be NAME=V1,V2,...")
-    return list(labels)
+    name, values = parse_sweep(spec)
+    return [f"{name}={value}" for value in values]
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the matrix, print it and store it; 0 on success, 2 when the engine or the store cannot be used."""
-    name, sep, url = args.engine.partition("=")
-    if not sep or "://" in name:
-        name, url = "", args.engine
+    if args.launch or args.replay:
+        from stepline import sweep
+
+        return sweep.run(args)
+    name, url = split_engine(args.engine)
     try:
         labels = _sweep_labels(args.sweep)
         results: list[MatrixResult] = []
@@ -410,7 +427,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_store or not results:
         return 0
     engine = name or Endpoint(url, 1.0).host_port
-    rows = [row for result in results for row in events(result, engine, socket.gethostname())]
+    return store_events([row for result in results for row in events(result, engine, socket.gethostname())], args)
+
+
+def store_events(rows: Sequence[Event], args: argparse.Namespace) -> int:
+    """Deliver the events (deliver) and say where they went; 2 when they could not be stored."""
     try:
         print(f"stepline matrix: {deliver(rows, args.store, args.collector)}")
     except StoreLocked:

@@ -10,7 +10,7 @@ import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,17 @@ class MatrixError(RuntimeError):
     """The engine could not be measured; the message is one line."""
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolating linearly between ranks; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 @dataclass(slots=True)
 class StreamResult:
     """One streamed completion as the client saw it: when it was sent, when each SSE event with tokens arrived and
@@ -43,6 +54,8 @@ class StreamResult:
     counted: bool = True  # every event's token count came from the engine's usage
     usage_tokens: int | None = None  # the completion tokens the engine reported at the end
     finish_reason: str | None = None
+    prompt_tokens: int | None = None  # the prompt's tokens as the engine counted them (its usage)
+    cached_tokens: int | None = None  # of those, served from its prefix cache, where its usage says
 
     @property
     def tokens(self) -> int:
@@ -130,6 +143,16 @@ class Endpoint:
             raise MatrixError(f"{self.url}/v1/models lists no model")
         return {k: v if type(v) is int and v > 0 else None for k, v in models.items()}
 
+    def healthy(self) -> bool:
+        """True when GET /health answers 200 and /v1/models lists a model: the engine is up and serving."""
+        try:
+            conn, _ = self._request("GET", "/health")
+            conn.close()
+            self.models()
+        except MatrixError:
+            return False
+        return True
+
     def first_model(self) -> str:
         """The first model the server lists at /v1/models."""
         return next(iter(self.models()))
@@ -149,11 +172,14 @@ class Endpoint:
             conn.close()
         return count if type(count) is int and count > 0 else None
 
-    def stream(self, model: str, prompt: str, max_tokens: int,
-               on_token: Callable[[int], None] | None = None) -> StreamResult:
-        """Stream one completion, stamping every SSE event that carries tokens on arrival."""
+    def stream(self, model: str, prompt: str | list[int], max_tokens: int,
+               on_token: Callable[[int], None] | None = None, *,
+               extra: Mapping[str, Any] | None = None) -> StreamResult:
+        """Stream one completion, stamping every SSE event that carries tokens on arrival.
+
+        `prompt` is text or token ids; `extra` adds fields to the request body (e.g. vLLM's `min_tokens`)."""
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                                "ignore_eos": True, "temperature": 0.0}
+                                "ignore_eos": True, "temperature": 0.0, **(extra or {})}
         if self._usage_per_event:
             # vLLM's running usage in every event: how many tokens each event carried.
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -166,7 +192,7 @@ class Endpoint:
                     and ("stream_options" in refused or "continuous_usage_stats" in refused)):
                 raise
             self._usage_per_event = False  # a server that refuses the option: count one token per event
-            return self.stream(model, prompt, max_tokens, on_token)
+            return self.stream(model, prompt, max_tokens, on_token, extra=extra)
         try:
             content_type = response.getheader("Content-Type", "")
             if not content_type.startswith("text/event-stream"):
@@ -223,6 +249,8 @@ class Endpoint:
             if so_far is not None:
                 generated = max(generated, so_far)
                 result.usage_tokens = generated
+            if isinstance(usage, dict):
+                _take_prompt_usage(usage, result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +295,16 @@ def size_long_prompt(endpoint: Endpoint, model: str, asked: int | None, max_mode
     fit = (f"cut to fit {model}'s max_model_len {max_model_len}" if size < wanted
            else f"fits {model}'s max_model_len {max_model_len}")
     return LongPrompt(size, tokens, f"{fit}: {how}, {LONG_MAX_TOKENS} tokens kept for its output; {by}")
+
+
+def _take_prompt_usage(usage: dict[str, Any], result: StreamResult) -> None:
+    prompt = usage.get("prompt_tokens")
+    if type(prompt) is int:
+        result.prompt_tokens = prompt
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(cached) is int:
+        result.cached_tokens = cached
 
 
 def _reason(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ entry point, sends OTLP spans to the collector and is scraped by it. Everything 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,8 +36,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@functools.cache
 def install() -> Path:
-    """The vLLM environment, installed or refreshed (stepline's wheel always reinstalled)."""
+    """The vLLM environment, installed or refreshed (stepline's wheel reinstalled once per process)."""
     out = subprocess.run(["bash", str(HERE / "install.sh")], capture_output=True, text=True, timeout=1500,
                          check=False)
     if out.returncode != 0:
@@ -122,21 +124,38 @@ def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
         stop(process)
 
 
+def engine_env(setup: Setup) -> dict[str, str]:
+    """The engine's environment: the plugin's socket and name, OTLP over HTTP, 1 GiB of CPU KV cache, no hub."""
+    return {**setup.env(), "STEPLINE_PLUGIN_SOCKET": setup.socket, "STEPLINE_ENGINE": SERVED_NAME,
+            "OTEL_SERVICE_NAME": SERVED_NAME, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def engine_command(setup: Setup, extra_args: Sequence[str] = (), *, budget: int | str = BUDGET_TOKENS,
+                   collected: bool = True) -> list[str]:
+    """The engine's command line; `extra_args` come last, so they override the defaults. `budget` may be a
+    placeholder (`stepline matrix --launch` fills it in); `collected`: iteration details and OTLP spans for the
+    collector (off for an engine no collector watches)."""
+    # `vllm serve` fails in the vllm-cpu distribution (its CLI looks up the name `vllm`); this takes the same flags.
+    command = [str(setup.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(setup.model), "--served-model-name", SERVED_NAME, "--port", str(setup.engine_port),
+               "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "32768",
+               "--max-num-batched-tokens", str(budget)]
+    if collected:
+        command += ["--enable-logging-iteration-details",
+                    "--otlp-traces-endpoint", f"http://127.0.0.1:{setup.otlp_port}/v1/traces"]
+    return [*command, *extra_args]
+
+
 @contextmanager
-def engine(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
-    log = setup.work / "vllm.log"
-    env = {**setup.env(), "STEPLINE_PLUGIN_SOCKET": setup.socket, "STEPLINE_ENGINE": SERVED_NAME,
-           "OTEL_SERVICE_NAME": SERVED_NAME, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+def engine(setup: Setup, extra_args: Sequence[str] = (), *, collected: bool = True,
+           log_name: str = "vllm.log") -> Iterator[subprocess.Popen[bytes]]:
+    """The engine, serving until the block ends; `extra_args` come last, so they override the defaults (e.g.
+    another --max-num-batched-tokens); its output goes to `log_name` in the work directory."""
+    log = setup.work / log_name
     with log.open("wb") as out:
-        # `vllm serve` fails in the vllm-cpu distribution (its CLI looks up the name `vllm`); this takes the same flags.
-        process = subprocess.Popen(
-            [str(setup.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(setup.model), "--served-model-name", SERVED_NAME, "--port", str(setup.engine_port),
-             "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "32768",
-             "--max-num-batched-tokens", str(BUDGET_TOKENS), "--enable-logging-iteration-details",
-             "--otlp-traces-endpoint", f"http://127.0.0.1:{setup.otlp_port}/v1/traces"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=setup.work)
+        process = subprocess.Popen(engine_command(setup, extra_args, collected=collected), stdout=out,
+                                   stderr=subprocess.STDOUT, env=engine_env(setup), cwd=setup.work)
     try:
         wait_for(f"{setup.engine_url}/v1/models", 300, process, log)
         yield process
@@ -206,9 +225,11 @@ def drive(setup: Setup, long_words: int) -> int:
     return tokens
 
 
-def stepline(setup: Setup, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+def stepline(setup: Setup, *args: str, timeout_s: float = 300,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`stepline ARGS` in the run's directory, with the run's environment (or `env`)."""
     return subprocess.run([sys.executable, "-m", "stepline.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=setup.env(), cwd=setup.work, check=False)
+                          timeout=timeout_s, env=env or setup.env(), cwd=setup.work, check=False)
 
 
 def query(setup: Setup, sql: str) -> list[list[str]]:

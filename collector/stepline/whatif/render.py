@@ -56,6 +56,8 @@ def render(result: WhatIf, *, top: int | None = None) -> str:
         lines.append(f"assumed: {note}")
     lines.append("")
     lines.append("calibration: the recorded window, and the same requests replayed under the recorded settings")
+    lines.append(f"  each replayed step takes {result.step_times} (closer to the recording than the other way, "
+                 f"whose worst figure is off by {result.other_mode_worst:.0%})")
     lines.append(render_table(header[:-1], [_row("recorded", result.recorded, "")[:-1],
                                             _row("replayed", result.baseline.figures, "")[:-1]]))
     lines.append(render_table(rates_header, [_rates("recorded", result.recorded, bands),
@@ -123,6 +125,7 @@ def as_json(result: WhatIf) -> dict[str, Any]:
         "recorded": result.recorded.as_json(),
         "baseline": result.baseline.figures.as_json(),
         "calibration_errors": result.calibration_errors,
+        "step_times": result.step_times,
         "reproduces": result.reproduces,
         "levers": [{"lever": p.lever.name, "family": p.lever.family, "note": p.lever.note,
                     "available": p.replay is not None, "unavailable": p.lever.unavailable,

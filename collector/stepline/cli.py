@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline import schema
-from stepline.runtimefile import RUNTIME_DIR_HELP, LocatedStore, locate_store
+from stepline.runtimefile import RUNTIME_DIR_HELP, LocatedStore
 from stepline.settings import ROLES, Settings, SettingsError, size
-from stepline.store import StoreError, StoreLocked
+from stepline.store import StoreError
 from stepline.storeurl import StoreUrlError
 
 if TYPE_CHECKING:
@@ -348,17 +348,9 @@ def _status(args: argparse.Namespace) -> int:
 def _open(store: str | None) -> tuple[TimelineReader, LocatedStore]:
     """A reader of the store --store names, else the one the environment, the current directory or the running
     collector's runtime file does (runtimefile.locate_store)."""
-    from stepline.reader import open_reader
+    from stepline.reader import open_located
 
-    located = locate_store(store)
-    try:
-        return open_reader(located.url), located
-    except StoreLocked:
-        raise
-    except StoreError as exc:
-        if located.searched is None:
-            raise
-        raise StoreError(f"{exc} (and no running collector announced itself in {located.searched})") from None
+    return open_located(store)
 
 
 def _announced_metrics(located: LocatedStore) -> str:

@@ -16,6 +16,7 @@ from clickhouse_connect.driver.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline import schema
+from stepline.runtimefile import LocatedStore, locate_store
 from stepline.store import CollectorInfo, Store, StoreError, StoreLocked, embedded_store_locked, read_collector_info
 from stepline.storeurl import StoreUrl, parse_store_url
 
@@ -59,6 +60,20 @@ def open_reader(store_url: str) -> TimelineReader:
         raise StoreError(f"{url.path} holds no stepline timeline: run `stepline collect` or `stepline demo` first")
     return TimelineReader(store.client, f"embedded store {url.path}", None, store, url.database)
 
+
+
+def open_located(store: str | None) -> tuple[TimelineReader, LocatedStore]:
+    """A reader of the store `store` names, else the one the environment, the current directory or the running
+    collector's runtime file does (runtimefile.locate_store); a StoreError says where it looked."""
+    located = locate_store(store)
+    try:
+        return open_reader(located.url), located
+    except StoreLocked:
+        raise
+    except StoreError as exc:
+        if located.searched is None:
+            raise
+        raise StoreError(f"{exc} (and no running collector announced itself in {located.searched})") from None
 
 def _has_timeline(store: Store) -> bool:
     rows = store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'events'",

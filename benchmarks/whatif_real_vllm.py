@@ -137,7 +137,13 @@ def main() -> int:
             for lv in levers:
                 with engine(setup, flags[lv.name]):
                     runs[lv.name] = send(setup, shape)
-            measured = {name: recorded_figures(traces_of(setup, w), objectives) for name, w in runs.items()}
+            measured = {}
+            for name, w in runs.items():
+                run_traces = traces_of(setup, w)
+                measured[name] = recorded_figures(run_traces, objectives)
+                # whether the setting took effect as the simulator applies it: no step prefilled more than it
+                print(f"{name}: largest prefill in one step "
+                      f"{max((c for t in run_traces for c in t.steps.ctx_tokens), default=0)} tokens")
     rows, errors = [], []
     predicted: dict[str, Figures] = {}
     for p in result.levers:

@@ -91,6 +91,11 @@ def test_levers_the_build_does_not_accept_are_shown_unavailable(recorded: Record
     tight = {lv.name: lv for lv in candidates([trace], [small], 0.05)}
     assert "exceed the KV cache" in tight["max_num_batched_tokens=32768"].unavailable
     assert not tight["max_num_batched_tokens=4096"].unavailable
+    assert "Concurrent Partial Prefill is not supported" in tight["max_num_partial_prefills=2"].unavailable
+    unchunked = replace(trace, config={**trace.config, "enable_chunked_prefill": "False"})
+    gated = {lv.name: lv for lv in candidates([unchunked], [config], 0.05)}
+    assert gated["long_prefill_token_threshold=1024"].unavailable.startswith("gated: chunked prefill is off")
+    assert not tight["long_prefill_token_threshold=1024"].unavailable
 
 
 def _request(i: int, prompt: int) -> TracedRequest:

@@ -69,13 +69,24 @@ def candidates(traces: list[EngineTrace], configs: list[EngineConfig], tpot_s: f
         return (f"the engine's configuration does not report {setting} (its vLLM build has no such setting, or "
                 f"its plugin predates it): {', '.join(absent)}") if absent else ""
 
+    # vLLM applies the threshold to chunked prefills only: with chunked prefill off it is gated.
+    unchunked = [t.engine for t in traces if t.config.get("enable_chunked_prefill") == "False"]
+    gated = (f"gated: chunked prefill is off on {', '.join(unchunked)} (--enable-chunked-prefill), and vLLM "
+             "applies the threshold to chunked prefills only") if unchunked else ""
     for divisor in (16, 8, 4, 2):
         value = max(block, budget // divisor // block * block)
         if value != first.long_prefill_token_threshold:
             levers.append(Lever(f"long_prefill_token_threshold={value}", "long_prefill_token_threshold",
                                 {"long_prefill_token_threshold": value},
                                 note="caps each prompt's chunk per step", unavailable=missing(
-                                    "long_prefill_token_threshold")))
+                                    "long_prefill_token_threshold") or gated))
+    # The concurrent partial prefill knobs left vLLM's SchedulerConfig (DESIGN: removed by 0.33); the builds that
+    # had them refused them at boot on the v1 engine ("Concurrent Partial Prefill is not supported").
+    levers.append(Lever("max_num_partial_prefills=2", "max_num_partial_prefills", {},
+                        note="several prompts prefilling at once",
+                        unavailable="removed from vLLM's scheduler settings (not in 0.33); the v1 engines that "
+                                    "still had the flag refused it at boot: 'Concurrent Partial Prefill is not "
+                                    "supported'"))
     for factor in (0.25, 0.5, 2.0, 4.0):
         value = max(block, int(budget * factor) // block * block)
         if value == budget:

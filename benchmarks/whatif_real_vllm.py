@@ -37,6 +37,7 @@ from stepline.whatif.trace import EngineTrace, load
 from tests.realvllm import harness
 
 TOLERANCE = 0.30
+WARM_UP_S = 10.0
 FIGURES = (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("itl_p99_s", "ITL p99"),
            ("goodput_rps", "goodput"))
 
@@ -106,8 +107,12 @@ def main() -> int:
         work = Path(directory)
         setup = harness.Setup(work, venv, harness.build_model(venv, work / "model"))
         runs: dict[str, tuple[datetime, datetime]] = {}
+        # Every engine serves WARM_UP_S of the same load before the window that counts: what is measured is a
+        # warm engine, as an operator's recording is.
+        warm_up = load_shape(WARM_UP_S, args.long_tokens)[: int(WARM_UP_S * 2)]
         with harness.collector(setup):
             with engine(setup, ["--max-num-batched-tokens", "1024"]):
+                send(setup, warm_up)
                 recorded_window = send(setup, load_shape(args.seconds, args.long_tokens))
             base = traces_of(setup, recorded_window)
             ttfts = sorted(r.ttft_s for t in base for r in t.requests)
@@ -136,6 +141,7 @@ def main() -> int:
                      for lv in levers}
             for lv in levers:
                 with engine(setup, flags[lv.name]):
+                    send(setup, warm_up)
                     runs[lv.name] = send(setup, shape)
             measured = {}
             for name, w in runs.items():

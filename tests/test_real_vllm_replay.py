@@ -1,8 +1,10 @@
 """`stepline replay` and `stepline matrix --sweep --launch --replay` against real vLLM engines (the CPU build).
 
 A small load is recorded through the collector (short streams, and one prompt sent twice so that its second
-run is a prefix-cache hit); the recorded window is then replayed against freshly launched engines, and vLLM's
-own counters must show the recorded prompt and generation tokens and prefix-cache hits. The same skip rule as
+run is a prefix-cache hit); `stepline replay` then sends the recorded window to the same engine (its prompts are
+token ids the recording never sent, so nothing it sends was cached before), and the sweep replays it against
+freshly launched engines: vLLM's own counters must show the recorded prompt and generation tokens and
+prefix-cache hits. Three engine starts in all. The same skip rule as
 test_real_vllm.py: skipped without the vLLM environment, failed without it in CI (CI=true).
 """
 
@@ -32,6 +34,8 @@ class Recording:
     prompt_tokens: int
     generation_tokens: int
     cached_tokens: int
+    replay: dict[str, object]  # `stepline replay --json`'s report, sent to the recording engine
+    replayed: dict[str, float]  # vLLM's counters' increase over that replay
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,12 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
         end = time.time()
         time.sleep(3)  # the plugin's and the spans' reports reach the collector
         metrics = harness.engine_metrics(setup)
-    window = ("--from", f"{start - 1:.3f}", "--to", f"{end + 1:.3f}")
+        window = ("--from", f"{start - 1:.3f}", "--to", f"{end + 1:.3f}")
+        vocab = json.loads((setup.model / "stepline-tiny-model.json").read_text())["vocab"]
+        out = harness.stepline(setup, "replay", "--engine", setup.engine_url, "--store", setup.store, *window,
+                               "--vocab", str(min(vocab, 1000)), "--speed", "2", "--json")
+        assert out.returncode == 0, out.stderr[-2000:]
+        after = harness.engine_metrics(setup)
     count, prompt_tokens, generation, cached = map(int, harness.one(setup, (
         "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests FINAL "
         f"WHERE arrival_ts >= fromUnixTimestamp64Milli({round((start - 1) * 1e3)}) "
@@ -54,24 +63,19 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
                                                   metrics["vllm:prompt_tokens_total"],
                                                   metrics["vllm:generation_tokens_total"])
     assert count == 8 and cached > 0
-    vocab = json.loads((setup.model / "stepline-tiny-model.json").read_text())["vocab"]
-    yield Recording(setup, window, str(min(vocab, 1000)), count, prompt_tokens, generation, cached)
+    yield Recording(setup, window, str(min(vocab, 1000)), count, prompt_tokens, generation, cached,
+                    json.loads(out.stdout), {k: after[k] - metrics.get(k, 0.0) for k in after})
 
 
-def test_replay_makes_a_fresh_engine_count_the_recorded_tokens_and_hits(recording: Recording) -> None:
-    setup = recording.setup
-    with harness.engine(setup, collected=False, log_name="replay-vllm.log"):
-        out = harness.stepline(setup, "replay", "--engine", setup.engine_url, "--store", setup.store,
-                               *recording.window, "--vocab", recording.vocab, "--speed", "2", "--json")
-        metrics = harness.engine_metrics(setup)
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
+def test_replay_makes_the_engine_count_the_recorded_tokens_and_hits(recording: Recording) -> None:
+    report = recording.replay
+    metrics = recording.replayed
     print(f"\n{json.dumps(report, indent=1)}")
     assert (report["sent"], report["completed"], report["failed"]) == (recording.requests,) * 2 + (0,)
     assert report["prompt_tokens_sent"] == report["prompt_tokens_received"] == recording.prompt_tokens
     assert report["generation_tokens_received"] == recording.generation_tokens
     warmup = report["warmup_prompt_tokens"]
-    assert warmup > 0
+    assert isinstance(warmup, int) and warmup > 0
     # vLLM's own counters: the recording's tokens, plus the one warm-up request (one output token).
     assert metrics["vllm:prompt_tokens_total"] == recording.prompt_tokens + warmup
     assert metrics["vllm:generation_tokens_total"] == recording.generation_tokens + 1

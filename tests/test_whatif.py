@@ -96,6 +96,10 @@ def test_levers_the_build_does_not_accept_are_shown_unavailable(recorded: Record
     gated = {lv.name: lv for lv in candidates([unchunked], [config], 0.05)}
     assert gated["long_prefill_token_threshold=1024"].unavailable.startswith("gated: chunked prefill is off")
     assert not tight["long_prefill_token_threshold=1024"].unavailable
+    # prefill_schedule_interval does something only in a data-parallel engine core
+    assert "only in data-parallel engine cores" in tight["prefill_schedule_interval=2"].unavailable
+    parallel = replace(trace, config={**trace.config, "data_parallel_size": "2"})
+    assert not {lv.name: lv for lv in candidates([parallel], [config], 0.05)}["prefill_schedule_interval=2"].unavailable
 
 
 def _request(i: int, prompt: int) -> TracedRequest:

@@ -102,10 +102,16 @@ def candidates(traces: list[EngineTrace], configs: list[EngineConfig], tpot_s: f
         if value != seqs:
             levers.append(Lever(f"max_num_seqs={value}", "max_num_seqs", {"max_num_seqs": value},
                                 note="requests running at once", unavailable=missing("max_num_seqs")))
+    # vLLM reads prefill_schedule_interval only in its data-parallel engine core (DPEngineCoreProc, which serves
+    # MoE models: vllm/v1/engine/core.py, `_should_throttle_prefills`, read from the CPU build 0.32.0 installed
+    # by tests/realvllm/install.sh): on any other engine the flag is accepted and does nothing.
+    single = [t.engine for t in traces if (config_int(t.config, "data_parallel_size") or 1) <= 1]
+    no_dp = (f"gated: vLLM applies prefill_schedule_interval only in data-parallel engine cores (MoE models, "
+             f"data_parallel_size > 1); on {', '.join(single)} it is accepted and does nothing") if single else ""
     for interval in (2, 4):
         levers.append(Lever(f"prefill_schedule_interval={interval}", "prefill_schedule_interval",
                             {"prefill_schedule_interval": interval}, note="admit new prefills every N steps",
-                            unavailable=missing("prefill_schedule_interval")))
+                            unavailable=missing("prefill_schedule_interval") or no_dp))
     levers.append(Lever("policy=priority (shorter prompts first)", "policy", {"policy": "priority"},
                         priority_by_band=True, note="--scheduling-policy priority, the router setting each "
                         "request's priority from its prompt band", unavailable=missing("policy")))

@@ -50,10 +50,12 @@ def check_batch(config: EngineConfig, scheduler: Scheduler, batch: Batch, decodi
     assert not batch.is_empty or batch.num_preempted, "work was pending but nothing was scheduled"
     assert batch.prefill_tokens + len(batch.decodes) <= config.max_num_batched_tokens
     assert len(scheduler.running) <= config.max_num_seqs
-    if config.long_prefill_token_threshold:
+    lone = not batch.decodes and len(scheduler.running) + len(scheduler.waiting) == 1
+    if config.long_prefill_token_threshold and not lone:  # a lone request is not capped (vLLM)
         assert all(tokens <= config.long_prefill_token_threshold for _, _, tokens in batch.prefills)
     partial = [r for r in scheduler.running if r.computed < r.num_tokens]
-    assert len(partial) <= 1, "more than one unfinished prefill"
+    # Uncapped, one prompt at a time is partway through prefill; capped, several may be (vLLM v1).
+    assert len(partial) <= 1 or config.long_prefill_token_threshold, "more than one unfinished prefill"
     held = sum(r.blocks for r in scheduler.running)
     assert held + scheduler.free_blocks == config.num_gpu_blocks
     assert scheduler.free_blocks >= 0
@@ -102,21 +104,37 @@ def test_only_one_prefill_stays_partial() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["r1"]
 
 
-def test_threshold_caps_chunks_and_lets_short_prompts_through_beside_one_partial() -> None:
+def test_threshold_caps_every_chunk_and_prefills_several_prompts_at_once() -> None:
+    """vLLM v1: each prompt's chunk is capped, and capped prompts prefill side by side (scheduler.py)."""
     scheduler = Scheduler(EngineConfig(max_num_batched_tokens=8192, long_prefill_token_threshold=1000))
     for request in requests_of([(5000, 4), (500, 4), (900, 4), (5000, 4), (100, 4)]):
         scheduler.add(request)
     batch = scheduler.schedule(0.0)
-    # r3 would be a second partial prefill; FCFS means r4 waits behind it.
-    assert [(r.request_id, tokens) for r, _, tokens in batch.prefills] == [("r0", 1000), ("r1", 500), ("r2", 900)]
-    assert [r.request_id for r in scheduler.waiting] == ["r3", "r4"]
+    assert [(r.request_id, tokens) for r, _, tokens in batch.prefills] == [
+        ("r0", 1000), ("r1", 500), ("r2", 900), ("r3", 1000), ("r4", 100)]
+    assert not scheduler.waiting
+    # r0 and r3 both continue, capped, oldest first
+    scheduler.complete(batch, 0.1)
+    following = scheduler.schedule(0.1)
+    assert [(r.request_id, start, tokens) for r, start, tokens in following.prefills] == [
+        ("r0", 1000, 1000), ("r3", 1000, 1000)]
+
+
+def test_a_lone_request_is_not_capped() -> None:
+    """vLLM drops the threshold when the engine holds one request: nobody to starve."""
+    scheduler = Scheduler(EngineConfig(max_num_batched_tokens=8192, long_prefill_token_threshold=1000))
+    scheduler.add(Request("alone", 0.0, 5000, 4))
+    assert [tokens for _, _, tokens in scheduler.schedule(0.0).prefills] == [5000]
 
 
 def test_threshold_is_honoured_over_a_whole_run() -> None:
     config = EngineConfig(max_num_batched_tokens=4096, long_prefill_token_threshold=700)
     run = drive(config, requests_of([(3000, 5), (12_000, 3), (150, 8), (9000, 2)], spacing=0.05))
     chunks = [tokens for batch in run.batches for _, _, tokens in batch.prefills]
-    assert max(chunks) == 700
+    assert 700 in chunks
+    # A prompt alone in the engine is not capped (vLLM): a chunk over the threshold is the step's only work.
+    uncapped = [b for b in run.batches if any(tokens > 700 for _, _, tokens in b.prefills)]
+    assert uncapped and all(len(b.prefills) == 1 and not b.decodes for b in uncapped)
     assert len(run.finished) == 4
 
 

@@ -76,8 +76,8 @@ def test_a_lever_predicts_a_run_under_that_setting(recorded: Recorded, result: W
     predicted = lever.replay.figures
     for name in ("ttft_p99_s", "itl_p99_s", "goodput_rps"):
         assert getattr(predicted, name) == pytest.approx(getattr(truth, name), rel=0.15), name
-    # and the lever changed what it should: decode waits on 1k-token chunks, not 8k ones
-    assert predicted.itl_p99_s < 0.75 * result.baseline.figures.itl_p99_s
+    # and the lever changed what it does in vLLM: capped, the queue prefills beside the monster instead of behind it
+    assert predicted.ttft_p50_s < 0.1 * result.baseline.figures.ttft_p50_s
 
 
 def test_levers_the_build_does_not_accept_are_shown_unavailable(recorded: Recorded) -> None:

@@ -7,6 +7,12 @@ unfinished at a time. When a request needs a KV block and none is free, the most
 admitted running request is preempted: its KV is freed and it goes back to the front of the
 queue to be recomputed.
 
+With long_prefill_token_threshold set, the step is vLLM v1's (vllm/v1/core/sched/scheduler.py, read from the
+0.32.0 CPU build that tests/realvllm installs; measured in benchmarks/RESULTS.md#whatif): every prefill chunk is
+capped at the threshold, several prompts may be partway through prefill at once (each continues, oldest first,
+and waiting ones are admitted capped beside them), and the cap is dropped for a step when the engine holds only
+one request (nobody to starve).
+
 With speculative decoding (EngineConfig.speculative), each decoding request also carries up to k draft
 tokens in the step's token budget; when the step ends, drafts are accepted position by position up to the
 first rejection and the request gains the accepted tokens plus one.
@@ -157,7 +163,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_blocks = config.num_gpu_blocks
-        self.partial: Request | None = None
+        self.partials: list[Request] = []  # prompts partway through prefill, oldest first
+        self._cap = 0  # this step's long_prefill_token_threshold (0: none)
         self.num_preemptions = 0
         self.step_index = 0  # the number the next non-empty batch gets (see prefill_schedule_interval)
         spec = config.speculative
@@ -228,15 +235,15 @@ class Scheduler:
         request.computed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if request is self.partial:
-            self.partial = None
+        if request in self.partials:
+            self.partials.remove(request)
         if self._by_priority:
             self._queue_in_order(request, bisect_left)
         else:
             self.waiting.appendleft(request)
 
     def _chunk(self, remaining: int, budget: int) -> int:
-        threshold = 0 if self.config.ignore_long_prefill_token_threshold else self.config.long_prefill_token_threshold
+        threshold = self._cap
         return min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
 
     def _add_prefill(self, batch: Batch, request: Request, tokens: int) -> None:
@@ -245,22 +252,27 @@ class Scheduler:
         batch.prefill_tokens += tokens
         batch.prefill_pairs += attention_pairs(start, tokens)
         request.computed += tokens
-        # A request is the partial prefill while prompt (or recompute) tokens remain.
+        # A request is a partial prefill while prompt (or recompute) tokens remain.
         if request.computed < request.num_tokens:
-            self.partial = request
-        elif request is self.partial:
-            self.partial = None
+            if request not in self.partials:
+                self.partials.append(request)
+        elif request in self.partials:
+            self.partials.remove(request)
 
     def schedule(self, now: float) -> Batch:
         """Decide the next step's batch; KV is allocated and progress recorded immediately."""
         batch = Batch(start=now)
         budget = self.config.max_num_batched_tokens
         running = self.running
+        threshold = 0 if self.config.ignore_long_prefill_token_threshold else self.config.long_prefill_token_threshold
+        # vLLM drops the cap while the engine holds a single request: there is nobody for it to starve.
+        self._cap = threshold if len(running) + len(self.waiting) > 1 else 0
+        partials = self.partials
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            if request is self.partial or not request.is_decoding or request.leaked:
+            if not request.is_decoding or request.leaked or (partials and request in partials):
                 continue
             spec = self.config.speculative
             if spec is not None:
@@ -279,8 +291,9 @@ class Scheduler:
             budget -= 1
 
         allowed = self._allowance(batch, now) if self._deadline is not None and batch.decodes else None
-        partial = self.partial
-        if partial is not None and budget > 0:
+        for partial in list(partials):
+            if budget <= 0 or partial not in self.partials:  # preempted by an earlier one's growth
+                break
             tokens = self._chunk(partial.num_tokens - partial.computed, budget)
             if allowed is not None:
                 tokens = self._fit(batch, partial.computed, tokens, allowed)
@@ -342,8 +355,8 @@ class Scheduler:
             tokens = self._chunk(remaining, budget)
             if allowed is not None:
                 tokens = self._fit(batch, hit, tokens, allowed)
-            if tokens < remaining and self.partial is not None:
-                break  # only one prefill may stay unfinished; nobody overtakes the head of the queue
+            if tokens < remaining and self.partials and not self._cap:
+                break  # uncapped, only one prefill may stay unfinished; nobody overtakes the head of the queue
             need = self._blocks_for(hit + tokens)
             if need > self.free_blocks:
                 break  # waiting requests never preempt running ones

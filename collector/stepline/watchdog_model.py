@@ -27,6 +27,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from stepline.linsolve import solve
 from stepline.rows import EngineSample, Event, GpuSample, Request, Step
 
 STATES = ("idle", "progressing", "slow", "stalled", "down")
@@ -103,30 +104,12 @@ class StepCosts:
             w = self._PRIOR_WEIGHT * self._SCALE[i] ** 2
             m[i][i] += w
             v[i] += w * self._prior[i]
-        theta = _solve3(m, v)
+        theta = solve(m, v)
         if theta is None:
             return self._prior
         a, b, c = (max(0.0, t) for t in theta)
         return a, b, c
 
-
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    a = [[*row, v[i]] for i, row in enumerate(m)]
-    n = 3
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[r][k] -= f * a[col][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
-    return x
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stepline.linsolve import solve
 from stepline.sim.costmodel import CostModel, attention_pairs
 from stepline.whatif.trace import EngineTrace, TracedRequest
 
@@ -211,28 +212,11 @@ def _solve(xs: list[tuple[float, ...]], ys: list[float], free: list[int], scale:
                 row[q] += v[p] * v[q]
     for p in range(n):
         a[p][p] += 1e-12 * (a[p][p] or 1.0)  # a ridge too small to matter, so a duplicate column still solves
-    coefficients = _gauss(a, b)
+    coefficients = solve(a, b, singular=0.0)
+    if coefficients is None:  # the ridge keeps the system positive definite: only degenerate data gets here
+        raise FitError("the recorded steps cannot tell the step cost's terms apart")
     out = [0.0] * len(scale)
     for p, k in enumerate(free):
         out[k] = coefficients[p] / scale[k]
     return out
 
-
-def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
-    n = len(b)
-    m = [[*row, b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        if m[col][col] == 0:
-            continue
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        if m[r][r] == 0:
-            continue
-        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
-    return out

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
-from stepline.diagnosis.common import EACH_ENGINE, Query, engine_configs, number, utc
+from stepline.diagnosis.common import EACH_ENGINE, Query, engine_configs, number
 from stepline.diagnosis.findings import Window
 from stepline.summary import Reads
 
@@ -92,7 +92,7 @@ def load(reader: Reads, window: Window) -> list[EngineTrace]:
         return []
     last = max(r.finished for rs in requests.values() for r in rs)
     steps: dict[str, Steps] = {}
-    end = max(window.end, utc(datetime.fromtimestamp(last)))
+    end = max(window.end, datetime.fromtimestamp(last, UTC))
     for row in Query(_STEPS, start=window.start, end=end, engine=window.engine).rows(reader):
         s = steps.setdefault(str(row[0]), Steps())
         s.ts.append(int(row[1]) / 1e6)

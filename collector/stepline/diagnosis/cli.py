@@ -46,15 +46,11 @@ def window_of(args: argparse.Namespace, now: datetime | None = None) -> Window:
 def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[Finding]:
     """`findings` with what their levers would buy; unchanged (and one line on stderr) when the window cannot be
     replayed."""
-    from stepline.alerting.config import Slo
-    from stepline.whatif.core import WhatIfError, whatif
-    from stepline.whatif.figures import Objectives
-    from stepline.whatif.offer import annotate
-    from stepline.whatif.trace import load
+    from stepline.whatif.core import WhatIfError
+    from stepline.whatif.offer import annotate, price_window
 
-    slo = Slo()
     try:
-        result = whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
+        result = price_window(reader, window)
     except WhatIfError as exc:
         print(f"stepline diagnose: whatif: {exc}", file=sys.stderr)
         return findings

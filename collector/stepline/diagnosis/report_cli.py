@@ -43,16 +43,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> tuple[list[Finding], str]:
     """The findings with what their levers would buy, and the whatif section of the page."""
-    from stepline.alerting.config import Slo
-    from stepline.whatif.core import WhatIfError, whatif
-    from stepline.whatif.figures import Objectives
-    from stepline.whatif.offer import annotate
+    from stepline.whatif.core import WhatIfError
+    from stepline.whatif.offer import annotate, price_window
     from stepline.whatif.render import html_section
-    from stepline.whatif.trace import load
 
-    slo = Slo()
     try:
-        result = whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
+        result = price_window(reader, window)
     except WhatIfError as exc:
         return findings, html_section(None, str(exc))
     return annotate(findings, result), html_section(result)

@@ -20,7 +20,7 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord
 from stepline.sim.workloads import Arrival, Workload
-from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
+from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures, nearest_rank
 from stepline.whatif.fit import Fit, FitError, Jitter, fit
 from stepline.whatif.levers import Lever, baseline_config, candidates
 from stepline.whatif.trace import EngineTrace
@@ -276,8 +276,4 @@ def itl_timeline(stamped: Iterable[tuple[float, Sequence[float]]], start: float,
     for ts, itls in stamped:
         if itls:
             buckets.setdefault(int((ts - start) // width), []).extend(itls)
-    out = []
-    for k in sorted(buckets):
-        values = sorted(buckets[k])
-        out.append((start + k * width, values[min(len(values) - 1, int(0.99 * len(values)))]))
-    return out
+    return [(start + k * width, nearest_rank(sorted(buckets[k]), 0.99)) for k in sorted(buckets)]

@@ -70,6 +70,11 @@ def quantile(values: Sequence[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """The value at rank q * n of sorted `ordered` (no interpolation); NaN when empty."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
 def band(prompt_tokens: int) -> str:
     label = BANDS[0][0]
     for name, low in BANDS:

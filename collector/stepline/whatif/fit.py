@@ -18,13 +18,13 @@ scored, and the model returned is refitted on all of them.
 from __future__ import annotations
 
 import bisect
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stepline.linsolve import solve
 from stepline.sim.costmodel import CostModel, attention_pairs
+from stepline.whatif.figures import nearest_rank
 from stepline.whatif.trace import EngineTrace, TracedRequest
 
 TERMS = ("overhead", "prefill_token", "attention_pair", "decode_request", "decode_context_token")
@@ -109,7 +109,7 @@ def fit(trace: EngineTrace) -> Fit:
     predicted = sum(_dot(coefficients, x) for x, _ in scored)
     recorded = sum(y for _, y in scored)
     final = _nnls([x for x, _ in samples], [y for _, y in samples])
-    return Fit(CostModel(*final), len(samples), len(scored), _quantile(errors, 0.5), _quantile(errors, 0.9),
+    return Fit(CostModel(*final), len(samples), len(scored), nearest_rank(errors, 0.5), nearest_rank(errors, 0.9),
                (predicted - recorded) / recorded, _residuals(final, samples))
 
 
@@ -123,10 +123,6 @@ def _residuals(coefficients: list[float], samples: Sequence[tuple[tuple[float, .
 
 def _dot(a: list[float], b: tuple[float, ...]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
 def _prefill_pairs(trace: EngineTrace) -> list[float]:

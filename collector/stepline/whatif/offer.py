@@ -6,9 +6,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from stepline.diagnosis.findings import Finding
-from stepline.whatif.core import Priced, WhatIf
+from stepline.alerting.config import Slo
+from stepline.diagnosis.findings import Finding, Window
+from stepline.summary import Reads
+from stepline.whatif.core import Priced, WhatIf, whatif
+from stepline.whatif.figures import Objectives
 from stepline.whatif.render import seconds
+from stepline.whatif.trace import load
 
 # The lever families that answer each finding kind (diagnosis/causes.py names the kinds).
 FAMILIES = {
@@ -17,6 +21,13 @@ FAMILIES = {
     "overload": ("max_num_seqs", "max_num_batched_tokens", "policy", "shard"),
     "kv_pressure": ("max_num_seqs", "max_num_batched_tokens"),
 }
+
+
+def price_window(reader: Reads, window: Window) -> WhatIf:
+    """`whatif` over the window with the alert configuration's objectives, as diagnose and report offer it;
+    WhatIfError when the window cannot be replayed."""
+    slo = Slo()
+    return whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
 
 
 def best_for(result: WhatIf, kind: str) -> Priced | None:

@@ -53,10 +53,6 @@ class Fit:
     # (highest predicted seconds of a bucket of steps, the recorded - predicted seconds of its steps), ascending
     residuals: tuple[tuple[float, tuple[float, ...]], ...] = field(default=(), repr=False)
 
-    def jitter(self, seed: str) -> Jitter:
-        """A replay's step times: the model's, plus a residual of a recorded step of about the same size."""
-        return Jitter(self.residuals, seed)
-
     def describe(self) -> str:
         c = self.cost
         return (f"step = {c.step_overhead_s * 1e3:.2f} ms + {c.prefill_token_s * 1e6:.3g} us/prefill token + "

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from stepline.matrix_client import percentile
+
 # Prompt bands for decode rates: (label, lower bound in tokens); a request falls in the last band it reaches.
 BANDS = (("<1k", 0), ("1k-8k", 1_000), ("8k-32k", 8_000), ("32k-128k", 32_000), (">=128k", 128_000))
 
@@ -61,13 +63,9 @@ def _num(x: float) -> float | None:
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN when empty. `values` must be sorted."""
-    if not values:
-        return math.nan
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+    """The q-quantile (0-1), interpolating linearly between ranks as the matrix's percentiles do; NaN when
+    empty (a figure with nothing behind it, not zero)."""
+    return percentile(values, q * 100.0) if values else math.nan
 
 
 def nearest_rank(ordered: Sequence[float], q: float) -> float:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
-from stepline.reader import open_reader, render_table
 from stepline.sim.scenarios import SCENARIO_NAMES, Scenario, make_scenario, run_scenario
+from stepline.store.reader import open_reader, render_table
 
 Diagnose = Callable[[Any, Window], list[Finding]]
 
@@ -26,7 +26,7 @@ Diagnose = Callable[[Any, Window], list[Finding]]
 def load_diagnose() -> Diagnose | None:
     """The detectors' entry point, or None while they are not written yet."""
     try:
-        from stepline.diagnosis.engine import diagnose
+        from stepline.diagnosis.detectors import diagnose
     except ImportError:
         return None
     return diagnose
@@ -48,7 +48,7 @@ def evaluate(names: Sequence[str], store_dir: str) -> tuple[list[list[str]], lis
     """Run each scenario into `store_dir` and diagnose it; returns table rows and TARGET MISSED lines."""
     diagnose = load_diagnose()
     if diagnose is None:
-        print("detectors not available yet (no stepline.diagnosis.engine.diagnose): replaying the scenarios only")
+        print("detectors not available yet (no stepline.diagnosis.detectors.diagnose): replaying the scenarios only")
     rows: list[list[str]] = []
     missed: list[str] = []
     for name in names:

@@ -19,11 +19,11 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from stepline.diagnosis.engine import diagnose
+from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding
-from stepline.reader import open_reader, render_table
 from stepline.sim.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
-from stepline.store import Store
+from stepline.store.reader import open_reader, render_table
+from stepline.store.store import Store
 
 Result = tuple[Verdict, str, float, float, list[str]]  # verdict, description, replay s, diagnose s, findings
 

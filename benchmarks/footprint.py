@@ -9,7 +9,7 @@ chunk and 63 decodes, 63 ITL + 1 TTFT samples, a finished request every ~2.7 ste
 chat) at `--rate` steps/s in all, each stamped when sent and each request with an id of its own.
 
     embedded  --store chdb://DIR: the collector hosts ClickHouse (chDB) in its own process
-    remote    --store http://127.0.0.1:PORT/stepline: a ClickHouse HTTP endpoint (stepline.storeserver's
+    remote    --store http://127.0.0.1:PORT/stepline: a ClickHouse HTTP endpoint (stepline.testing.storeserver's
               StoreServer over an embedded store, run by this script, so not counted) takes the inserts
 
 Afterwards every case checks that nothing was dropped and that the store holds every step sent.
@@ -41,7 +41,7 @@ from realistic import build_steps
 from soak import Memory, free_port, high_water_mib, snapshot
 
 from stepline.plugin.core import PluginCore
-from stepline.store import Store
+from stepline.store.store import Store
 
 ENGINES = 8
 RUNNING = 64
@@ -116,7 +116,7 @@ def measure(label: str, store_url: str, tmp: str, rate: float, seconds: float, i
     plugin_socket = os.path.join(tmp, f"{label}.sock")
     metrics_port = free_port()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    command = [sys.executable, "-m", "stepline.cli", "collect", "--store", store_url, "--plugin-socket", plugin_socket,
+    command = [sys.executable, "-m", "stepline", "collect", "--store", store_url, "--plugin-socket", plugin_socket,
                "--metrics-port", str(metrics_port), "--query-port", "0", "--otlp-port", "0", "--host-name",
                "footprint", "--disable-source", "gpu", "--spool-dir", os.path.join(tmp, f"{label}-spool")]
     log_path = os.path.join(tmp, f"{label}.log")
@@ -237,10 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def remote(path: str, tmp: str, args: argparse.Namespace) -> Footprint:
     """The remote case: a StoreServer over the embedded store at `path`, in this process, is the collector's store."""
     try:
-        from stepline.storeserver import StoreServer
+        from stepline.testing.storeserver import StoreServer
     except ImportError:
         return Footprint("remote", math.nan, math.nan, math.nan, math.nan, 0.0, 1.0, 0.0, 0, 0, 0.0,
-                         ["skipped: stepline.storeserver is not available"])
+                         ["skipped: stepline.testing.storeserver is not available"])
     server = StoreServer(path)
     server.start()
     try:

@@ -14,12 +14,12 @@ import sys
 import time
 from collections.abc import Iterable
 
-from stepline.clock import SystemClock
-from stepline.rows import Row
+from stepline.core.clock import SystemClock
+from stepline.model.rows import Row
 from stepline.sources.base import SourceContext
-from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
 from stepline.sources.gpu import GpuSource
 from stepline.sources.host import EngineTarget, HostSource
+from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 
 
 def _cpu_s() -> float:

@@ -15,11 +15,11 @@ import sys
 import time
 from collections import Counter
 
-from stepline.clock import ManualClock
-from stepline.rows import Row
+from stepline.core.clock import ManualClock
+from stepline.model.rows import Row
 from stepline.sources.base import SourceContext
-from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
 from stepline.sources.gpu import GpuSource
+from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 
 
 def main() -> int:

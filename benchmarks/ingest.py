@@ -40,17 +40,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from realistic import build_steps
 
-from stepline import gctune, native, schema
-from stepline.clock import SystemClock
+from stepline.core import gctune
+from stepline.core.clock import SystemClock
+from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.runner import Runner, Scheduled
+from stepline.ingest.writer import Writers
+from stepline.model import schema
+from stepline.model.rows import TABLE_OF, Row
 from stepline.plugin import wire
 from stepline.plugin.core import PluginCore
-from stepline.rows import TABLE_OF, Row
-from stepline.runner import Runner, Scheduled
-from stepline.selfmetrics import SelfMetrics
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import EMIT_BATCH_ROWS, PluginReceiver
-from stepline.store import Store
-from stepline.writer import Writers
+from stepline.store.store import Store
+from stepline.store import batches as native
 
 HOST = "bench"
 RUNNING = 64

@@ -34,9 +34,9 @@ from multiprocessing.synchronize import Event as MpEvent
 
 from realistic import Step, build_steps
 
-from stepline.clock import SystemClock
+from stepline.core.clock import SystemClock
+from stepline.model.rows import Row
 from stepline.plugin.core import PluginCore
-from stepline.rows import Row
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 

@@ -50,12 +50,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from realistic import CTX_TOKENS, RUNNING, Step, build_steps
 
-from stepline.clock import SystemClock
+from stepline.core.clock import SystemClock
+from stepline.model.rows import Row
 from stepline.plugin.core import PluginCore
-from stepline.plugin.standins import (
-    FinishReason,
-)
-from stepline.rows import Row
 from stepline.sim.metrics import (
     ITERATION_TOKEN_BUCKETS,
     N_BUCKETS,
@@ -67,6 +64,9 @@ from stepline.sim.metrics import (
 )
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
+from stepline.testing.vllm_standins import (
+    FinishReason,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 FINISHED_PER_STEP = 8

@@ -41,7 +41,7 @@ def serve(pipe: Connection) -> None:
     """The endpoint's process: an embedded store and its query endpoint, until told to stop."""
     import clickhouse_connect
 
-    from stepline.queryserver import QueryEndpoint
+    from stepline.endpoints.query import QueryEndpoint
 
     path = tempfile.mkdtemp(prefix="stepline-bench-")
     client = clickhouse_connect.get_client(dsn=f"chdb://{path}")

@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from stepline.plugin.standins import (
+from stepline.testing.vllm_standins import (
     FinishedRequestStats,
     FinishReason,
     IterationStats,

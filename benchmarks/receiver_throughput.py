@@ -32,9 +32,9 @@ from typing import Any
 
 from realistic import RUNNING, build_steps
 
-from stepline.clock import SystemClock
+from stepline.core.clock import SystemClock
+from stepline.model.rows import Row
 from stepline.plugin.core import PluginCore
-from stepline.rows import Row
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from stepline.schema import TABLE_BY_NAME
+from stepline.model.schema import TABLE_BY_NAME
 
 HOST = "node-0"
 MODEL = "llama-3.1-70b-instruct"

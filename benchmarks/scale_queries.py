@@ -33,9 +33,10 @@ from scale_data import Shape, synthesise
 
 from stepline.dashboards.macros import ALL, QueryContext, expand
 from stepline.dashboards.query import CLICKHOUSE_TYPE
-from stepline.diagnosis import DETECTORS, Window, diagnose
-from stepline.reader import render_table
-from stepline.store import Store
+from stepline.diagnosis.detectors import DETECTORS, diagnose
+from stepline.diagnosis.findings import Window
+from stepline.store.reader import render_table
+from stepline.store.store import Store
 
 TARGET_S = 2.0
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"

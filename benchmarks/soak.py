@@ -48,10 +48,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import CostModel
 from stepline.sim.records import StepRecord
-from stepline.sim.server import serve
 from stepline.sim.telemetry import Telemetry
+from stepline.sim.vllm_server import serve
 from stepline.sim.workloads import Workload, chat_arrivals, compose
-from stepline.store import Store, read_collector_info
+from stepline.store.store import Store, read_collector_info
 
 OUTPUT_MEDIAN = 150  # tokens: steady chat (the simulator's `steady` workload)
 MEAN_OUTPUT = OUTPUT_MEDIAN * math.exp(0.5**2 / 2)  # lognormal, sigma 0.5
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for generator in generators:
             generator.start()
         engines = [pair for _ in generators for pair in urls.get(timeout=120)]
-        command = [sys.executable, "-m", "stepline.cli", "collect", "--store", f"chdb://{store_dir}",
+        command = [sys.executable, "-m", "stepline", "collect", "--store", f"chdb://{store_dir}",
                    "--plugin-socket", plugin_socket, "--otlp-port", str(otlp_port), "--metrics-port", "0",
                    "--query-port", "0", "--host-name", "soak", "--scrape-interval", str(args.scrape_interval),
                    "--disable-source", "gpu"]  # no GPU here: NVML is absent

@@ -21,7 +21,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from stepline.diagnosis.findings import Window
-from stepline.reader import open_reader, render_table
+from stepline.store.reader import open_reader, render_table
 from stepline.whatif.core import whatif
 from stepline.whatif.figures import Objectives
 from stepline.whatif.trace import EngineTrace, Steps, load
@@ -54,11 +54,11 @@ def main() -> int:
         store = args.store or f"chdb://{directory}/store"
         if not args.store:
             started = time.monotonic()
-            subprocess.run([sys.executable, "-m", "stepline.cli", "demo", "--fast", "--store", store], check=True,
+            subprocess.run([sys.executable, "-m", "stepline", "demo", "--fast", "--store", store], check=True,
                            capture_output=True, timeout=900)
             print(f"recorded the demo burst in {time.monotonic() - started:.0f} s")
         now = datetime.now(UTC)
-        from stepline.cli import parse_duration
+        from stepline.cli.main import parse_duration
 
         window = Window(now - timedelta(seconds=parse_duration(args.since)), now)
         reader = open_reader(store)

@@ -14,10 +14,10 @@ import pytest
 from clickhouse_connect.driver.client import Client
 from hypothesis import settings
 
-from stepline.sim.server import SimServer, serve
+from stepline.sim.vllm_server import SimServer, serve
 from stepline.sim.workloads import make_workload
-from stepline.store import Store
-from stepline.storeserver import StoreServer
+from stepline.store.store import Store
+from stepline.testing.storeserver import StoreServer
 
 # A copy of the exposition captured from vLLM 0.33.0 (shared/fixtures in the design repo).
 # Property tests explore new inputs on every local run; in CI they replay a fixed set, so that a landing

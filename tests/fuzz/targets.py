@@ -20,9 +20,9 @@ from typing import Any
 atheris: Any = importlib.import_module("atheris")  # optional: imported only when a hunt runs
 
 with atheris.instrument_imports(include=["stepline"]):  # stepline only: instrumenting protobuf takes seconds
-    from stepline import chhttp
+    from stepline.clickhouse_http import protocol as chhttp
+    from stepline.model.rows import micros
     from stepline.plugin import wire
-    from stepline.rows import micros
     from stepline.sources.otlp_decode import JSON, PROTOBUF, BodyTooLarge, OtlpDecodeError, decode, inflate
     from stepline.sources.vllm_metrics import ExpositionError, parse_exposition
 

@@ -131,7 +131,7 @@ def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
     (setup.work / "run").mkdir(exist_ok=True)
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stepline.cli", "collect", "--engine", f"{SERVED_NAME}={setup.engine_url}",
+            [sys.executable, "-m", "stepline", "collect", "--engine", f"{SERVED_NAME}={setup.engine_url}",
              "--store", setup.store, "--plugin-socket", setup.socket, "--otlp-port", str(setup.otlp_port),
              "--query-port", str(setup.query_port), "--metrics-port", str(setup.metrics_port),
              "--scrape-interval", "1", "--flush-interval", "0.5"],
@@ -247,7 +247,7 @@ def drive(setup: Setup, long_words: int) -> int:
 def stepline(setup: Setup, *args: str, timeout_s: float = 300,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`stepline ARGS` in the run's directory, with the run's environment (or `env`)."""
-    return subprocess.run([sys.executable, "-m", "stepline.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "stepline", *args], capture_output=True, text=True,
                           timeout=timeout_s, env=env or setup.env(), cwd=setup.work, check=False)
 
 

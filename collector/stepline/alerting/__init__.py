@@ -1,6 +1,2 @@
-"""Alert rules for stepline, generated from one config: Prometheus, Alertmanager and Grafana-managed."""
-
-from stepline.alerting.build import build
-from stepline.alerting.config import AlertConfig, Slo
-
-__all__ = ["AlertConfig", "Slo", "build"]
+"""Alert rules for stepline, generated from one config (`config.AlertConfig`): Prometheus, Alertmanager and
+Grafana-managed (`build.build`)."""

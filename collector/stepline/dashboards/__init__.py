@@ -1,5 +1,2 @@
-"""Grafana dashboards generated from code: the timeline in ClickHouse, the collector's health in Prometheus."""
-
-from stepline.dashboards.generate import DASHBOARDS, build
-
-__all__ = ["DASHBOARDS", "build"]
+"""Grafana dashboards generated from code (`generate.DASHBOARDS`, `generate.build`): the timeline in ClickHouse, the
+collector's health in Prometheus; and Grafana provisioning for the embedded store (`provisioning`)."""

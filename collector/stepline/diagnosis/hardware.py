@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
     ALONE,
@@ -21,7 +22,6 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import whole_minutes
-from stepline.summary import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
 

@@ -21,7 +21,7 @@ The constants describe an 8B dense model (Qwen3-8B-like) on one H100/H200-class 
 - DECODE_CONTEXT_TOKEN_S = 30 ns: reading one token's KV (~144 KiB for Qwen3-8B) at
   memory bandwidth; memory-bound, so far dearer per token than the prefill pairs.
 
-Consequences (asserted by tests/test_sim_costmodel.py): one request decoding alone at 512k
+Consequences (asserted by tests/sim/test_costmodel.py): one request decoding alone at 512k
 context steps in ~25 ms (~40 tok/s); a decode-only step of 32 requests at 4k context takes
 ~18 ms; a step carrying an 8192-token chunk takes ~0.25 s at the start of a prompt and ~2 s at
 the end of a 359k-token one, so every request decoding beside it drops to 0.5-4 tok/s.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stepline.clock import Clock, SystemClock
+from stepline.core.clock import Clock, SystemClock
 from stepline.sim.config import EngineConfig
 from stepline.sim.metrics import VllmMetrics
 from stepline.sim.records import FinishedRequest, StepRecord

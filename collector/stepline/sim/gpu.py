@@ -15,12 +15,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from stepline.clock import ManualClock
-from stepline.rows import GpuSample, Row
+from stepline.core.clock import ManualClock
+from stepline.model.rows import GpuSample, Row
 from stepline.sim.records import StepRecord
 from stepline.sources.base import Emit, SourceContext
-from stepline.sources.fake_nvml import FakeGpuState, FakeNvml
 from stepline.sources.gpu import GpuSource
+from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 
 BOOST_MHZ = 1980.0
 MEM_MHZ = 3201.0

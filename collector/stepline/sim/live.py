@@ -9,9 +9,9 @@ import threading
 import time
 from dataclasses import replace
 
-from stepline.collector import Collector
-from stepline.runner import Scheduled
-from stepline.sim import server as sim_server
+from stepline.app.collector import Collector
+from stepline.ingest.runner import Scheduled
+from stepline.sim import vllm_server as sim_server
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
 from stepline.sim.gpu import SimulatedGpus, SimulatedGpuSource
 from stepline.sim.scenarios import GPU_INTERVAL_S, TICK_S, Scenario, power_cap_factor

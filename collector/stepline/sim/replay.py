@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stepline.clock import Clock, ManualClock, SystemClock
+from stepline.core.clock import Clock, ManualClock, SystemClock
 from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation, StepCallback
 from stepline.sim.records import FinishedRequest, StepRecord

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from stepline.clock import ManualClock
-from stepline.collector import Collector
+from stepline.app.collector import Collector
+from stepline.config.settings import Settings
+from stepline.core.clock import ManualClock
 from stepline.diagnosis.findings import Window
-from stepline.settings import Settings
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
 from stepline.sim.engine import Simulation

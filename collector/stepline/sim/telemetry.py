@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
-from stepline.plugin import standins
 from stepline.plugin.config import token_from_env
 from stepline.plugin.core import PluginCore
 from stepline.sim.config import EngineConfig
 from stepline.sim.records import FinishedRequest, StepRecord
+from stepline.testing import vllm_standins as standins
 
 LOG_INTERVAL_S = 10.0  # vLLM's do_log_stats cadence (VLLM_LOG_STATS_INTERVAL's default)
 

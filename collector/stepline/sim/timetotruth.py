@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.localstack import AlertStack, Webhook
-from stepline.collector import Collector
-from stepline.diagnosis.engine import diagnose
+from stepline.app.collector import Collector
+from stepline.config.settings import Settings
+from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
-from stepline.settings import Settings
 from stepline.sim.generator import live_case
 from stepline.sim.live import LiveEngine
 

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from stepline.clock import Clock
-from stepline.rows import Row
+from stepline.core.clock import Clock
+from stepline.model.rows import Row
 
 Emit = Callable[[Iterable[Row]], object]
 

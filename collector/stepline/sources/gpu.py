@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NoReturn, TypeVar, cast
 
-from stepline.ratelimit import RateLimitedLog
-from stepline.rows import Event, GpuSample, Row, micros
+from stepline.core.ratelimit import RateLimitedLog
+from stepline.model.rows import Event, GpuSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 from stepline.sources.gpu_owners import Device, EngineGpus, EngineLookup, PidView, ProcPidView
 from stepline.sources.nvml import (

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from stepline.rows import Event, HostSample, Row, micros
+from stepline.model.rows import Event, HostSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 
 REDISCOVER_S = 10.0

@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from stepline.ratelimit import RateLimitedLog
-from stepline.rows import Request
-from stepline.serving import Address, ServerThread, linger
+from stepline.core.listener import Address, ServerThread, linger
+from stepline.core.ratelimit import RateLimitedLog
+from stepline.model.rows import Request
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.otlp_decode import (
     ENCODINGS,

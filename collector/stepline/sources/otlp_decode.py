@@ -11,7 +11,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from stepline.rows import Request
+from stepline.model.rows import Request
 
 SPAN_NAME = "llm_request"
 PROTOBUF = "application/x-protobuf"

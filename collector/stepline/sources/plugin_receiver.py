@@ -21,10 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from stepline.core.ratelimit import RateLimitedLog
+from stepline.model.rows import Event, Request, Row, Step, micros
 from stepline.plugin import wire
 from stepline.plugin.config import model_name
-from stepline.ratelimit import RateLimitedLog
-from stepline.rows import Event, Request, Row, Step, micros
 from stepline.sources.base import Emit, SourceContext
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepline.rows import EngineSample, Event, micros
+from stepline.model.rows import EngineSample, Event, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 
 PREFIX = "vllm:"

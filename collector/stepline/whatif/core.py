@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stepline.clock import ManualClock
+from stepline.core.clock import ManualClock
 from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from stepline.matrix_client import percentile
+from stepline.loadgen.client import percentile
 
 # Prompt bands for decode rates: (label, lower bound in tokens); a request falls in the last band it reaches.
 BANDS = (("<1k", 0), ("1k-8k", 1_000), ("8k-32k", 8_000), ("32k-128k", 32_000), (">=128k", 128_000))

@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from stepline.linsolve import solve
+from stepline.core.linsolve import solve
 from stepline.sim.costmodel import CostModel, attention_pairs
 from stepline.whatif.figures import nearest_rank
 from stepline.whatif.trace import EngineTrace, TracedRequest

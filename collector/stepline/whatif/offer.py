@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from stepline.alerting.config import Slo
+from stepline.analysis.summary import Reads
 from stepline.diagnosis.findings import Finding, Window
-from stepline.summary import Reads
 from stepline.whatif.core import Priced, WhatIf, whatif
 from stepline.whatif.figures import Objectives
 from stepline.whatif.render import seconds

@@ -1,0 +1,1 @@
+"""The collector wired and run (`collector.Collector`), and `stepline demo` (`demo`)."""

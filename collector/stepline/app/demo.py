@@ -1,0 +1,214 @@
+"""`stepline demo`: a simulated engine under the burst workload, collected into the embedded store."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+from stepline.analysis import perrequest, summary, timeline
+from stepline.app.collector import Collector
+from stepline.config.settings import Settings
+from stepline.core.clock import ManualClock
+from stepline.diagnosis.detectors import summary_for_demo
+from stepline.ingest.runner import Scheduled
+from stepline.model.rows import micros
+from stepline.sim import vllm_server as sim_server
+from stepline.sim.config import EngineConfig
+from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource, VirtualGpuSampler
+from stepline.sim.records import StepRecord
+from stepline.sim.replay import replay
+from stepline.sim.telemetry import LateBound, Telemetry
+from stepline.sim.workloads import (
+    SHORT_BURST_DRAIN_S,
+    SHORT_BURST_DURATION_S,
+    WORKLOAD_NAMES,
+    Workload,
+    make_workload,
+)
+from stepline.sources.base import SourceContext
+from stepline.sources.otlp import OtlpReceiver
+from stepline.sources.vllm_metrics import VllmMetricsSource
+from stepline.store.store import Store
+from stepline.store.url import default_store_url
+
+log = logging.getLogger(__name__)
+
+# In real time the demo drives the short burst (the burst's first monster, while chat decodes, in ~75 s); with
+# --fast it replays the whole 10-minute burst. Rescaling the burst to a minute loses its story (sim/workloads.py).
+REALTIME_WORKLOAD = "short-burst"
+FAST_WORKLOAD = "burst"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", help="store URL (default: $STEPLINE_STORE, else chdb://./stepline-data)")
+    parser.add_argument("--fast", action="store_true",
+                        help=f"replay the full 10-minute {FAST_WORKLOAD} on a virtual clock in seconds, stamped as "
+                             f"if it had just happened, instead of the {REALTIME_WORKLOAD} in real time "
+                             f"(about {SHORT_BURST_DURATION_S + SHORT_BURST_DRAIN_S:.0f} s)")
+    parser.add_argument("--workload", choices=WORKLOAD_NAMES,
+                        help=f"what traffic to simulate (default: {REALTIME_WORKLOAD} in real time, "
+                             f"{FAST_WORKLOAD} with --fast)")
+    parser.add_argument("--duration", type=float, metavar="SECONDS",
+                        help="how long requests arrive (default: the workload's nominal length; the demo then "
+                             "waits for the engine to drain)")
+    parser.add_argument("--scrape-interval", type=float, metavar="SECONDS",
+                        help="scrape interval (default 1 s in real time, 5 s with --fast)")
+    parser.add_argument("--gpu-scenario", choices=SCENARIOS, default="power-cap",
+                        help="what the simulated GPUs do: follow the load (normal), also hit a power cap during "
+                             "prefill so clocks drop (power-cap, the default), or also report an XID error (xid)")
+
+
+def workload_for(args: argparse.Namespace) -> Workload:
+    """The workload the demo drives for these arguments."""
+    name = args.workload or (FAST_WORKLOAD if args.fast else REALTIME_WORKLOAD)
+    return make_workload(name, duration_s=args.duration)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the process exit code."""
+    store_url = args.store or default_store_url()
+    since = time.time()
+    # Each run is an engine of its own: a fast replay is stamped into the recent past, where an
+    # earlier run may already lie, and the two must not blur into one engine's counters.
+    engine = time.strftime("sim-%H%M%S")
+    config = EngineConfig()
+    gpus = SimulatedGpus(GpuModel(scenario=args.gpu_scenario), engine_pid=os.getpid())
+    with tempfile.TemporaryDirectory(prefix="stepline-demo-") as sockets:
+        # The real GPU source would find no NVML here: the demo's GPUs are simulated, sampled by the same code.
+        base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
+                                "plugin_socket": os.path.join(sockets, "plugin.sock"),
+                                "disabled_sources": frozenset({"gpu"})}
+        if args.fast:
+            interval = args.scrape_interval or 5.0
+            workload = workload_for(args)
+            collector = Collector(Settings.from_env(engines=(), scrape_interval_s=interval, **base))
+            collector.start()
+            telemetry = _telemetry(collector, engine, config)
+            since = _replay(collector, workload, config, interval, engine, telemetry, gpus)
+        else:
+            interval = args.scrape_interval or 1.0
+            workload = workload_for(args)
+            forward = LateBound(gpus.model.on_step)
+            server = sim_server.serve(workload, config, host="127.0.0.1", port=0, repeat=False, on_step=forward)
+            try:
+                settings = Settings.from_env(engines=(f"{engine}={server.url}",), scrape_interval_s=interval, **base)
+                collector = Collector(settings, extra=lambda ctx: _gpu_sources(gpus, ctx, engine, settings))
+                collector.start()
+                telemetry = _telemetry(collector, engine, config)
+                forward.attach(telemetry.on_step)
+                _watch(collector, server, workload.duration_s + workload.drain_s, interval)
+            finally:
+                server.stop()
+        telemetry.close()
+        collector.stop()
+    _print_summary(collector.settings.store, engine, since)
+    return 0
+
+
+def _gpu_sources(gpus: SimulatedGpus, ctx: SourceContext, engine: str, settings: Settings) -> list[Scheduled]:
+    # The simulator runs inside this process: its GPUs' process is ours, and it serves `engine`.
+    ctx.engine_processes.found(engine, os.getpid())
+    return [Scheduled(SimulatedGpuSource(gpus, ctx), settings.gpu_interval_s)]
+
+
+def _telemetry(collector: Collector, engine: str, config: EngineConfig) -> Telemetry:
+    """The simulated engine's plugin and span exporter, pointed at this collector's receivers."""
+    otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+    return Telemetry(engine, config, plugin_socket=collector.settings.plugin_socket, otlp_endpoint=otlp.url)
+
+
+def _replay(collector: Collector, workload: Workload, config: EngineConfig, interval: float, engine: str,
+            telemetry: Telemetry, gpus: SimulatedGpus) -> float:
+    """Replay the workload into the collector on a virtual clock; returns when (in stamped time) it began."""
+    assert collector.writers is not None
+    writers = collector.writers
+    host = collector.settings.host_name
+    scraper = VllmMetricsSource(f"http://{engine}.invalid/metrics", SourceContext(host, collector.clock),
+                                engine=engine)
+    sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine,
+                                 collector.settings.gpu_interval_s, writers.write)
+
+    def on_step(step: StepRecord) -> None:
+        sampler.until(step.ts - step.elapsed_ms / 1000)  # the GPUs before this step began
+        gpus.model.on_step(step)
+        sampler.until(step.ts)
+        telemetry.on_step(step)
+
+    started = time.monotonic()
+    result = replay(workload, config, interval, lambda ts, body: scraper.ingest(body, ts, writers.write),
+                    on_step=on_step, keep_records=False)
+    sampler.until(result.end_ts)
+    print(f"replayed {result.scrapes} scrapes ({result.end_ts - result.start_ts:.0f} s of simulated time) "
+          f"in {time.monotonic() - started:.1f} s; drained={result.drained}")
+    return result.start_ts
+
+
+def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, interval: float) -> None:
+    print(f"simulated vLLM engine at {server.url}/metrics; collecting for about {seconds:.0f} s "
+          f"(Ctrl-C stops early, keeping what was collected)")
+    if collector.query_endpoint is not None:
+        print(f"while it runs, `stepline query` goes through the collector at {collector.query_endpoint.url}")
+    deadline = time.monotonic() + seconds + 2 * interval
+    next_report = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if server.simulation.is_done() and time.monotonic() > deadline - seconds:
+                time.sleep(2 * interval)  # one more scrape sees the final counters
+                break
+            if time.monotonic() >= next_report:
+                next_report += 10
+                sched = server.simulation.scheduler
+                print(f"  t+{seconds - (deadline - time.monotonic() - 2 * interval):4.0f}s  "
+                      f"running {len(sched.running):3d}  waiting {len(sched.waiting):3d}  "
+                      f"steps {server.simulation.iteration_index}")
+    except KeyboardInterrupt:
+        print("stopping early")
+
+
+def _print_summary(store_url: str, engine: str, since: float) -> None:
+    store = Store.open(store_url)
+    params = {"since": micros(since), "engine": engine}
+    window = "engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')"
+    try:
+        print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
+        print(summary.render(summary.trim_idle(summary.per_minute(store, engine, since))))
+        print("\nper request, by prompt size (from the plugin's finished requests):")
+        print(perrequest.by_prompt_band(store, engine, since))
+        print()
+        print(perrequest.around_largest_prefill(store, engine, since))
+        moment = perrequest.largest_prefill_start(store, engine, since)
+        if moment is not None:
+            print(f"\nthe GPUs meanwhile (stepline timeline --around {moment:%H:%M:%S} --window 30 --bucket 5):")
+            print(timeline.around(store, store.database, moment + timedelta(seconds=20), window_s=30,
+                                  engine=engine, bucket_s=5))
+        counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
+                             parameters=params).result_rows
+        # A request's reports merge into one row (FINAL): count requests, not reports.
+        tables = {table: store.query(f"SELECT count() FROM {table}{' FINAL' if table == 'requests' else ''} "
+                                     f"WHERE {window}", parameters=params).result_rows[0][0]
+                  for table in ("engine_samples", "steps", "requests", "gpu_samples")}
+        # The host is sampled in real time, also while a fast replay runs: its rows are the collector's own.
+        tables["host_samples"] = store.query("SELECT count() FROM host_samples WHERE ts >= fromUnixTimestamp64Micro("
+                                             "{since:Int64}, 'UTC')", parameters=params).result_rows[0][0]
+        print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
+              + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
+        print(f"\nwhat stepline diagnose says about {engine}:")
+        print(summary_for_demo(store, engine, since))
+    finally:
+        store.close()
+    print("\nlook further:\n"
+          "  stepline status\n"
+          "  stepline diagnose --since 1h\n"
+          "  stepline report --since 1h --out incident.html\n"
+          "  stepline requests --slowest 10\n"
+          "  stepline query \"SELECT ts, value FROM engine_samples WHERE metric = 'vllm:num_requests_waiting' "
+          "ORDER BY ts DESC LIMIT 10\"\n"
+          "  stepline query \"SELECT ts, kind, message FROM events ORDER BY ts\"\n"
+          "  stepline query \"SELECT ts, elapsed_ms, num_ctx_tokens, num_generation_requests FROM steps "
+          "ORDER BY elapsed_ms DESC LIMIT 10\"")

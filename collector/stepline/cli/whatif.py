@@ -1,0 +1,60 @@
+"""`stepline whatif`: fit the engine's step cost, check the replay against the recording, price every lever."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from stepline.alerting.config import Slo
+from stepline.cli.diagnose import add_window_arguments, window_of
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_window_arguments(parser)
+    slo = Slo()
+    parser.add_argument("--ttft", type=float, default=slo.ttft_p99_seconds, metavar="SECONDS",
+                        help="goodput's time-to-first-token objective (default: the alert configuration's TTFT "
+                             "SLO, %(default)s s)")
+    parser.add_argument("--tpot", type=float, default=slo.tpot_seconds, metavar="SECONDS",
+                        help="goodput's mean time-per-output-token objective, also the deadline-aware policy's "
+                             "(default: the alert configuration's, %(default)s s)")
+    parser.add_argument("--chars-per-token", type=float, metavar="N",
+                        help="your prompts' characters per token, to give shape-sharding thresholds in characters "
+                             "(the store holds no prompt text)")
+    parser.add_argument("--jobs", type=int, help="replays run in parallel (default: one per CPU)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when priced; 2 when the window cannot be replayed."""
+    from stepline.config.settings import SettingsError
+    from stepline.store.reader import open_reader
+    from stepline.store.url import default_store_url
+    from stepline.whatif.core import WhatIfError, whatif
+    from stepline.whatif.figures import Objectives
+    from stepline.whatif.render import as_json, render
+    from stepline.whatif.trace import load
+
+    if not (args.ttft > 0 and args.tpot > 0):
+        raise SettingsError(f"--ttft and --tpot must be positive, got {args.ttft} and {args.tpot}")
+    window = window_of(args)
+    started = time.monotonic()
+    reader = open_reader(args.store or default_store_url())
+    try:
+        traces = load(reader.client, window)
+    finally:
+        reader.close()
+    try:
+        result = whatif(traces, Objectives(args.ttft, args.tpot), chars_per_token=args.chars_per_token,
+                        jobs=args.jobs)
+    except WhatIfError as exc:
+        print(f"stepline whatif: {exc} ({window.start:%H:%M:%S}..{window.end:%H:%M:%S} UTC)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_json(result), indent=2))
+    else:
+        print(render(result))
+        print(f"\n({len(result.levers)} levers in {time.monotonic() - started:.1f}s, via {reader.via})")
+    return 0

@@ -1,0 +1,179 @@
+"""Compression on ClickHouse's HTTP interface: its own compressed blocks (compress=1, decompress=1) and the HTTP
+Content-Encodings a response is given with enable_http_compression=1.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from typing import Protocol
+
+import brotli
+import lz4.block
+import lz4.frame
+from backports import zstd
+from clickhouse_cityhash.cityhash import CityHash128
+
+from stepline.clickhouse_http.protocol import SqlRefused, too_large
+
+# ClickHouse's compressed block: a 16-byte CityHash128 (v1.0.2) of the rest, then a method byte, the block's size
+# with its 9-byte header and the decompressed size (UInt32 little-endian each), then the compressed bytes
+# (src/Compression/CompressionInfo.h, ICompressionCodec.cpp in ClickHouse/ClickHouse).
+_NONE, _LZ4, _ZSTD = 0x02, 0x82, 0x90
+_METHODS = {"lz4": _LZ4, "lz4hc": _LZ4, "zstd": _ZSTD, "none": _NONE}
+_HEADER = struct.Struct("<BII")
+CANNOT_DECOMPRESS = 271
+CHECKSUM_DOESNT_MATCH = 40
+UNKNOWN_COMPRESSION_METHOD = 89
+_BLOCK_BYTES = 1 << 20  # ClickHouse's max_compress_block_size
+
+
+def _checksum(data: bytes) -> bytes:
+    value = CityHash128(data)
+    return struct.pack("<QQ", value >> 64, value & ((1 << 64) - 1))  # as ClickHouse's clients read it
+
+
+def method_byte(name: str) -> int:
+    """The method byte for `network_compression_method` (ClickHouse's default is LZ4)."""
+    try:
+        return _METHODS[name.strip().lower() or "lz4"]
+    except KeyError:
+        raise SqlRefused(f"Unknown compression method {name[:40]!r}: use lz4, zstd or none",
+                         UNKNOWN_COMPRESSION_METHOD, "UNKNOWN_COMPRESSION_METHOD") from None
+
+
+def compress_block(data: bytes, method: int) -> bytes:
+    """`data` as one or more ClickHouse compressed blocks."""
+    out = []
+    for start in range(0, len(data), _BLOCK_BYTES):
+        raw = data[start:start + _BLOCK_BYTES]
+        if method == _LZ4:
+            packed = lz4.block.compress(raw, store_size=False)
+        elif method == _ZSTD:
+            packed = zstd.compress(raw)
+        else:
+            packed = raw
+        body = _HEADER.pack(method, _HEADER.size + len(packed), len(raw)) + packed
+        out.append(_checksum(body) + body)
+    return b"".join(out)
+
+
+def decompress_blocks(data: bytes, limit: int) -> bytes:
+    """The bytes a sequence of ClickHouse compressed blocks holds (decompress=1 bodies); at most `limit` of them."""
+    out: list[bytes] = []
+    pos = total = 0
+    while pos < len(data):
+        if len(data) - pos < 16 + _HEADER.size:
+            raise _corrupt(f"a compressed block's header is cut short at byte {pos}")
+        method, size, raw_size = _HEADER.unpack_from(data, pos + 16)
+        body = data[pos + 16:pos + 16 + size]
+        if size < _HEADER.size or len(body) < size:
+            raise _corrupt(f"a compressed block at byte {pos} claims {size} bytes, {len(body)} are there")
+        if _checksum(body) != data[pos:pos + 16]:
+            raise SqlRefused(f"checksum doesn't match in the compressed block at byte {pos}", CHECKSUM_DOESNT_MATCH,
+                             "CHECKSUM_DOESNT_MATCH")
+        total += raw_size
+        if total > limit:
+            raise too_large(total, limit)
+        packed = body[_HEADER.size:]
+        try:
+            if method == _LZ4:
+                raw = lz4.block.decompress(packed, uncompressed_size=raw_size)
+            elif method == _ZSTD:
+                raw = zstd.decompress(packed)
+            elif method == _NONE:
+                raw = packed
+            else:
+                raise SqlRefused(f"Unknown compression method byte 0x{method:02x}", UNKNOWN_COMPRESSION_METHOD,
+                                 "UNKNOWN_COMPRESSION_METHOD")
+        except SqlRefused:
+            raise
+        except Exception as ex:  # untrusted bytes: every decompressor failure is the body's
+            raise _corrupt(f"cannot decompress the block at byte {pos}: {' '.join(str(ex).split())[:120]}") from None
+        if len(raw) != raw_size:
+            raise _corrupt(f"the block at byte {pos} holds {len(raw)} bytes, its header says {raw_size}")
+        out.append(raw)
+        pos += 16 + size
+    return b"".join(out)
+
+
+def _corrupt(message: str) -> SqlRefused:
+    return SqlRefused(message, CANNOT_DECOMPRESS, "CANNOT_DECOMPRESS")
+
+
+class Encoder(Protocol):
+    """A streaming Content-Encoding: each piece's output decodes as soon as it arrives; finish() ends the stream."""
+
+    def encode(self, data: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+
+class _Zlib:
+    def __init__(self, wbits: int) -> None:
+        self._z = zlib.compressobj(3, zlib.DEFLATED, wbits)  # ClickHouse's default http_zlib_compression_level
+
+    def encode(self, data: bytes) -> bytes:
+        return self._z.compress(data) + self._z.flush(zlib.Z_SYNC_FLUSH)
+
+    def finish(self) -> bytes:
+        return self._z.flush(zlib.Z_FINISH)
+
+
+class _Zstd:
+    def __init__(self) -> None:
+        self._z = zstd.ZstdCompressor()
+
+    def encode(self, data: bytes) -> bytes:
+        return self._z.compress(data, zstd.ZstdCompressor.FLUSH_BLOCK)
+
+    def finish(self) -> bytes:
+        return self._z.flush(zstd.ZstdCompressor.FLUSH_FRAME)
+
+
+class _Brotli:
+    def __init__(self) -> None:
+        self._b = brotli.Compressor(quality=3)
+
+    def encode(self, data: bytes) -> bytes:
+        return bytes(self._b.process(data) + self._b.flush())
+
+    def finish(self) -> bytes:
+        return bytes(self._b.finish())
+
+
+class _Lz4Frame:
+    def __init__(self) -> None:
+        self._f = lz4.frame.LZ4FrameCompressor()
+        self._started = False
+
+    def encode(self, data: bytes) -> bytes:
+        # No flush per piece: an LZ4 frame's flush() ends the frame. Whole blocks go out as they fill.
+        head = b"" if self._started else self._f.begin()
+        self._started = True
+        return bytes(head + self._f.compress(data))
+
+    def finish(self) -> bytes:
+        head = b"" if self._started else self._f.begin()
+        self._started = True
+        return bytes(head + self._f.flush())
+
+
+# In ClickHouse's order of preference when a client accepts several (HTTPHandler: gzip, deflate, then the rest).
+_ENCODINGS: dict[str, Callable[[], Encoder]] = {
+    "gzip": lambda: _Zlib(16 + zlib.MAX_WBITS), "deflate": lambda: _Zlib(zlib.MAX_WBITS),
+    "br": _Brotli, "zstd": _Zstd, "lz4": _Lz4Frame,
+}
+
+
+def response_encoding(accept_encoding: str) -> str | None:
+    """The Content-Encoding to answer with for an Accept-Encoding header (None: identity)."""
+    offered = {part.split(";")[0].strip().lower() for part in accept_encoding.split(",")}
+    offered |= {"gzip"} if "x-gzip" in offered else set()
+    return next((name for name in _ENCODINGS if name in offered), None)
+
+
+def encoder(name: str) -> Encoder:
+    """A fresh streaming encoder for a Content-Encoding that response_encoding() chose."""
+    return _ENCODINGS[name]()

@@ -1,0 +1,1 @@
+"""Configuration: the collector's settings (`settings`) and the service-level objectives (`slo`)."""

@@ -1,0 +1,250 @@
+"""Collector settings: one dataclass, environment-variable defaults, validated at start-up."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stepline.store.url import StoreUrlError, default_store_url, parse_store_url, with_password
+
+ROLES = ("sidecar", "node")
+
+
+class SettingsError(ValueError):
+    """A setting has a value stepline cannot run with; the message names it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the collector is configured with."""
+
+    store: str = field(default_factory=default_store_url, repr=False)  # a server URL may carry a password
+    retention_days: int = 30
+    role: str = "sidecar"  # sidecar: beside one engine (every source); node: one per node, GPUs and host only
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the node role's GPU -> pod map
+    engines: tuple[str, ...] = ()
+    host_name: str = field(default_factory=socket.gethostname)
+    listen: str = "127.0.0.1"
+    metrics_port: int = 9465
+    query_port: int = 8124
+    query_password: str | None = field(default=None, repr=False)
+    scrape_interval_s: float = 5.0
+    scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
+    disabled_sources: frozenset[str] = frozenset()
+    engine_processes: tuple[str, ...] = ()  # NAME=PID or NAME=cmdline:TEXT, beside what --engine ports find
+    engine_gpus: tuple[str, ...] = ()  # NAME=GPU-uuid,GPU-uuid: GPUs no PID or engine environment ties to an engine
+    expect_gpus: bool = False  # GPUs are expected here: a gpu source that never reaches NVML alerts
+    host_interval_s: float = 1.0
+    gpu_interval_s: float = 0.1
+    plugin_socket: str = "/tmp/stepline-plugin.sock"
+    otlp_port: int = 4318
+    events_port: int = 0  # the CLI's write path (matrix runs); 0: a free port, announced in the runtime file
+    otlp_token: str | None = field(default=None, repr=False)
+    plugin_token: str | None = field(default=None, repr=False)
+    writer_max_rows: int = 200_000
+    writer_batch_rows: int = 20_000
+    flush_interval_s: float = 1.0  # also the spool's sync interval: what a kill -9 can lose
+    spool_dir: str | None = None  # default: beside the store (see spool_path)
+    spool_max_bytes: int = 1 << 30  # 0: no spool (rows wait in memory only)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults from STEPLINE_* variables, then explicit overrides (from the command line)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, var, convert in _ENV:
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = convert(raw)
+            except ValueError:
+                raise SettingsError(f"{var}={raw!r} is not a valid {convert.__name__}") from None
+        for name, var in _SECRETS:
+            secret_file = env.get(f"{var}_FILE")
+            if secret_file and name not in values:
+                values[name] = _read_secret(f"{var}_FILE", secret_file)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        # The ClickHouse password alone, from the file a Kubernetes Secret mounts: one secret key serves ClickHouse
+        # and the collector, and the password never sits in the collector's environment.
+        var, var_file = STORE_PASSWORD_VARS
+        password = env.get(var) or None
+        if password is None and env.get(var_file):
+            password = _read_secret(var_file, env[var_file])
+        if password is not None:
+            try:
+                values["store"] = with_password(values.get("store") or default_store_url(), password)
+            except StoreUrlError as exc:
+                raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
+        return cls(**values).validated()
+
+    def validated(self) -> Settings:
+        """Return self, or raise SettingsError naming the first bad value."""
+        try:
+            parse_store_url(self.store)
+        except StoreUrlError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.retention_days < 1:
+            raise SettingsError(f"retention must be at least 1 day, got {self.retention_days}")
+        for name in ("metrics_port", "query_port", "otlp_port", "events_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise SettingsError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
+        try:
+            ipaddress.ip_address(self.listen)
+        except ValueError:
+            if self.listen != "localhost":
+                raise SettingsError(f"listen address {self.listen!r} is not an IP address") from None
+        for name in ("scrape_interval_s", "scrape_timeout_s", "flush_interval_s", "host_interval_s", "gpu_interval_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SettingsError(f"{name} must be positive, got {value}")
+        if self.scrape_timeout > self.scrape_interval_s:
+            raise SettingsError(
+                f"scrape timeout {self.scrape_timeout} s exceeds the scrape interval {self.scrape_interval_s} s"
+            )
+        if self.spool_max_bytes < 0:
+            raise SettingsError(f"spool size must be 0 (no spool) or more bytes, got {self.spool_max_bytes}")
+        for name, _ in _SECRETS:
+            if getattr(self, name) == "":
+                raise SettingsError(f"{name.replace('_', '-')} is empty: leave it unset, or give a value")
+        if not 1 <= self.writer_batch_rows <= self.writer_max_rows:
+            raise SettingsError(
+                f"writer batch ({self.writer_batch_rows} rows) must be between 1 and the queue size "
+                f"({self.writer_max_rows} rows)"
+            )
+        for spec in self.engines:
+            url = spec.partition("=")[2] if "=" in spec and "://" not in spec.partition("=")[0] else spec
+            if not url.startswith(("http://", "https://")):
+                raise SettingsError(f"engine {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
+        for spec in self.engine_processes:
+            name, sep, how = spec.partition("=")
+            if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
+                raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
+        self.engine_gpu_map()
+        if self.role not in ROLES:
+            raise SettingsError(f"role {self.role!r} must be one of {', '.join(ROLES)}")
+        if self.role == "node" and self.engines:
+            raise SettingsError(f"role node scrapes no engine: engine {self.engines[0]!r} belongs to the sidecar "
+                                f"role beside it")
+        if self.role == "node" and not self.pod_resources_socket:
+            raise SettingsError("role node needs a pod-resources socket (STEPLINE_POD_RESOURCES_SOCKET)")
+        return self
+
+    def engine_gpu_map(self) -> dict[str, str]:
+        """GPU UUID -> engine from engine_gpus; raises SettingsError naming a bad or twice-given entry."""
+        owners: dict[str, str] = {}
+        for spec in self.engine_gpus:
+            name, sep, uuids = spec.partition("=")
+            gpus = [u.strip() for u in uuids.split(",")]
+            if not (name.strip() and sep and all(u.startswith("GPU-") and len(u) > 4 for u in gpus)):
+                raise SettingsError(f"engine GPUs {spec!r} must be NAME=GPU-uuid[,GPU-uuid...] (nvidia-smi -L)")
+            for uuid in gpus:
+                if owners.setdefault(uuid, name.strip()) != name.strip():
+                    raise SettingsError(f"engine GPUs: {uuid} is given to both {owners[uuid]} and {name.strip()}")
+        return owners
+
+    @property
+    def scrape_timeout(self) -> float:
+        """Seconds one scrape may take: never more than the interval, so scrapes cannot pile up."""
+        return self.scrape_timeout_s if self.scrape_timeout_s is not None else min(3.0, self.scrape_interval_s)
+
+    def spool_path(self) -> str:
+        """Where rows wait on disk for the store: --spool-dir, else beside the embedded store or in ./stepline-spool."""
+        if self.spool_dir:
+            return self.spool_dir
+        url = parse_store_url(self.store)
+        if url.embedded:
+            return os.path.join(f"{url.path.rstrip('/')}-spool", url.database)
+        return os.path.join("stepline-spool", f"{url.host}_{url.port}_{url.database}")
+
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **changes).validated()
+
+
+def _csv(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _names(raw: str) -> frozenset[str]:
+    return frozenset(_csv(raw))
+
+
+def _semicolons(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(";") if part.strip())
+
+
+def boolean(raw: str) -> bool:
+    """1/0, true/false, yes/no, on/off."""
+    value = raw.strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(raw)
+    return value in ("1", "true", "yes", "on")
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def size(raw: str) -> int:
+    """A byte count: 1073741824, 512M, 2G (powers of 1024)."""
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    number = text[: len(text) - len(unit)]
+    if not number.isdigit():
+        raise ValueError(f"{raw!r} is not a size such as 1073741824, 512M or 2G")
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def _read_secret(var: str, path: str) -> str:
+    """A secret from a file (a mounted Kubernetes secret, say): its content without the trailing newline."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise SettingsError(f"{var}={path!r}: {exc.strerror}") from None
+
+
+# The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names.
+STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
+
+# Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
+_SECRETS = (
+    ("store", "STEPLINE_STORE"),  # a server URL carries the ClickHouse password
+    ("query_password", "STEPLINE_QUERY_PASSWORD"),
+    ("otlp_token", "STEPLINE_OTLP_TOKEN"),
+    ("plugin_token", "STEPLINE_PLUGIN_TOKEN"),
+)
+
+
+_ENV: tuple[tuple[str, str, Any], ...] = (
+    ("store", "STEPLINE_STORE", str),
+    ("retention_days", "STEPLINE_RETENTION_DAYS", int),
+    ("role", "STEPLINE_ROLE", str),
+    ("pod_resources_socket", "STEPLINE_POD_RESOURCES_SOCKET", str),
+    ("engines", "STEPLINE_ENGINES", _csv),
+    ("host_name", "STEPLINE_HOST_NAME", str),
+    ("listen", "STEPLINE_LISTEN", str),
+    ("metrics_port", "STEPLINE_METRICS_PORT", int),
+    ("query_port", "STEPLINE_QUERY_PORT", int),
+    ("query_password", "STEPLINE_QUERY_PASSWORD", str),
+    ("scrape_interval_s", "STEPLINE_SCRAPE_INTERVAL", float),
+    ("scrape_timeout_s", "STEPLINE_SCRAPE_TIMEOUT", float),
+    ("disabled_sources", "STEPLINE_DISABLED_SOURCES", _names),
+    ("plugin_socket", "STEPLINE_PLUGIN_SOCKET", str),
+    ("host_interval_s", "STEPLINE_HOST_INTERVAL", float),
+    ("engine_processes", "STEPLINE_ENGINE_PROCESSES", _csv),
+    ("engine_gpus", "STEPLINE_ENGINE_GPUS", _semicolons),
+    ("expect_gpus", "STEPLINE_EXPECT_GPUS", boolean),
+    ("gpu_interval_s", "STEPLINE_GPU_INTERVAL", float),
+    ("otlp_port", "STEPLINE_OTLP_PORT", int),
+    ("events_port", "STEPLINE_EVENTS_PORT", int),
+    ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
+    ("plugin_token", "STEPLINE_PLUGIN_TOKEN", str),
+    ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),
+    ("spool_dir", "STEPLINE_SPOOL_DIR", str),
+    ("spool_max_bytes", "STEPLINE_SPOOL_MAX_BYTES", size),
+)

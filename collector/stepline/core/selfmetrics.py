@@ -1,0 +1,160 @@
+"""The collector's own metrics, on a registry of its own, served on its /metrics."""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from stepline.core.listener import ServerThread
+
+WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SelfMetrics:
+    """Every metric the collector exports about itself."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rows_written = Counter(
+            "stepline_writer_rows_written", "Rows written to the store.", ["table"], registry=r
+        )
+        self.rows_dropped = Counter(
+            "stepline_writer_rows_dropped", "Rows dropped before reaching the store.", ["table", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "stepline_writer_queue_rows", "Rows accepted and not yet written.", ["table"], registry=r
+        )
+        self.write_seconds = Histogram(
+            "stepline_writer_write_duration_seconds", "Time of one batch insert into the store.", ["table"],
+            buckets=WRITE_BUCKETS, registry=r,
+        )
+        self.write_errors = Counter(
+            "stepline_writer_write_errors", "Batch inserts the store refused or could not take.", ["table"],
+            registry=r,
+        )
+        self.source_up = Gauge(
+            "stepline_source_up", "1 when the source's last poll succeeded.", ["source"], registry=r
+        )
+        self.source_seconds = Gauge(
+            "stepline_source_poll_duration_seconds", "Duration of the source's last poll.", ["source"],
+            registry=r,
+        )
+        self.source_errors = Counter(
+            "stepline_source_errors", "Polls of the source that failed.", ["source"], registry=r
+        )
+        self.source_last_error = Gauge(
+            "stepline_source_last_error_info", "1 while the source's last poll failed, with why (one line, at most "
+            "200 characters); absent while it succeeds.", ["source", "error"], registry=r,
+        )
+        self.source_counts = Counter(
+            "stepline_source_counts", "What a source counted: datagrams, malformed input, data the engine side "
+            "dropped, spans rejected.", ["source", "counter"], registry=r,
+        )
+        self.source_rows = Counter(
+            "stepline_source_rows", "Rows the source produced.", ["source"], registry=r
+        )
+        self.clock_skew = Gauge(
+            "stepline_source_clock_skew_max_seconds", "Largest row ts minus the collector's clock in the source's "
+            "latest batch (positive: its clock runs ahead; rows over 300 s ahead are dropped).", ["source"],
+            registry=r,
+        )
+        self.engine_up = Gauge(
+            "stepline_engine_up", "1 when the engine's /metrics answered with a valid exposition.", ["engine"],
+            registry=r,
+        )
+        self.requests_deduplicated = Counter(
+            "stepline_requests_deduplicated", "Request reports not written because they added no field to what "
+            "earlier reports of the same request gave, by the source of the skipped report.", ["source"], registry=r,
+        )
+        self.queries = Counter(
+            "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],
+            registry=r,
+        )
+        self._watchdog_metrics(r)
+        self.spool_bytes = Gauge("stepline_spool_bytes", "Bytes of batches waiting in the spool for the store.",
+                                 registry=r)
+        self.spool_limit = Gauge("stepline_spool_limit_bytes", "The spool's bound; past it the oldest batches go.",
+                                 registry=r)
+
+    def _watchdog_metrics(self, r: CollectorRegistry) -> None:
+        """The progress watchdog's view of each engine and its GPUs (names shared with the alert rules)."""
+        e = ["engine"]
+        self.progress_age = Gauge("stepline_engine_progress_age_seconds",
+                                  "Seconds since the engine last made progress.", e, registry=r)
+        self.progress_budget = Gauge("stepline_engine_progress_budget_seconds",
+                                     "Seconds allowed without progress, given the work in flight.", e, registry=r)
+        self.engine_state = Gauge("stepline_engine_state", "1 for the engine's current watchdog state, else 0.",
+                                  ["engine", "state"], registry=r)
+        self.waiting_requests = Gauge("stepline_engine_waiting_requests", "Requests waiting.", e, registry=r)
+        self.running_requests = Gauge("stepline_engine_running_requests", "Requests running.", e, registry=r)
+        self.inflight_prefill = Gauge("stepline_engine_inflight_prefill_tokens",
+                                      "Prefill tokens of the last step (the work in flight).", e, registry=r)
+        self.longest_context = Gauge("stepline_engine_longest_context_tokens",
+                                     "Longest prompt known to be in flight (a lower bound; 0 when unknown).", e,
+                                     registry=r)
+        self.gpu_utilization = Gauge("stepline_engine_gpu_utilization_ratio",
+                                     "Mean utilisation of the engine's GPUs over the last 10 s.", e, registry=r)
+        self.itl_p99 = Gauge("stepline_engine_itl_p99_seconds", "Inter-token latency p99 over the last 60 s.", e,
+                             registry=r)
+        self.prefill_step_share = Gauge("stepline_engine_prefill_step_share",
+                                        "Share of the last 60 s of steps that carried prefill tokens.", e, registry=r)
+        self.prefix_cache_hit_ratio = Gauge("stepline_engine_prefix_cache_hit_ratio",
+                                            "Prefix-cache hit ratio (tokens) over the last 60 s.", e, registry=r)
+        self.kv_cache_usage = Gauge("stepline_engine_kv_cache_usage_ratio", "KV cache usage, 0-1.", e, registry=r)
+        self.preemptions = Counter("stepline_engine_preemptions", "Requests preempted.", e, registry=r)
+        self.queued_behind_prefill = Gauge(
+            "stepline_engine_queued_behind_prefill",
+            "Requests waiting while a prefill of >= 8192 tokens has been in flight for >= 10 s.", e, registry=r)
+        self.gpu_clock_event_active = Gauge("stepline_gpu_clock_event_active",
+                                            "1 when the clock-event flag is set in the GPU's latest sample.",
+                                            ["engine", "gpu", "reason"], registry=r)
+        self.gpu_sm_clock = Gauge("stepline_gpu_sm_clock_mhz", "SM clock in the GPU's latest sample.",
+                                  ["engine", "gpu"], registry=r)
+        self.gpu_xid_errors = Counter("stepline_gpu_xid_errors", "XID errors reported by the GPU.",
+                                      ["engine", "gpu", "xid"], registry=r)
+        self.gpu_present = Gauge("stepline_gpu_present", "1 when GPU samples arrived in the last 60 s.",
+                                 registry=r)
+        self.gpu_expected = Gauge("stepline_gpu_expected", "1 when GPUs are expected here (STEPLINE_EXPECT_GPUS): a "
+                                  "gpu source that never reached NVML is then no machine without GPUs.", registry=r)
+        self.gpu_lost = Counter("stepline_gpu_lost", "GPUs NVML reported lost (fell off the bus, reset required).",
+                                ["engine", "gpu"], registry=r)
+        self.gpu_row_remap = Gauge(
+            "stepline_gpu_row_remap", "1 while the GPU's latest row-remapping reading has the state: pending (a "
+            "remap waits for a GPU reset) or failed (no spare rows left); NVML nvmlDeviceGetRemappedRows.",
+            ["engine", "gpu", "state"], registry=r)
+        self.top_finding = Gauge("stepline_engine_top_finding_info",
+                                 "The engine's top warning or critical diagnosis finding over the last 5 minutes "
+                                 "(refreshed on each state change and every few seconds while work is in flight).",
+                                 ["engine", "kind", "severity", "title"], registry=r)
+
+
+class MetricsServer:
+    """Serves a registry on /metrics in a background thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server = make_server(
+            host, port, make_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        self._serving: ServerThread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def start(self) -> None:
+        self._serving = ServerThread(self._server, "self-metrics")
+
+    def stop(self) -> None:
+        if self._serving is not None:
+            self._serving.stop()
+        else:
+            self._server.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are routine; they are not logged."""

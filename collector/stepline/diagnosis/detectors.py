@@ -1,0 +1,101 @@
+"""Run every detector over a window, rank what they find, and render it for a terminal or as JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import textwrap
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from stepline.analysis.summary import Reads
+from stepline.diagnosis import hardware, health, load, prefill, slots, throttling
+from stepline.diagnosis.causes import merge
+from stepline.diagnosis.common import Detector, Memo, hms
+from stepline.diagnosis.findings import Finding, Window
+
+log = logging.getLogger(__name__)
+
+# In priority order; adding a detector is one function and one line here.
+DETECTORS: tuple[tuple[str, Detector], ...] = (
+    ("prefill_interference", prefill.prefill_interference),
+    ("head_of_line_blocking", prefill.head_of_line_blocking),
+    ("overload", load.overload),
+    ("gpu_throttling", throttling.gpu_throttling),
+    ("scheduler_vs_hardware", hardware.scheduler_vs_hardware),
+    ("prefix_cache_collapse", health.prefix_cache_collapse),
+    ("kv_pressure", health.kv_pressure),
+    ("wedged_engine", health.wedged_engine),
+    ("leaked_slots", slots.leaked_slots),
+    ("config_not_in_effect", prefill.config_not_in_effect),
+    ("gpu_xid", hardware.gpu_xid),
+    ("spec_decode_acceptance_shift", health.spec_decode_acceptance_shift),
+)
+
+
+def diagnose(reader: Reads, window: Window,
+             detectors: Sequence[tuple[str, Detector]] = DETECTORS) -> list[Finding]:
+    """Every detector's findings, each cause once with its symptoms (causes.merge), ranked; a detector that fails
+    is logged and reported, never fatal."""
+    found: list[Finding] = []
+    reader = Memo(reader)
+    for name, detect in detectors:
+        try:
+            found.extend(detect(reader, window))
+        except Exception as exc:  # one broken detector must not hide what the others see
+            log.warning("detector %s failed: %s", name, exc, exc_info=True)
+            found.append(Finding("detector_failed", "info", window.engine, window.start, window.end,
+                                 f"detector {name} failed: {' '.join(str(exc).split())}"[:76],
+                                 {"detector": name, "error": " ".join(str(exc).split())[:500]}))
+    return merge(found)
+
+
+def as_json(findings: Sequence[Finding]) -> str:
+    """The findings as a JSON array, ranked."""
+    return json.dumps([f.as_json() for f in findings], indent=2, sort_keys=True, default=str)
+
+
+def render(findings: Sequence[Finding], width: int = 80, max_evidence: int = 8) -> str:
+    """One block per finding, readable in `width` columns."""
+    if not findings:
+        return "no findings: nothing looks wrong in this window"
+    blocks = []
+    for i, f in enumerate(findings, 1):
+        lines = [f"{i}. {f.severity.upper()}  {f.kind}  {f.engine or '(all engines)'}  "
+                 f"{hms(f.start)}..{hms(f.end)} UTC",
+                 *textwrap.wrap(f.title, width, initial_indent="   ", subsequent_indent="   ")]
+        for key, value in [kv for kv in f.evidence.items() if kv[0] != "symptoms"][:max_evidence]:
+            lines.extend(textwrap.wrap(f"{key}: {_value(value)}", width, initial_indent="   - ",
+                                       subsequent_indent="       "))
+        for symptom in f.evidence.get("symptoms", []):
+            lines.extend(textwrap.wrap(f"also {symptom['kind']}: {symptom['title']}", width,
+                                       initial_indent="   + ", subsequent_indent="       "))
+        if f.lever:
+            lines.extend(textwrap.wrap(f"lever: {f.lever}", width, initial_indent="   ", subsequent_indent="     "))
+        if f.sql:
+            lines.append("   sql:")
+            lines.extend("     " + line for line in f.sql.splitlines() if line.strip())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "; ".join(f"{k} {v}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def summary_for_demo(reader: Reads, engine: str, since: float, width: int = 80) -> str:
+    """The top finding for one engine since `since` (epoch seconds) in full but its SQL, the rest a line each."""
+    window = Window(datetime.fromtimestamp(since, UTC), datetime.now(UTC) + timedelta(seconds=1), engine)
+    findings = diagnose(reader, window)
+    if not findings:
+        return render(findings)
+    top = render([replace(findings[0], sql="")], width)
+    rest = [textwrap.shorten(f"{i}. {f.severity.upper()}  {f.kind}: {f.title}", width - 1, placeholder="…")
+            for i, f in enumerate(findings[1:], 2)]
+    return "\n".join([top, *rest, "(evidence and SQL for each: stepline diagnose --since 1h)"])

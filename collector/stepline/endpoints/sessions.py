@@ -1,0 +1,237 @@
+"""The query endpoint's read-only chDB sessions: pooled by settings, one streaming query at a time each."""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import chdb
+
+from stepline.clickhouse_http.protocol import SqlRefused
+
+Settings = tuple[tuple[str, str], ...]
+
+_SESSION_WAIT_S = 30.0
+_PREFETCH_BLOCKS = 4  # blocks of up to ~1 MiB each (max_block_size rows) computed ahead of the wire
+_CODE = re.compile(r"Code: (\d+)\. DB::Exception: ")
+_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)(?: \(version [^()]*\))?\.?\s*\Z")
+
+
+class EngineError(Exception):
+    """An error the engine raised for a query: its ClickHouse code, name and message."""
+
+    def __init__(self, message: str, code: int, name: str) -> None:
+        super().__init__(message)
+        self.code, self.name = code, name
+
+    @classmethod
+    def of(cls, ex: Exception) -> EngineError:
+        # chDB raises ChdbError/RuntimeError with ClickHouse's own text, at times behind "Streaming query failed: ".
+        text = str(ex)
+        code = _CODE.search(text)
+        name = _NAME.search(text)
+        message = text[code.start():] if code else text
+        return cls(message, int(code.group(1)) if code else 1000, name.group(1) if name else "UNKNOWN_EXCEPTION")
+
+
+@dataclass
+class Progress:
+    """What the engine reports of a query so far: rows and bytes read from storage."""
+
+    read_rows: int = 0
+    read_bytes: int = 0
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class Session:
+    """One chDB connection in read-only mode, with the settings it was opened with applied first."""
+
+    def __init__(self, path: str, settings: Settings) -> None:
+        self._conn: Any = cast(Any, chdb).connect(path)  # untyped: chDB ships no annotations
+        self._database: str | None = None
+        try:
+            for key, value in (*settings, ("readonly", "2")):  # readonly last: no SET after it can lift it
+                self._conn.query(f"SET {key} = {_quote(value)}")
+        except Exception as ex:
+            self._conn.close()
+            raise EngineError.of(ex) from None
+
+    def stream(self, database: str, sql: str, fmt: str, params: Mapping[str, str],
+               progress: Progress) -> Iterator[bytes]:
+        """The result in `fmt`, block by block as chDB encodes them (each block a whole document of `fmt`).
+
+        Streaming, never chDB's buffered query(): a query that fails there after its first block leaves that
+        output in the connection, in front of the next query's result (chDB 4.4). chDB computes a block only
+        when asked for it, so blocks are pulled a few ahead on a thread of their own: the engine works while
+        the previous block is on the wire (memory stays bounded by that depth).
+        """
+        return _prefetched(self._blocks(database, sql, fmt, params, progress), _PREFETCH_BLOCKS)
+
+    def _blocks(self, database: str, sql: str, fmt: str, params: Mapping[str, str],
+                progress: Progress) -> Iterator[bytes]:
+        try:
+            self._use(database)
+            result = self._conn.send_query(sql, fmt, params=dict(params))
+        except Exception as ex:
+            raise EngineError.of(ex) from None
+        try:
+            while True:
+                try:
+                    chunk = next(result)
+                except StopIteration:
+                    return
+                except Exception as ex:
+                    raise EngineError.of(ex) from None
+                progress.read_rows += chunk.rows_read()
+                progress.read_bytes += chunk.bytes_read()
+                if data := chunk.bytes():
+                    yield data
+        finally:
+            result.close()
+
+    def whole(self, database: str, sql: str, fmt: str, params: Mapping[str, str], progress: Progress) -> bytes:
+        """The result as one document, for formats that cannot be joined from blocks (XML, Pretty, Parquet...).
+
+        chDB buffers it (bounded by max_result_bytes); after a failure here the session must not be reused.
+        """
+        try:
+            self._use(database)
+            result = self._conn.query(sql, fmt, params=dict(params))
+        except Exception as ex:
+            raise EngineError.of(ex) from None
+        progress.read_rows += result.rows_read()
+        progress.read_bytes += result.bytes_read()
+        return bytes(result.bytes() or b"")
+
+    def _use(self, database: str) -> None:
+        if database != self._database:
+            self._conn.query(f"USE `{database.replace('`', '``')}`")
+            self._database = database
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _prefetched(blocks: Iterator[bytes], depth: int) -> Iterator[bytes]:
+    """`blocks`, pulled up to `depth` ahead by a thread that alone touches them (and closes them when the reader
+    stops early); an error there is raised here, in its turn."""
+    ready: queue.Queue[tuple[bytes | None, BaseException | None]] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pull() -> None:
+        try:
+            for block in blocks:
+                if not put((block, None)):
+                    return
+            put((None, None))
+        except BaseException as ex:  # handed to the reader, which raises it
+            put((None, ex))
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
+
+    puller = threading.Thread(target=pull, name="stepline-query-blocks", daemon=True)
+    puller.start()
+    try:
+        while True:
+            block, error = ready.get()
+            if error is not None:
+                raise error
+            if block is None:
+                return
+            yield block
+    finally:
+        stop.set()
+        puller.join()  # the session's connection is free again only once the puller has let go of it
+
+
+class Sessions:
+    """Read-only chDB sessions on the store's path, pooled by settings; each runs one query at a time.
+
+    A session applies its settings, then readonly=2, when it opens: later statements can set what the query
+    endpoint's guard lets through (a query's own SETTINGS), never readonly itself, and cannot write. A session
+    whose query failed, or whose result was abandoned part way, is closed rather than reused.
+    """
+
+    def __init__(self, path: str, max_sessions: int) -> None:
+        self._path = path
+        self._max = max_sessions
+        self._idle: dict[Settings, list[Session]] = {}
+        self._count = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def run(self, settings: Settings, database: str, sql: str, fmt: str, params: Mapping[str, str],
+            progress: Progress, *, whole: bool = False) -> Iterator[bytes]:
+        """The result's blocks (or, `whole`, the one document); the session is held until the iterator ends."""
+        session = self._acquire(settings)
+        finished = False
+        try:
+            if whole:
+                yield session.whole(database, sql, fmt, params, progress)
+            else:
+                yield from session.stream(database, sql, fmt, params, progress)
+            finished = True
+        finally:
+            self._release(settings, session, keep=finished)
+
+    def _acquire(self, key: Settings) -> Session:
+        deadline = time.monotonic() + _SESSION_WAIT_S
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise SqlRefused("the query endpoint is stopping", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
+                if self._idle.get(key):
+                    return self._idle[key].pop()
+                spare = next((k for k, v in self._idle.items() if v), None)
+                if self._count >= self._max and spare is not None:
+                    self._idle[spare].pop().close()  # idle, so closing it cannot block
+                    self._count -= 1
+                if self._count < self._max:
+                    self._count += 1
+                    break
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise SqlRefused(f"all {self._max} query sessions are busy", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
+        try:
+            return Session(self._path, key)
+        except BaseException:
+            self._release(key, None, keep=False)
+            raise
+
+    def _release(self, key: Settings, session: Session | None, keep: bool) -> None:
+        with self._cond:
+            self._cond.notify()
+            if keep and session is not None and not self._closed:
+                self._idle.setdefault(key, []).append(session)
+                return
+            self._count -= 1
+        if session is not None:
+            session.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle = [s for sessions in self._idle.values() for s in sessions]
+            self._idle.clear()
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for session in idle:
+            session.close()

@@ -1,0 +1,327 @@
+"""`stepline matrix --sweep NAME=V1,V2 --launch 'COMMAND ... {NAME}'`: one freshly launched engine per value.
+
+For each value the command is split as a shell would (shlex) and the value replaces `{NAME}` in its words; it
+starts in a process group of its own with its output in a log file. Once GET /health and /v1/models answer at
+--engine, the matrix runs against it (or, with --replay, a replay of the recorded window, read from the store
+once before the first launch); then the engine's own counters are read from its /metrics, and its group gets
+SIGINT, then SIGKILL after STOP_GRACE_S. After the last value, one table holds every value's figures, with the
+engine's counters beside what was sent: an engine that did not take a value shows it there, not only in a label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from stepline.config.settings import SettingsError
+from stepline.loadgen import replay
+from stepline.loadgen.client import Endpoint, MatrixError
+from stepline.loadgen.matrix import STOP_GRACE_S, MatrixResult, parse_sweep, render, run_matrix, store_events
+from stepline.loadgen.matrix import events as matrix_events
+from stepline.model.rows import Event, micros
+from stepline.store.store import StoreError
+from stepline.store.url import StoreUrlError
+
+_POLL_S = 0.5
+_TAIL_LINES = 3
+_TAIL_CHARS = 400
+COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "generation_tokens": "vllm:generation_tokens_total",
+            "prefix_cache_hits": "vllm:prefix_cache_hits_total", "requests": "vllm:request_success_total"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """The launched engine's own totals from its /metrics, summed over labels, read before it is stopped."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_hits: int
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class SweepValue:
+    """One value of the sweep: what measured it, the engine's counters, or why it could not."""
+
+    label: str
+    value: str
+    log: Path
+    matrix: MatrixResult | None = None
+    replay: replay.ReplayReport | None = None
+    counters: EngineCounters | None = None
+    error: str = ""
+    finished_ts: float = 0.0
+
+
+def launch_words(command: str, name: str, value: str) -> list[str]:
+    """The command's words with `value` in place of `{name}`; MatrixError when the command has no such place."""
+    placeholder = "{" + name + "}"
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise MatrixError(f"--launch {command!r} does not split into words: {exc}") from None
+    if not any(placeholder in word for word in words):
+        raise MatrixError(f"--launch must hold {placeholder} where each --sweep value goes, e.g. "
+                          f"'... --{name.replace('_', '-')} {placeholder}'")
+    return [word.replace(placeholder, value) for word in words]
+
+
+class LaunchedEngine:
+    """An engine command running in a process group of its own, its output in `log`."""
+
+    def __init__(self, words: list[str], log: Path) -> None:
+        self.words = words
+        self.log = log
+        self._out: IO[bytes] = log.open("wb")
+        try:
+            self.process = subprocess.Popen(words, stdout=self._out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self._out.close()
+            raise MatrixError(f"cannot launch {shlex.join(words)[:200]}: {exc.strerror or exc}") from None
+
+    def wait_healthy(self, endpoint: Endpoint, timeout_s: float, label: str) -> None:
+        """Until /health and /v1/models answer; MatrixError when it exits first or takes over `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise MatrixError(f"{label}: the launched engine exited with code {code} before it answered at "
+                                  f"{endpoint.url}; its log ends: {self.tail()} (all of it: {self.log})")
+            if endpoint.healthy():
+                return
+            if time.monotonic() >= deadline:
+                raise MatrixError(f"{label}: the launched engine did not answer /health and /v1/models at "
+                                  f"{endpoint.url} within {timeout_s:g} s (--launch-timeout); its log ends: "
+                                  f"{self.tail()} (all of it: {self.log})")
+            time.sleep(_POLL_S)
+
+    def tail(self) -> str:
+        """The last few lines of its log, on one line."""
+        try:
+            with self.log.open("rb") as log:
+                log.seek(max(0, self.log.stat().st_size - 8192))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return "(unreadable)"
+        lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+        tail = " | ".join(lines[-_TAIL_LINES:])
+        return ("..." + tail[-_TAIL_CHARS:] if len(tail) > _TAIL_CHARS else tail) or "(empty)"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """SIGINT to its group; SIGKILL to what is left of it after `grace_s`. Returns the command's exit code."""
+        group = self.process.pid
+        if self.process.poll() is None or _group_alive(group):
+            _signal_group(group, signal.SIGINT)
+            deadline = time.monotonic() + grace_s
+            while self.process.poll() is None or _group_alive(group):
+                if time.monotonic() >= deadline:
+                    _signal_group(group, signal.SIGKILL)
+                    break
+                time.sleep(0.1)
+        code = self.process.wait()
+        self._out.close()
+        return code
+
+
+def _signal_group(group: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signum)
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the group still runs (zombies not counted: nobody here may reap them)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == group and fields[0] != b"Z":
+            return True
+    return False
+
+
+def engine_counters(url: str, timeout_s: float = 5.0) -> EngineCounters | None:
+    """The engine's token and request counters from its /metrics; None when it has none to give."""
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=timeout_s) as response:
+            text = response.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+    totals = dict.fromkeys(COUNTERS.values(), 0.0)
+    seen = False
+    for line in text.splitlines():
+        name = re.split(r"[{ ]", line, maxsplit=1)[0]
+        if name in totals:
+            try:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    if not seen:
+        return None
+    return EngineCounters(*(round(totals[COUNTERS[field]]) for field in COUNTERS))
+
+
+def _measure(args: argparse.Namespace, url: str, label: str, recorded: list[replay.Recorded] | None,
+             window: replay.Window | None) -> tuple[MatrixResult | None, replay.ReplayReport | None]:
+    if recorded is not None and window is not None:
+        report = replay.replay_window(args, url, recorded, window)
+        print(f"{label}:\n{replay.render(report)}", flush=True)
+        return None, report
+    result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                        long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat, timeout_s=args.timeout_s,
+                        model=args.model, sweep=label)
+    print(render(result), flush=True)
+    return result, None
+
+
+def _one_value(args: argparse.Namespace, words: list[str], url: str, label: str, value: str, log: Path,
+               recorded: list[replay.Recorded] | None, window: replay.Window | None) -> SweepValue:
+    if Endpoint(url, 2.0).healthy():
+        raise MatrixError(f"something already answers at {url}: stop it first (each --sweep value must be measured "
+                          "on the engine launched for it)")
+    print(f"stepline matrix: {label}: launching {shlex.join(words)[:300]}", flush=True)
+    engine = LaunchedEngine(words, log)
+    try:
+        engine.wait_healthy(Endpoint(url, 2.0), args.launch_timeout, label)
+        result, report = _measure(args, url, label, recorded, window)
+        return SweepValue(label, value, log, result, report, engine_counters(url), finished_ts=time.time())
+    finally:
+        code = engine.stop()
+        print(f"stepline matrix: {label}: the engine stopped (exit code {code}); its log: {log}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The launched sweep: 0 when every value was measured, 2 when one could not be (or the results not stored)."""
+    url = replay.split_engine(args.engine)[1]
+    values: list[SweepValue] = []
+    failed = False
+    try:
+        if not args.launch:
+            raise MatrixError("--replay runs with --sweep NAME=V1,V2 --launch COMMAND; against an engine that "
+                              "already runs, use `stepline replay`")
+        if not args.sweep:
+            raise MatrixError("--launch needs --sweep NAME=V1,V2,...: the values to launch the engine with")
+        name, settings = parse_sweep(args.sweep)
+        launch_words(args.launch, name, settings[0])
+        Endpoint(url, 1.0)
+        recorded: list[replay.Recorded] | None = None
+        window: replay.Window | None = None
+        if args.replay:
+            window = replay.window_from(args.since, args.from_, args.to, args.source_engine)
+            recorded = replay.load_window(args.store, window)
+        logs = Path(tempfile.mkdtemp(prefix="stepline-sweep-"))
+        for value in settings:
+            label = f"{name}={value}"
+            log = logs / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.log"
+            try:
+                values.append(_one_value(args, launch_words(args.launch, name, value), url, label, value, log,
+                                         recorded, window))
+            except MatrixError as exc:
+                if str(exc).startswith(("something already answers", "cannot launch")):
+                    raise  # every value would meet it
+                print(f"stepline matrix: {exc}", file=sys.stderr, flush=True)
+                values.append(SweepValue(label, value, log, error=str(exc)))
+                failed = True
+            except KeyboardInterrupt:
+                values.append(SweepValue(label, value, log, error="interrupted (Ctrl-C)"))
+                break
+            if values[-1].replay is not None and values[-1].replay.stopped_by == "interrupted":
+                break
+    except (MatrixError, StoreError, StoreUrlError, SettingsError) as exc:
+        print(f"stepline matrix: {exc}", file=sys.stderr)
+        if not values:
+            return 2
+        failed = True
+    if values:
+        print(render_sweep(values, args.sweep.partition("=")[0].strip()), flush=True)
+    measured = [v for v in values if not v.error]
+    if measured and not args.no_store:
+        engine = replay.split_engine(args.engine)[0] or Endpoint(url, 1.0).host_port
+        if store_events(sweep_events(measured, engine, socket.gethostname()), args):
+            failed = True
+    return 2 if failed else 0
+
+
+def sweep_events(values: list[SweepValue], engine: str, host: str) -> list[Event]:
+    """matrix_run events for the matrix's runs, one replay_run event per replayed value."""
+    rows: list[Event] = []
+    for value in values:
+        if value.matrix is not None:
+            rows.extend(matrix_events(value.matrix, engine, host))
+        if value.replay is not None:
+            rows.append(replay_event(value, engine, host))
+    return rows
+
+
+def replay_event(value: SweepValue, engine: str, host: str) -> Event:
+    """The replay's report, and the engine's counters, as one `replay_run` event's attributes."""
+    report = value.replay
+    assert report is not None
+    attributes = {"sweep": value.label, **{k: "" if v is None else str(v) for k, v in report.as_dict().items()}}
+    if value.counters is not None:
+        attributes.update({f"engine_{k}": str(getattr(value.counters, k)) for k in COUNTERS})
+    message = (f"replay {value.label}: {report.completed}/{report.planned} completed, TTFT p99 "
+               f"{report.ttft_p99_s * 1e3:.1f} ms, ITL p50/p99 {report.itl_p50_s * 1e3:.1f}/"
+               f"{report.itl_p99_s * 1e3:.1f} ms")
+    return Event(micros(value.finished_ts), host, engine, "matrix", "replay_run", "info", message, attributes)
+
+
+def render_sweep(values: list[SweepValue], name: str) -> str:
+    """One table of every value's figures, milliseconds, client-side; the engine's own counters beside them."""
+    width = max(8, *(len(v.value) + 2 for v in values))
+    lines = [f"sweep of {name}: one engine launched per value; milliseconds, client-side"]
+    if any(v.replay is not None for v in values):
+        lines.append(f"{'value':<{width}}{'sent':>6}{'done':>6}{'failed':>7}{'TTFT p50':>10}{'p99':>8}"
+                     f"{'ITL p50':>9}{'p99':>8}{'prompt sent/engine':>21}{'output got/engine':>20}"
+                     f"{'prefix hits':>13}{'s':>7}")
+    else:
+        lines.append(f"{'value':<{width}}{'run':<27}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'worst':>8}"
+                     f"{'engine prompt/output tokens':>29}")
+    for v in values:
+        if v.error:
+            lines.append(f"{v.value:<{width}}not measured: {v.error[:160]}")
+        elif v.replay is not None:
+            r, c = v.replay, v.counters
+            prompt = f"{r.prompt_tokens_sent + r.warmup_prompt_tokens}/{c.prompt_tokens if c else '?'}"
+            output = f"{r.generation_tokens_received}/{c.generation_tokens if c else '?'}"
+            lines.append(f"{v.value:<{width}}{r.sent:>6}{r.completed:>6}{r.failed:>7}{r.ttft_p50_s * 1e3:>10.1f}"
+                         f"{r.ttft_p99_s * 1e3:>8.1f}{r.itl_p50_s * 1e3:>9.1f}{r.itl_p99_s * 1e3:>8.1f}"
+                         f"{prompt:>21}{output:>20}{c.prefix_cache_hits if c else '?':>13}{r.duration_s:>7.1f}")
+        elif v.matrix is not None:
+            c = v.counters
+            counted = f"{c.prompt_tokens}/{c.generation_tokens}" if c else "?"
+            for i, run in enumerate(v.matrix.runs):
+                lines.append(f"{v.value if i == 0 else '':<{width}}{run.key + ' ' + run.label:<27}"
+                             f"{run.ttft_p50 * 1e3:>10.1f}{run.ttft_p99 * 1e3:>8.1f}{run.itl_p50 * 1e3:>9.1f}"
+                             f"{run.itl_p99 * 1e3:>8.1f}{run.worst_gap * 1e3:>8.1f}{counted if i == 0 else '':>29}")
+    if any(v.replay is not None for v in values):
+        lines.append("prompt sent includes the warm-up request (the longest shared prefix); 'engine' columns are "
+                     "the engine's own vllm:prompt_tokens_total, generation_tokens_total and prefix_cache_hits_total")
+    return "\n".join(lines)

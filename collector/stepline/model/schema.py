@@ -1,0 +1,602 @@
+"""The timeline's DDL: one definition per table, rendered for one node or for a cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# Bump when a table changes shape; `Store` refuses a store that holds a newer version. Comments are not shape:
+# `Store` gives any store today's comments, so an older stepline can still open a store a newer one described.
+# 2: `requests` became an AggregatingMergeTree keyed by (host, engine, request_id) that merges the plugin's and
+# OTLP's reports of a request field by field (`Store` rebuilds a version-1 table in place).
+# 3: `gpu_samples`' cumulative counters (energy_mj, pcie_replay_total) became Nullable: a failed read is NULL, which
+# min/max (and so max - min) pass over, where it was a 0 that made one minute's energy everything since the driver
+# loaded (`Store` converts them in place, and turns version 2's zero energy readings, which were failures, to NULL).
+SCHEMA_VERSION = 3
+
+TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
+DIM = "LowCardinality(String)"
+COUNTER = "UInt64 CODEC(Delta, ZSTD(1))"
+# A cumulative counter read from a device: NULL when the read failed, so that max - min over a window ignores it.
+MAYBE_COUNTER = "Nullable(UInt64) CODEC(Delta, ZSTD(1))"
+MAYBE_COUNT = "Nullable(UInt32) CODEC(T64, ZSTD(1))"
+GAUGE = "Float64 CODEC(Gorilla, ZSTD(1))"
+SMALL_GAUGE = "Float32 CODEC(Gorilla, ZSTD(1))"
+COUNT = "UInt32 CODEC(T64, ZSTD(1))"
+SAMPLES = "Array(Float32) CODEC(ZSTD(1))"
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Aggregates a table keeps per bucket beside its rows (inside each part, so they merge, expire and
+    deduplicate with it: a retried insert the table drops adds nothing to them). ClickHouse reads them instead of
+    the rows for a query that filters and groups on the bucket expression (or functions of it) and whose
+    aggregates are all among these, written the same way. On a cluster they belong to each shard's `_local`
+    table (a Distributed table has none: it reads them through the shards)."""
+
+    name: str
+    keys: tuple[str, ...]
+    aggregates: tuple[str, ...]
+
+    def select(self) -> str:
+        keys = ", ".join(self.keys)
+        return f"SELECT {keys}, {', '.join(self.aggregates)} GROUP BY {keys}"
+
+
+def merged(type_: str, function: str = "max") -> str:
+    """A column of an AggregatingMergeTree whose rows of one key merge to one value by `function` (codec kept).
+
+    `max` is what merging two partial reports needs: an unknown value is the type's least ('' for text, 0 for
+    counts, NaN for seconds, which max passes over), so the report that knows a field gives it, in any order,
+    and merging a report with itself (a retry, a replayed batch) changes nothing. `min` and `max` are the
+    functions whose state is the value itself, so the column reads as its plain type.
+    """
+    base, codec = type_.split(" CODEC(", 1) if " CODEC(" in type_ else (type_, "")
+    return f"SimpleAggregateFunction({function}, {base})" + (f" CODEC({codec}" if codec else "")
+
+
+class Column(NamedTuple):
+    """One column: its name, its type (codec included) and its comment: what it holds, in which unit, from where."""
+
+    name: str
+    type: str
+    comment: str
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table stepline creates: its columns, its sorting key, its comment and its projections."""
+
+    name: str
+    definition: tuple[Column, ...]
+    order_by: tuple[str, ...]
+    comment: str
+    projections: tuple[Projection, ...] = ()
+    engine: str = "MergeTree"  # the MergeTree family member; on a cluster, its Replicated form
+
+    @property
+    def columns(self) -> tuple[tuple[str, str], ...]:
+        """(name, type) of each column, in order."""
+        return tuple((c.name, c.type) for c in self.definition)
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.definition)
+
+    @property
+    def column_comments(self) -> dict[str, str]:
+        return {c.name: c.comment for c in self.definition}
+
+
+_HOST_COMMENT = "The collector's host name (--host-name, STEPLINE_HOST_NAME; default the machine's hostname)."
+_PLUGIN_ENGINE = ("the plugin's STEPLINE_ENGINE, else OTEL_SERVICE_NAME, else 'vllm' (the NAME= of --engine should be "
+                 "the same)")
+
+
+def _key(ts: str, engine: str) -> tuple[Column, Column, Column]:
+    """The (ts, host, engine) every table starts with; `ts` and `engine` mean something per table."""
+    return (Column("ts", TIME, f"{ts}; UTC, microseconds."), Column("host", DIM, _HOST_COMMENT),
+            Column("engine", DIM, engine))
+
+
+# What the dashboards and the detectors read per second or per minute of steps instead of every step: a day of
+# eight engines is 30M steps and 1.5G ITL samples, but 690k seconds and 11.5k minutes. Quantiles come from
+# bfloat16 histograms (about 3 significant digits).
+STEP_AGGREGATES = (
+    "count()",
+    "sum(elapsed_ms)",
+    "max(elapsed_ms)",
+    "sum(num_ctx_tokens)",
+    "countIf(num_ctx_tokens > 0)",
+    "maxIf(num_ctx_tokens, num_ctx_requests = 1)",
+    "max(num_ctx_tokens + num_generation_tokens)",
+    "sum(num_generation_tokens)",
+    "sumIf(num_generation_tokens, NOT is_dummy)",
+    "max(running)",
+    "max(waiting)",
+    "argMax(waiting, ts)",
+    "min(ts)",
+    "max(ts)",
+    "max(kv_cache_usage)",
+    "countIf(kv_cache_usage >= 0.95)",
+    "sum(preempted)",
+    "sum(prefix_cache_hits)",
+    "sum(prefix_cache_queries)",
+    "sum(spec_num_drafts)",
+    "sum(spec_num_draft_tokens)",
+    "sum(spec_num_accepted_tokens)",
+    "countIf(num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elapsed_ms > 0)",
+    "maxArray(itl_seconds)",
+    "quantilesBFloat16Array(0.5, 0.99)(itl_seconds)",
+)
+# The detectors' baselines over long windows (decode-only steps; "alone": 1-4 decoders, no prefill), per minute
+# only: per second they would cost inserts more than they save.
+STEP_BASELINES = (
+    "quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)",
+    "quantilesBFloat16If(0.5)(elapsed_ms, num_ctx_tokens = 0 AND num_generation_requests > 0)",
+    "quantilesBFloat16If(0.5)(elapsed_ms, num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 "
+    "AND elapsed_ms > 0)",
+)
+STEPS_PER_SECOND = Projection("steps_per_second", ("host", "engine", "engine_index", "toStartOfSecond(ts)"),
+                              STEP_AGGREGATES)
+STEPS_PER_MINUTE = Projection("steps_per_minute", ("host", "engine", "engine_index", "toStartOfMinute(ts)"),
+                              STEP_AGGREGATES + STEP_BASELINES)
+# NVML at 10 Hz is 6.9M rows a day for eight GPUs; per minute, 11.5k.
+GPU_AGGREGATES = (
+    "count()",
+    "any(gpu_name)",
+    "avg(sm_clock_mhz)",
+    "min(sm_clock_mhz)",
+    "avg(mem_clock_mhz)",
+    "avg(power_w)",
+    "max(power_w)",
+    "avg(power_instant_w)",
+    "max(power_instant_w)",
+    "min(energy_mj)",
+    "max(energy_mj)",
+    "min(pcie_replay_total)",
+    "max(pcie_replay_total)",
+    "max(temp_gpu_c)",
+    "max(temp_mem_c)",
+    "avg(util_gpu_pct)",
+    "avg(tensor_active_pct)",
+    "avg(sm_occupancy_pct)",
+    "avg(sm_active_pct)",
+    "avg(graphics_active_pct)",
+    "avg(dram_bw_util_pct)",
+    "max(mem_used_bytes)",
+    "max(mem_total_bytes)",
+    "avg(pcie_tx_bytes_per_s)",
+    "avg(pcie_rx_bytes_per_s)",
+    "avg(nvlink_tx_bytes_per_s)",
+    "avg(nvlink_rx_bytes_per_s)",
+    "avg(nvlink_tx_bytes_per_s + nvlink_rx_bytes_per_s)",
+    "avg(pcie_tx_bytes_per_s + pcie_rx_bytes_per_s)",
+    "max(remapped_rows_uncorrectable)",
+    "max(remapped_rows_pending)",
+    "max(remapped_rows_failure)",
+)
+GPU_SAMPLES_PER_MINUTE = Projection("gpu_samples_per_minute", ("host", "engine", "gpu_index", "toStartOfMinute(ts)"),
+                                    GPU_AGGREGATES)
+
+TABLES: tuple[Table, ...] = (
+    Table(
+        "steps",
+        (
+            *_key("End of the engine step: vLLM's IterationStats.iteration_timestamp (the plugin's clock when vLLM "
+                  "gives none)", f"Engine name: {_PLUGIN_ENGINE}."),
+            Column("engine_index", "UInt16", "vLLM's engine index (data-parallel rank) the step ran on: the "
+                   "engine_idx vLLM passes to the stat logger."),
+            Column("model_name", DIM, "The served model, from the engine's configuration (the plugin's "
+                   "engine_config event); '' until the collector has seen it."),
+            Column("step", COUNTER, "Iteration number: SchedulerIterationDetails.iteration_index; without "
+                   "iteration details, the plugin's own count per engine index."),
+            Column("elapsed_ms", SMALL_GAUGE, "Wall time of the step, ms (SchedulerIterationDetails.elapsed_ms); "
+                   "NaN when vLLM runs without --enable-logging-iteration-details."),
+            Column("num_ctx_requests", COUNT, "Requests that had prompt (prefill) tokens computed in the step "
+                   "(SchedulerIterationDetails.num_ctx_requests); 0 without iteration details."),
+            Column("num_ctx_tokens", COUNT, "Prompt (prefill) tokens computed in the step, summed over its "
+                   "requests (SchedulerIterationDetails.num_ctx_tokens); 0 without iteration details. The timeline "
+                   "view calls it prefill_tokens, and `stepline timeline` prints it as prefill."),
+            Column("num_generation_requests", COUNT, "Requests that decoded in the step "
+                   "(SchedulerIterationDetails.num_generation_requests); 0 without iteration details. The timeline "
+                   "view and `stepline timeline` call it decoding."),
+            Column("num_generation_tokens", COUNT, "Tokens generated in the step, summed over its requests "
+                   "(SchedulerIterationDetails.num_generation_tokens; IterationStats.num_generation_tokens without "
+                   "iteration details)."),
+            Column("running", COUNT, "Requests running after the step (SchedulerStats.num_running_reqs)."),
+            Column("waiting", COUNT, "Requests waiting to be scheduled after the step "
+                   "(SchedulerStats.num_waiting_reqs)."),
+            Column("skipped_waiting", COUNT, "Waiting requests the scheduler passed over in the step "
+                   "(SchedulerStats.num_skipped_waiting_reqs)."),
+            Column("kv_cache_usage", SMALL_GAUGE, "Share of the KV cache in use after the step, 0-1 fraction "
+                   "(SchedulerStats.kv_cache_usage)."),
+            Column("prefix_cache_queries", COUNT, "Prompt tokens looked up in the prefix cache in the step "
+                   "(PrefixCacheStats.queries; preempted requests' lookups are not counted)."),
+            Column("prefix_cache_hits", COUNT, "Of those, the tokens found in the prefix cache "
+                   "(PrefixCacheStats.hits); hits / queries is the hit rate."),
+            Column("preempted", COUNT, "Requests preempted in the step (IterationStats.num_preempted_reqs)."),
+            Column("spec_num_drafts", COUNT, "Speculative-decoding drafts proposed in the step "
+                   "(SpecDecodingStats.num_drafts); 0 without speculative decoding."),
+            Column("spec_num_draft_tokens", COUNT, "Draft tokens proposed in the step "
+                   "(SpecDecodingStats.num_draft_tokens); 0 without speculative decoding."),
+            Column("spec_num_accepted_tokens", COUNT, "Draft tokens accepted in the step "
+                   "(SpecDecodingStats.num_accepted_tokens); accepted / draft tokens is the acceptance rate."),
+            Column("ttft_seconds", SAMPLES, "Time to first token of each request whose first token came in the "
+                   "step, s (IterationStats.time_to_first_tokens_iter)."),
+            Column("itl_seconds", SAMPLES, "Inter-token latency of each token generated in the step after a "
+                   "request's first, s (IterationStats.inter_token_latencies_iter)."),
+            Column("is_dummy", "Bool", "A dummy step that a data-parallel rank with no work runs to keep in step "
+                   "with the others (SchedulerIterationDetails.is_dummy)."),
+        ),
+        ("host", "engine", "engine_index", "ts", "step"),
+        "One row per engine iteration, from the stat-logger plugin.",
+        (STEPS_PER_SECOND, STEPS_PER_MINUTE),
+    ),
+    # Both the plugin and OTLP report a finished request, each knowing fields the other does not (the plugin:
+    # finish reason, cached tokens, preemptions, engine index; OTLP: whatever it was sent). Each report is a row;
+    # rows of one (host, engine, request_id) merge into one with each field's largest value (`merged`), in
+    # whichever order and however often they arrive: after a collector restart, from a replayed spool, or
+    # retried. The collector writes a report only when it adds a field (stepline.ingest.merge), so most requests are
+    # one row from the start; until ClickHouse merges the rest in the background, readers use FINAL. The two
+    # reports' times differ by milliseconds (the plugin's step against the span's end): the earlier stays.
+    Table(
+        "requests",
+        (
+            Column("ts", merged(TIME, "min"), "When the request finished: the plugin's step timestamp, or the OTLP "
+                   "span's end, the earlier where both report it; UTC, microseconds."),
+            Column("host", DIM, _HOST_COMMENT),
+            Column("engine", DIM, f"Engine name: {_PLUGIN_ENGINE}; for spans, the resource attribute "
+                   "stepline.engine, else service.name."),
+            Column("engine_index", merged("UInt16"), "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
+            Column("model_name", merged(DIM), "The served model: the engine's configuration (plugin), or "
+                   "gen_ai.response.model, else gen_ai.request.model (OTLP); the larger where both name one."),
+            Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id)."),
+            Column("source", merged(DIM), "'plugin' when the stat-logger plugin reported the request (finish_reason, "
+                   "cached_tokens and preemptions are then vLLM's), 'otlp' when only an OTLP span did. A request "
+                   "both report is one row with the fields of both (read it with FINAL)."),
+            Column("finish_reason", merged(DIM), "Why it finished: stop, length, abort, error or repetition "
+                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons); '' when "
+                   "no report said."),
+            Column("arrival_ts", merged(TIME, "min"), "When the request reached the server: ts less e2e_seconds "
+                   "(plugin), or the span's start (OTLP), the earlier where both report it; UTC, microseconds."),
+            Column("queue_seconds", merged(SMALL_GAUGE), "Time waiting before first scheduled, s "
+                   "(FinishedRequestStats.queued_time; gen_ai.latency.time_in_queue)."),
+            Column("prefill_seconds", merged(SMALL_GAUGE), "Time from first scheduled to first token, s "
+                   "(FinishedRequestStats.prefill_time; gen_ai.latency.time_in_model_prefill)."),
+            Column("decode_seconds", merged(SMALL_GAUGE), "Time from first token to last, s "
+                   "(FinishedRequestStats.decode_time; gen_ai.latency.time_in_model_decode)."),
+            Column("inference_seconds", merged(SMALL_GAUGE), "Time from first scheduled to finish (prefill + "
+                   "decode), s (FinishedRequestStats.inference_time; gen_ai.latency.time_in_model_inference)."),
+            Column("e2e_seconds", merged(SMALL_GAUGE), "Time from arrival to finish, s "
+                   "(FinishedRequestStats.e2e_latency; gen_ai.latency.e2e)."),
+            Column("ttft_seconds", merged(SMALL_GAUGE), "Time from arrival to first token, s: e2e less decode "
+                   "(plugin), or gen_ai.latency.time_to_first_token (OTLP)."),
+            Column("mean_tpot_seconds", merged(SMALL_GAUGE), "Mean time per output token after the first, s "
+                   "(FinishedRequestStats.mean_time_per_output_token; OTLP: decode / (generation_tokens - 1), NaN "
+                   "under 2 tokens)."),
+            Column("prompt_tokens", merged(COUNT), "Prompt length, tokens (FinishedRequestStats.num_prompt_tokens; "
+                   "gen_ai.usage.prompt_tokens)."),
+            Column("cached_tokens", merged(COUNT), "Prompt tokens served from the prefix cache "
+                   "(FinishedRequestStats.num_cached_tokens); OTLP spans do not carry it: 0 where source is 'otlp'."),
+            Column("generation_tokens", merged(COUNT), "Tokens generated (FinishedRequestStats.num_generation_tokens; "
+                   "gen_ai.usage.completion_tokens)."),
+            Column("max_tokens", merged(COUNT), "The request's max_tokens (FinishedRequestStats.max_tokens_param; "
+                   "gen_ai.request.max_tokens); 0 when unset."),
+            Column("preemptions", merged(COUNT), "Times the request was preempted "
+                   "(FinishedRequestStats.num_preemptions); OTLP spans do not carry it: 0 where source is 'otlp'."),
+        ),
+        ("host", "engine", "request_id"),
+        "One row per finished request (ts = finish time), the plugin's and OTLP's reports merged field by field: "
+        "read it with FINAL (SELECT ... FROM requests FINAL) for one row per request.",
+        engine="AggregatingMergeTree",
+    ),
+    Table(
+        "engine_samples",
+        (
+            *_key("When the collector scraped the engine's /metrics (the collector's clock)",
+                  "Engine name: the NAME of --engine NAME=URL, else the URL's host:port."),
+            Column("engine_index", DIM, "vLLM's engine label (engine index) of the series; '' when absent."),
+            Column("model_name", DIM, "vLLM's model_name label of the series (else of the scrape's other series)."),
+            Column("metric", DIM, "Sample name as exposed, histogram suffix included, e.g. vllm:num_requests_waiting, "
+                   "vllm:time_to_first_token_seconds_bucket."),
+            Column("kind", "Enum8('counter' = 1, 'gauge' = 2, 'bucket' = 3, 'sum' = 4, 'count' = 5, 'info' = 6)",
+                   "What the sample is, from the family's TYPE: counter, gauge, info, or a histogram's bucket, sum or "
+                   "count."),
+            Column("labels", "Map(LowCardinality(String), String)", "The series' other labels (le, "
+                   "finished_reason, ...), without model_name and engine."),
+            Column("value", GAUGE, "The sample's value as exposed, in the metric's unit (cumulative for counter "
+                   "kinds)."),
+            Column("delta", GAUGE, "For counter kinds (counter, bucket, sum, count): the increase since the "
+                   "previous scrape, reset-safe (sum it for rates); 0 for gauges and info, and at the collector's "
+                   "first scrape."),
+        ),
+        ("host", "engine", "metric", "ts"),
+        "Every vllm: sample scraped from /metrics; delta is the reset-safe increase for counter kinds.",
+    ),
+    Table(
+        "gpu_samples",
+        (
+            *_key("When the collector sampled the GPU (the collector's clock); gpu_ts in the timeline view",
+                  "The engine whose process, or a child of it, runs on the GPU (NVML's compute processes "
+                  "matched to the engine processes the host source found); '' when unknown."),
+            Column("gpu_index", "UInt8", "NVML device index (nvmlDeviceGetHandleByIndex)."),
+            Column("gpu_uuid", DIM, "GPU UUID (nvmlDeviceGetUUID)."),
+            Column("gpu_name", DIM, "GPU model, e.g. NVIDIA H200 (nvmlDeviceGetName)."),
+            Column("sm_clock_mhz", SMALL_GAUGE, "SM clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_SM); NaN when "
+                   "unsupported."),
+            Column("mem_clock_mhz", SMALL_GAUGE, "Memory clock, MHz (nvmlDeviceGetClockInfo, NVML_CLOCK_MEM), read "
+                   "once a second and carried forward in between; NaN when unsupported."),
+            Column("power_w", SMALL_GAUGE, "Power draw averaged by the driver over the last second, W (field "
+                   "NVML_FI_DEV_POWER_AVERAGE, mW / 1000; where a GPU lacks the field, nvmlDeviceGetPowerUsage, which "
+                   "is the same 1 s average on Ampere (except GA100) and newer and instantaneous before); smooths a "
+                   "10 Hz series: power_instant_w is the current draw. NaN when unsupported or the read failed."),
+            Column("energy_mj", MAYBE_COUNTER, "Energy used since the driver loaded, mJ, cumulative (field "
+                   "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, as nvmlDeviceGetTotalEnergyConsumption); NULL when "
+                   "unsupported or the read failed, so max - min over a window is the energy used in it."),
+            Column("temp_gpu_c", SMALL_GAUGE, "GPU temperature, degrees C (nvmlDeviceGetTemperature, "
+                   "NVML_TEMPERATURE_GPU); NaN when unsupported."),
+            Column("temp_mem_c", SMALL_GAUGE, "Memory (HBM) temperature, degrees C (field "
+                   "NVML_FI_DEV_MEMORY_TEMP); NaN when unsupported."),
+            Column("util_gpu_pct", SMALL_GAUGE, "Share of the driver's last sample period in which a kernel ran, "
+                   "% 0-100 (nvmlDeviceGetUtilizationRates .gpu); NaN when unsupported."),
+            Column("util_mem_copy_pct", SMALL_GAUGE, "Share of the driver's last sample period in which memory was "
+                   "read or written, % 0-100 (nvmlDeviceGetUtilizationRates .memory); NaN when unsupported."),
+            Column("mem_used_bytes", COUNTER, "GPU memory in use, bytes: total - free of nvmlDeviceGetMemoryInfo_v2 "
+                   "(the driver's reservation included, as nvmlDeviceGetMemoryInfo's .used), read once a second and "
+                   "carried forward in between; 0 when unsupported."),
+            Column("mem_total_bytes", COUNTER, "GPU memory in all, bytes (nvmlDeviceGetMemoryInfo .total); 0 when "
+                   "unsupported."),
+            Column("pcie_tx_bytes_per_s", GAUGE, "PCIe transmit rate, bytes/s: the change of field "
+                   "NVML_FI_DEV_PCIE_COUNT_TX_BYTES (cumulative bytes, wrapping) between two samples over the change "
+                   "of the field's own timestamp; where a GPU lacks the field, GPM PCIE_TX_PER_SEC (MiB/s, over the "
+                   "last GPM interval, carried forward). NaN on the first sample and when the read failed."),
+            Column("pcie_rx_bytes_per_s", GAUGE, "PCIe receive rate, bytes/s, read as pcie_tx_bytes_per_s is (field "
+                   "NVML_FI_DEV_PCIE_COUNT_RX_BYTES, else GPM PCIE_RX_PER_SEC)."),
+            Column("pcie_replay_total", MAYBE_COUNTER, "PCIe replays since the driver loaded, cumulative (field "
+                   "NVML_FI_DEV_PCIE_REPLAY_COUNTER, as nvmlDeviceGetPcieReplayCounter); NULL when unsupported or "
+                   "the read failed."),
+            Column("nvlink_tx_bytes_per_s", GAUGE, "NVLink transmit rate summed over links, bytes/s: the change of "
+                   "field NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, all links) between two samples over the change "
+                   "of the field's own timestamp (nvmlFieldValue_t.timestamp); NaN on the first sample, when the read "
+                   "failed and where there is no NVLink."),
+            Column("nvlink_rx_bytes_per_s", GAUGE, "NVLink receive rate summed over links, bytes/s, from "
+                   "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX as for transmit."),
+            Column("clock_event_reasons", "UInt64", "Why clocks are held down, as NVML's bitmask "
+                   "(nvmlDeviceGetCurrentClocksEventReasons, or ...ThrottleReasons on older drivers)."),
+            Column("clock_event_flags", "Array(LowCardinality(String))", "The bits of clock_event_reasons by name: "
+                   "gpu_idle, sw_power_cap, hw_slowdown, sw_thermal_slowdown, hw_power_brake_slowdown, ...; bits "
+                   "0x200 and 0x400 are named pynvml_only_board_limit and pynvml_only_reliability: pynvml defines "
+                   "them, no nvml.h does."),
+            Column("dram_bw_util_pct", SMALL_GAUGE, "DRAM bandwidth used, % 0-100 of peak, over the last GPM "
+                   "interval (about 1 s; GPM metric DRAM_BW_UTIL); NaN before Hopper."),
+            Column("tensor_active_pct", SMALL_GAUGE, "Share of time any tensor core was active, % 0-100, over the "
+                   "last GPM interval (GPM metric ANY_TENSOR_UTIL); NaN before Hopper."),
+            Column("sm_occupancy_pct", SMALL_GAUGE, "SM occupancy (resident warps of the maximum), % 0-100, over the "
+                   "last GPM interval (GPM metric SM_OCCUPANCY); NaN before Hopper."),
+            Column("processes", "Map(UInt32, UInt64)", "PID to GPU memory used, bytes, of each compute process "
+                   "on the GPU (nvmlDeviceGetComputeRunningProcesses), read once a second and carried forward in "
+                   "between."),
+            Column("driver_version", DIM, "The NVIDIA driver's version, e.g. 570.124.06 "
+                   "(nvmlSystemGetDriverVersion, read once when NVML starts); '' when unknown."),
+            Column("power_instant_w", SMALL_GAUGE, "Power draw at the moment of the read, W (field "
+                   "NVML_FI_DEV_POWER_INSTANT, mW / 1000); power_w is the driver's 1 s average. NaN when "
+                   "unsupported or the read failed."),
+            Column("mem_reserved_bytes", "Nullable(UInt64) CODEC(ZSTD(1))", "GPU memory the driver reserves for "
+                   "itself, bytes (nvmlDeviceGetMemoryInfo_v2 .reserved), read once a second; NULL where the driver "
+                   "has no _v2."),
+            Column("sm_active_pct", SMALL_GAUGE, "Share of SMs active (at least one warp resident), % 0-100, over "
+                   "the last GPM interval (GPM metric SM_UTIL: DCGM's SM active); NaN before Hopper or when the GPU "
+                   "refuses the metric."),
+            Column("graphics_active_pct", SMALL_GAUGE, "Share of time the graphics/compute engine was busy, % 0-100, "
+                   "over the last GPM interval (GPM metric GRAPHICS_UTIL: DCGM's graphics engine active); NaN before "
+                   "Hopper or when the GPU refuses the metric."),
+            Column("remapped_rows_correctable", MAYBE_COUNT, "HBM rows remapped because of correctable errors, "
+                   "since manufacture (nvmlDeviceGetRemappedRows corrRows), read once a second and carried forward; "
+                   "NULL where unsupported (before Ampere) or not read yet."),
+            Column("remapped_rows_uncorrectable", MAYBE_COUNT, "HBM rows remapped because of uncorrectable errors, "
+                   "since manufacture (nvmlDeviceGetRemappedRows uncRows), read as the correctable count is."),
+            Column("remapped_rows_pending", "Nullable(Bool)", "A row remap is pending: it takes effect at the next "
+                   "GPU reset, which the GPU needs (nvmlDeviceGetRemappedRows isPending); NULL where unsupported."),
+            Column("remapped_rows_failure", "Nullable(Bool)", "A row remap failed (no spare row left): the GPU "
+                   "needs service (nvmlDeviceGetRemappedRows failureOccurred); NULL where unsupported."),
+        ),
+        ("host", "gpu_index", "ts"),
+        "NVML samples per GPU; engine is the engine it serves ('' when unknown); NaN = unsupported; "
+        "processes maps PID to GPU memory used.",
+        (GPU_SAMPLES_PER_MINUTE,),
+    ),
+    Table(
+        "host_samples",
+        (
+            *_key("When the collector sampled (the collector's clock)",
+                  "For a process row, the engine whose process it is (found by the port of its --engine, or "
+                  "--engine-process); '' for the host row."),
+            Column("scope", "Enum8('host' = 1, 'process' = 2)", "'host' for the machine, 'process' for one engine "
+                   "process."),
+            Column("pid", "UInt32", "The engine process's PID; 0 for the host row."),
+            Column("cpu_pct", SMALL_GAUGE, "CPU use since the previous sample: host, % 0-100 of all cores "
+                   "(psutil.cpu_percent()); process, % of one core, can pass 100 (Process.cpu_percent()); NaN at the "
+                   "first sample."),
+            Column("cpu_per_core_pct", SAMPLES, "Host only: CPU use per core since the previous sample, % 0-100 "
+                   "each (psutil.cpu_percent(percpu=True)); empty for process rows."),
+            Column("load1", SMALL_GAUGE, "Host only: 1-minute load average (psutil.getloadavg()[0]); 0 for process "
+                   "rows."),
+            Column("mem_used_bytes", COUNTER, "Host only: memory in use, bytes (psutil.virtual_memory().used)."),
+            Column("mem_available_bytes", COUNTER, "Host only: memory available without swapping, bytes "
+                   "(psutil.virtual_memory().available)."),
+            Column("mem_total_bytes", COUNTER, "Host only: physical memory, bytes (psutil.virtual_memory().total)."),
+            Column("swap_used_bytes", COUNTER, "Host only: swap in use, bytes (psutil.swap_memory().used)."),
+            Column("rss_bytes", COUNTER, "Process only: resident set size, bytes (Process.memory_info().rss)."),
+            Column("threads", COUNT, "Process only: threads (Process.num_threads())."),
+            Column("open_files", COUNT, "Process only: open file descriptors, sockets included (Process.num_fds()); "
+                   "0 when the OS refuses to tell."),
+            Column("net_rx_bytes", "Map(LowCardinality(String), UInt64)", "Host only: bytes received per network "
+                   "interface since boot, cumulative (psutil.net_io_counters(pernic=True) .bytes_recv)."),
+            Column("net_tx_bytes", "Map(LowCardinality(String), UInt64)", "Host only: bytes sent per network "
+                   "interface since boot, cumulative (.bytes_sent)."),
+            Column("net_errors", "Map(LowCardinality(String), UInt64)", "Host only: errors and drops per network "
+                   "interface since boot, cumulative (errin + errout + dropin + dropout)."),
+            Column("disk_read_bytes", COUNTER, "Host only: bytes read from all disks since boot, cumulative "
+                   "(psutil.disk_io_counters().read_bytes); 0 where the kernel shows no disks."),
+            Column("disk_write_bytes", COUNTER, "Host only: bytes written to all disks since boot, cumulative "
+                   "(psutil.disk_io_counters().write_bytes); 0 where the kernel shows no disks."),
+        ),
+        ("host", "scope", "engine", "ts"),
+        "psutil samples: one host row, and one process row per engine process found; net and disk are "
+        "cumulative counters.",
+    ),
+    Table(
+        "events",
+        (
+            *_key("When it happened (the collector's clock)", "The engine it concerns; '' for the collector's own."),
+            Column("source", DIM, "Who reported it: vllm_metrics, plugin, gpu, host, watchdog, matrix, collector, "
+                   "or a source's name (source_error)."),
+            Column("kind", DIM, "What happened, e.g. engine_up, engine_down, engine_restart, engine_config, "
+                   "engine_state, plugin_data_lost, gpu_xid, gpu_lost, gpu_reading_unsupported, matrix_run."),
+            Column("severity", "Enum8('info' = 1, 'warning' = 2, 'critical' = 3)", "info, warning or critical."),
+            Column("message", "String", "One line for people."),
+            Column("attributes", "Map(LowCardinality(String), String)", "The kind's details as text, e.g. xid and "
+                   "uuid of gpu_xid, dropped_records of plugin_data_lost, the whole configuration of engine_config."),
+        ),
+        ("host", "engine", "ts", "kind"),
+        "Discrete happenings: engine up/down/restart, configuration seen, source errors, drops, XIDs.",
+    ),
+)
+
+# Not a timeline table (no ts, host or engine): the one ledger of which schema a store holds.
+SCHEMA_VERSION_TABLE = Table(
+    "schema_version",
+    (
+        Column("version", "UInt32", "A schema version stepline applied to this store; a stepline refuses a store "
+               "whose newest version is above its own."),
+        Column("applied_at", "DateTime64(6, 'UTC')", "When that version was applied; UTC, microseconds."),
+    ),
+    ("version",),
+    "One row per schema version applied to the store.",
+)
+
+TABLE_BY_NAME = {table.name: table for table in TABLES}
+# Columns whose 0 meant "the read failed" before they became Nullable: the migration turns those zeros to NULL
+# (an energy counter since the driver loaded is never 0 on a GPU that ran; a PCIe replay count of 0 is real).
+ZERO_WAS_UNKNOWN = {"gpu_samples": ("energy_mj",)}
+# Every table stepline creates (the timeline view aside): what carries a comment on every column.
+STORE_TABLES = (*TABLES, SCHEMA_VERSION_TABLE)
+
+# Each engine step beside the sample of each of the engine's GPUs taken at or just before the step ended.
+# STEP_FILTER and GPU_FILTER are empty for the view; `stepline timeline` bounds both sides by time.
+TIMELINE_SELECT = """
+SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
+       s.elapsed_ms AS elapsed_ms, s.num_ctx_tokens AS prefill_tokens, s.num_generation_requests AS decoding,
+       s.running AS running, s.waiting AS waiting, s.kv_cache_usage AS kv_cache_usage,
+       g.gpu_index AS gpu_index, g.ts AS gpu_ts, g.sm_clock_mhz AS sm_clock_mhz, g.power_w AS power_w,
+       g.dram_bw_util_pct AS dram_bw_util_pct, g.tensor_active_pct AS tensor_active_pct,
+       g.util_gpu_pct AS util_gpu_pct, g.nvlink_tx_bytes_per_s + g.nvlink_rx_bytes_per_s AS nvlink_bytes_per_s,
+       g.clock_event_flags AS clock_event_flags
+FROM DB.steps AS s
+INNER JOIN (SELECT DISTINCT host, engine, gpu_index FROM DB.gpu_samples WHERE engine != '' GPU_FILTER) AS eg
+    ON eg.host = s.host AND eg.engine = s.engine
+ASOF LEFT JOIN (SELECT * FROM DB.gpu_samples WHERE 1 GPU_FILTER) AS g
+    ON g.host = eg.host AND g.gpu_index = eg.gpu_index AND g.ts <= s.ts
+WHERE 1 STEP_FILTER"""
+
+
+def timeline_sql(database: str, step_filter: str = "", gpu_filter: str = "") -> str:
+    """The timeline join; filters are SQL fragments starting with AND (bound parameters, never user text).
+    An empty `database` leaves the tables to the session's database."""
+    return (TIMELINE_SELECT.replace("DB.", f"`{database}`." if database else "").replace("GPU_FILTER", gpu_filter)
+            .replace("STEP_FILTER", step_filter))
+
+
+def column_sql(column: Column) -> str:
+    """The column's declaration: name, type, comment, then the codec (ClickHouse's own order)."""
+    type_, codec = column.type.split(" CODEC(", 1) if " CODEC(" in column.type else (column.type, "")
+    return f"`{column.name}` {type_} COMMENT {_quote(column.comment)}" + (f" CODEC({codec}" if codec else "")
+
+
+def comment_columns_sql(database: str, table: Table, names: Sequence[str]) -> str:
+    """What sets the comments of these columns of a store's table to today's (metadata only: no part is touched)."""
+    comments = table.column_comments
+    return (f"ALTER TABLE `{database}`.`{table.name}` "
+            + ", ".join(f"COMMENT COLUMN `{name}` {_quote(comments[name])}" for name in names))
+
+
+def comment_table_sql(database: str, table: Table) -> str:
+    return f"ALTER TABLE `{database}`.`{table.name}` MODIFY COMMENT {_quote(table.comment)}"
+
+
+def _columns_sql(table: Table) -> str:
+    return ",\n".join([f"    {column_sql(c)}" for c in table.definition]
+                      + [f"    PROJECTION `{p.name}` ({p.select()})" for p in table.projections])
+
+
+def add_projection_sql(database: str, table: Table, projection: Projection) -> list[str]:
+    """What gives a store created before `projection` existed the projection, for new parts and then the old ones.
+
+    MATERIALIZE is a background mutation: until it reaches a part, queries read that part's rows (same answers).
+    """
+    target = f"`{database}`.`{table.name}`"
+    return [f"ALTER TABLE {target} ADD PROJECTION IF NOT EXISTS `{projection.name}` ({projection.select()})",
+            f"ALTER TABLE {target} MATERIALIZE PROJECTION `{projection.name}`"]
+
+
+def _storage_sql(table: Table, retention_days: int) -> str:
+    return (
+        f"PARTITION BY toDate(ts)\n"
+        f"ORDER BY ({', '.join(table.order_by)})\n"
+        f"TTL toDateTime(ts) + INTERVAL {retention_days} DAY\n"
+        # Whole-day parts expire at once: cheap, and no partial rewrites of old parts.
+        # The deduplication window makes retried inserts with the same token idempotent.
+        "SETTINGS ttl_only_drop_parts = 1, non_replicated_deduplication_window = 1000\n"
+        f"COMMENT {_quote(table.comment)}"
+    )
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def create_table_sql(database: str, table: Table, retention_days: int, name: str | None = None) -> str:
+    """The statement that creates one table on one node (under `name`, when not its own)."""
+    return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{name or table.name}`\n(\n{_columns_sql(table)}\n)\n"
+            f"ENGINE = {table.engine}\n{_storage_sql(table, retention_days)}")
+
+
+def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[str]:
+    """The statements that create the store: database, tables, and the schema-version table."""
+    if retention_days < 1:
+        raise ValueError(f"retention must be at least 1 day, got {retention_days}")
+    on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
+    statements = [f"CREATE DATABASE IF NOT EXISTS `{database}`{on_cluster}"]
+    for table in TABLES:
+        if cluster is None:
+            statements.append(
+                create_table_sql(database, table, retention_days)
+            )
+            continue
+        local = f"{table.name}_local"
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on_cluster}\n(\n{_columns_sql(table)}\n)\n"
+            f"ENGINE = Replicated{table.engine}('/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}')\n"
+            f"{_storage_sql(table, retention_days)}"
+        )
+        # Shard by (host, engine) so one engine's timeline stays on one shard.
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}`{on_cluster}\n"
+            f"AS `{database}`.`{local}`\n"
+            f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local}`, cityHash64(host, engine))"
+        )
+    # OR REPLACE: the view holds no data, and a store created by an older stepline gets today's definition.
+    statements.append(f"CREATE OR REPLACE VIEW `{database}`.`timeline`{on_cluster} AS{timeline_sql(database)}")
+    version_engine = (
+        f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/schema_version', '{{replica}}')"
+        if cluster
+        else "MergeTree"
+    )
+    statements.append(
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`schema_version`{on_cluster}\n"
+        f"(\n{_columns_sql(SCHEMA_VERSION_TABLE)}\n)\n"
+        f"ENGINE = {version_engine}\nORDER BY version\nCOMMENT {_quote(SCHEMA_VERSION_TABLE.comment)}"
+    )
+    return statements

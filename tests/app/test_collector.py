@@ -1,0 +1,109 @@
+"""The collector end to end: a live engine endpoint in, the embedded store out, SQL while it runs."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from pathlib import Path
+
+import clickhouse_connect
+
+from stepline.app.collector import Collector
+from stepline.config.settings import Settings
+from stepline.sim.vllm_server import SimServer
+from stepline.sim.workloads import make_workload
+from stepline.store.discovery import running
+from stepline.store.reader import open_reader, table_status
+from stepline.store.store import read_collector_info
+from stepline.store.url import parse_store_url
+from stepline.testing.sink import wait_until
+
+
+def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, steady_engine: SimServer,
+                                                               sock_dir: str, tmp_path: Path) -> None:
+    settings = Settings.from_env({}, store=store_url, engines=(f"sim={steady_engine.url}", "dead=http://127.0.0.1:9"),
+                                 metrics_port=0, query_port=0, scrape_interval_s=0.2, flush_interval_s=0.1,
+                                 otlp_port=0, plugin_socket=f"{sock_dir}/p.sock")
+    collector = Collector(settings, runtime_dir=tmp_path / "run")
+    collector.start()
+    try:
+        assert collector.store is not None and collector.query_endpoint is not None
+        # The runtime file, by which the CLI finds this collector from any directory.
+        ((path, announced),), _ = running(tmp_path / "run")
+        assert path == collector.runtime_file and announced.pid == os.getpid()
+        assert announced.store == store_url and announced.query_url == collector.query_endpoint.url
+        assert collector.metrics_server is not None and announced.metrics_url.endswith(
+            f":{collector.metrics_server.port}/metrics")
+        wait_until(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
+        # The collector announces its endpoint next to the store; a client reads through it.
+        info = read_collector_info(parse_store_url(store_url).path)
+        assert info is not None and info.query_url == collector.query_endpoint.url
+        client = clickhouse_connect.get_client(host="127.0.0.1", port=collector.query_endpoint.port,
+                                               database=collector.store.database)
+        kinds = {kind: n for kind, n in client.query("SELECT kind, count() FROM events GROUP BY kind").result_rows}
+        assert kinds["engine_up"] == 1 and kinds["engine_down"] == 1 and kinds["collector_started"] == 1
+        assert client.query("SELECT count() FROM engine_samples WHERE engine = 'sim' "
+                            "AND metric = 'vllm:num_requests_running'").result_rows[0][0] >= 2
+        client.close()
+        # The self-metrics say what was written and which source is down.
+        assert collector.metrics_server is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{collector.metrics_server.port}/metrics").read().decode()
+        assert 'stepline_source_up{source="vllm_metrics:sim"} 1.0' in text
+        assert 'stepline_source_up{source="vllm_metrics:dead"} 0.0' in text
+        assert ('stepline_source_last_error_info{error="engine dead unreachable at http://127.0.0.1:9/metrics: '
+                '[Errno 111] Connection refused",source="vllm_metrics:dead"} 1.0') in text
+        assert 'source="vllm_metrics:sim"} 1.0' not in text.split("stepline_source_last_error_info{", 1)[1]
+        assert 'stepline_writer_rows_written_total{table="engine_samples"}' in text
+    finally:
+        collector.stop()
+    # After a clean stop everything accepted is in the store, and the store opens directly.
+    assert read_collector_info(parse_store_url(store_url).path) is None
+    assert running(tmp_path / "run") == ([], [])
+    written = collector.metrics.registry.get_sample_value("stepline_writer_rows_written_total",
+                                                          {"table": "engine_samples"})
+    reader = open_reader(store_url)
+    try:
+        status = {t.table: t for t in table_status(reader.client)}
+        assert status["engine_samples"].rows == written
+        assert status["events"].rows >= 4  # started, up, down, stopped
+        seen = {r[0] for r in reader.client.query("SELECT kind FROM events").result_rows}
+        assert "collector_stopped" in seen
+    finally:
+        reader.close()
+
+
+def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, sock_dir: str) -> None:
+    from stepline.sim.config import EngineConfig
+    from stepline.sim.replay import replay
+    from stepline.sim.telemetry import Telemetry
+    from stepline.sources.otlp import OtlpReceiver
+
+    settings = Settings.from_env({}, store=store_url, engines=(), metrics_port=0, query_port=0, otlp_port=0,
+                                 plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1)
+    collector = Collector(settings)
+    collector.start()
+    try:
+        otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+        telemetry = Telemetry("sim-a", EngineConfig(), plugin_socket=settings.plugin_socket, otlp_endpoint=otlp.url)
+        result = replay(make_workload("steady", duration_s=20), None, 5.0, lambda ts, body: None,
+                        on_step=telemetry.on_step, keep_records=False)
+        telemetry.close()
+        assert result.drained
+    finally:
+        collector.stop()
+    assert collector.store is not None
+    store = open_reader(store_url)
+    try:
+        steps, requests = store.client.query(
+            "SELECT (SELECT count() FROM steps WHERE engine = 'sim-a'), "
+            "(SELECT count() FROM requests WHERE engine = 'sim-a')").result_rows[0]
+    finally:
+        store.close()
+    value = collector.metrics.registry.get_sample_value
+    assert steps > 100 and steps == value("stepline_source_counts_total", {"source": "plugin", "counter": "steps"})
+    assert requests > 10
+    assert requests == value("stepline_source_counts_total", {"source": "plugin", "counter": "requests"})
+    # Every request came twice (plugin, then its span): one row each, the spans counted as duplicates.
+    assert value("stepline_source_counts_total", {"source": "otlp", "counter": "spans_accepted"}) == requests
+    assert value("stepline_requests_deduplicated_total", {"source": "otlp"}) == requests
+    assert value("stepline_source_counts_total", {"source": "plugin", "counter": "malformed"}) is None

@@ -1,0 +1,79 @@
+"""Settings: environment defaults, command-line overrides, and one clear line per bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepline.config.settings import Settings, SettingsError
+from stepline.store.url import parse_store_url
+
+
+def test_environment_then_overrides() -> None:
+    env = {"STEPLINE_STORE": "http://ch:8123/tl", "STEPLINE_ENGINES": "http://a:8000, b=http://b:8000",
+           "STEPLINE_SCRAPE_INTERVAL": "2.5", "STEPLINE_RETENTION_DAYS": "7"}
+    s = Settings.from_env(env, retention_days=14, metrics_port=None)
+    assert s.store == "http://ch:8123/tl"
+    assert s.engines == ("http://a:8000", "b=http://b:8000")
+    assert s.scrape_interval_s == 2.5
+    assert s.retention_days == 14  # the command line wins
+    assert s.metrics_port == 9465  # None means "not given"
+
+
+def test_password_from_a_file_is_never_shown(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("hunter2\n")
+    s = Settings.from_env({"STEPLINE_QUERY_PASSWORD_FILE": str(secret)})
+    assert s.query_password == "hunter2"
+    assert "hunter2" not in repr(s)
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "fragment"),
+    [
+        ({"STEPLINE_SCRAPE_INTERVAL": "fast"}, {}, "STEPLINE_SCRAPE_INTERVAL='fast'"),
+        ({}, {"store": "ftp://x"}, "scheme 'ftp'"),
+        ({}, {"retention_days": 0}, "retention must be at least 1 day"),
+        ({}, {"metrics_port": 70000}, "metrics-port 70000 is not a TCP port"),
+        ({}, {"listen": "somewhere"}, "listen address 'somewhere'"),
+        ({}, {"engines": ("localhost:8000",)}, "engine 'localhost:8000' must be http(s)://"),
+        ({}, {"scrape_interval_s": 1.0, "scrape_timeout_s": 3.0}, "exceeds the scrape interval"),
+        ({"STEPLINE_QUERY_PASSWORD_FILE": "/nonexistent/pw"}, {}, "No such file"),
+        ({}, {"engine_processes": ("prod=vllm",)}, "must be NAME=PID or NAME=cmdline:TEXT"),
+    ],
+)
+def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object], fragment: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(env, **overrides)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_store_password_alone_from_a_mounted_secret(tmp_path: Path) -> None:
+    # The Secret's one key, mounted as a file: the URL names no password, the collector's environment holds none.
+    secret = tmp_path / "password"
+    secret.write_text("p@ss:w/rd\n")
+    s = Settings.from_env({"STEPLINE_STORE": "http://default@clickhouse:8123/stepline",
+                           "STEPLINE_STORE_PASSWORD_FILE": str(secret)})
+    url = parse_store_url(s.store)
+    assert (url.username, url.password, url.host, url.port, url.database) == (
+        "default", "p@ss:w/rd", "clickhouse", 8123, "stepline")
+    assert "p@ss" not in repr(s)
+    with pytest.raises(SettingsError, match="carries a password and a store password is set too"):
+        Settings.from_env({"STEPLINE_STORE": "http://u:x@h:8123/db", "STEPLINE_STORE_PASSWORD": "y"})
+    with pytest.raises(SettingsError, match="not chdb://"):
+        Settings.from_env({"STEPLINE_STORE": "chdb:///tmp/x", "STEPLINE_STORE_PASSWORD": "y"})
+
+
+def test_store_url_from_a_file_is_never_shown(tmp_path: Path) -> None:
+    # One Kubernetes Secret key mounted as a file: the password is in no container's environment.
+    url = tmp_path / "store-url"
+    url.write_text("http://default:hunter2@clickhouse:8123/stepline\n")
+    s = Settings.from_env({"STEPLINE_STORE_FILE": str(url)})
+    assert s.store == "http://default:hunter2@clickhouse:8123/stepline"
+    assert "hunter2" not in repr(s)
+    assert Settings.from_env({"STEPLINE_STORE": "chdb:///x", "STEPLINE_STORE_FILE": str(url)}).store == "chdb:///x"
+    assert Settings.from_env({"STEPLINE_STORE_FILE": str(url)}, store="chdb:///y").store == "chdb:///y"
+    with pytest.raises(SettingsError, match="STEPLINE_STORE_FILE='/nonexistent/url'"):
+        Settings.from_env({"STEPLINE_STORE_FILE": "/nonexistent/url"})

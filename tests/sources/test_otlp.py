@@ -1,0 +1,559 @@
+"""The OTLP/HTTP trace receiver: the real OpenTelemetry SDK exporter as client, raw HTTP for the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import http.client
+import json
+import logging
+import math
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from email.message import Message
+from typing import Any
+
+import pytest
+from google.protobuf import json_format  # type: ignore[import-untyped]
+from google.rpc import status_pb2  # type: ignore[import-untyped]
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from stepline.core.clock import ManualClock
+from stepline.model.rows import Request, Row
+from stepline.sources.base import Listener, Source, SourceContext
+from stepline.sources.otlp import STATS_KEYS, OtlpReceiver
+from stepline.sources.otlp_decode import (
+    JSON,
+    PROTOBUF,
+    BodyTooLarge,
+    OtlpDecodeError,
+    decode,
+    inflate,
+    to_rows,
+)
+from stepline.testing.sink import wait_until
+
+HOST = "h1"
+ARRIVAL_NS = 1_714_564_800_123_456_789
+FINISH_NS = ARRIVAL_NS + 2_500_000_000
+TOKEN = "s3cret-token"
+
+VLLM_ATTRIBUTES: dict[str, Any] = {
+    "gen_ai.response.model": "qwen3-8b",
+    "gen_ai.request.id": "chatcmpl-1",
+    "gen_ai.request.top_p": 0.9,
+    "gen_ai.request.max_tokens": 256,
+    "gen_ai.request.temperature": 0.7,
+    "gen_ai.request.n": 1,
+    "gen_ai.usage.prompt_tokens": 3000,
+    "gen_ai.usage.completion_tokens": 11,
+    "gen_ai.latency.time_in_queue": 0.25,
+    "gen_ai.latency.time_to_first_token": 1.75,
+    "gen_ai.latency.e2e": 2.5,
+    "gen_ai.latency.time_in_model_prefill": 1.5,
+    "gen_ai.latency.time_in_model_decode": 0.5,
+    "gen_ai.latency.time_in_model_inference": 2.0,
+}
+
+EXPECTED = Request(
+    ts=1_714_564_802_623_457,  # 2.5 s after arrival, rounded to the nearest microsecond
+    host=HOST, engine="prod-a", engine_index=0, model_name="qwen3-8b", request_id="chatcmpl-1", source="otlp",
+    finish_reason="", arrival_ts=1_714_564_800_123_457, queue_seconds=0.25, prefill_seconds=1.5, decode_seconds=0.5,
+    inference_seconds=2.0, e2e_seconds=2.5, ttft_seconds=1.75, mean_tpot_seconds=0.05, prompt_tokens=3000,
+    cached_tokens=0, generation_tokens=11, max_tokens=256, preemptions=0,
+)
+
+
+@dataclass
+class Http:
+    """One raw HTTP exchange."""
+
+    status: int
+    headers: Message
+    body: bytes
+
+
+@pytest.fixture
+def make_receiver() -> Iterator[Any]:
+    """Builds started receivers on ephemeral ports, stopped after the test."""
+    started: list[OtlpReceiver] = []
+
+    def make(**kwargs: Any) -> OtlpReceiver:
+        receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), port=0, **kwargs)
+        receiver.start()
+        started.append(receiver)
+        return receiver
+
+    yield make
+    for receiver in started:
+        receiver.stop()
+
+
+@pytest.fixture
+def receiver(make_receiver: Any) -> OtlpReceiver:
+    r: OtlpReceiver = make_receiver()
+    return r
+
+
+def drain(receiver: OtlpReceiver) -> list[Row]:
+    rows: list[Row] = []
+    receiver.poll(rows.extend)
+    return rows
+
+
+def export(url: str, spans: Sequence[tuple[str, Mapping[str, Any]]], resource: Mapping[str, str] | None = None,
+           compression: Compression = Compression.Gzip, headers: Mapping[str, str] | None = None) -> None:
+    """Send spans through the SDK's own OTLP/HTTP exporter, as vLLM does (one SERVER span per request)."""
+    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=compression, headers=headers, timeout=5)
+    attributes = {"service.name": "prod-a"} if resource is None else dict(resource)
+    provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("vllm.entrypoints.openai.api_server")
+    for name, span_attributes in spans:
+        span = tracer.start_span(name, kind=SpanKind.SERVER, start_time=ARRIVAL_NS, attributes=span_attributes)
+        span.end(end_time=FINISH_NS)
+    provider.force_flush()
+    provider.shutdown()
+
+
+def post(receiver: OtlpReceiver, body: bytes, headers: Mapping[str, str] | None = None, *, method: str = "POST",
+         path: str = "/v1/traces") -> Http:
+    """One raw request; Content-Length is set unless headers name their own framing."""
+    hdrs = {"Content-Type": PROTOBUF, **(headers or {})}
+    conn = http.client.HTTPConnection("127.0.0.1", receiver.port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for key, value in hdrs.items():
+            conn.putheader(key, value)
+        if "Content-Length" not in hdrs and "Transfer-Encoding" not in hdrs and "X-No-Length" not in hdrs:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return Http(response.status, response.headers, response.read())
+    finally:
+        conn.close()
+
+
+def span(name: str = "llm_request", start: int = ARRIVAL_NS, end: int = FINISH_NS, **attributes: Any) -> ProtoSpan:
+    """A protobuf span whose attributes are given as AnyValue field dicts, e.g. id={"string_value": "x"}."""
+    kvs = [KeyValue(key=k.replace("__", "."), value=AnyValue(**v)) for k, v in attributes.items()]
+    return ProtoSpan(name=name, start_time_unix_nano=start, end_time_unix_nano=end, attributes=kvs)
+
+
+def request_of(*spans: ProtoSpan, resource: Mapping[str, str] | None = None) -> ExportTraceServiceRequest:
+    message = ExportTraceServiceRequest()
+    rs = message.resource_spans.add()
+    for key, value in (resource or {"service.name": "raw"}).items():
+        rs.resource.attributes.add(key=key, value=AnyValue(string_value=value))
+    rs.scope_spans.add().spans.extend(spans)
+    return message
+
+
+def good_span(request_id: str = "r1", **overrides: Any) -> ProtoSpan:
+    attrs: dict[str, Any] = {"gen_ai__request__id": {"string_value": request_id},
+                             "gen_ai__usage__completion_tokens": {"int_value": 5},
+                             "gen_ai__latency__time_in_model_decode": {"double_value": 0.4}}
+    attrs.update(overrides)
+    return span(**attrs)
+
+
+def status_of(reply: Http) -> Any:
+    status = status_pb2.Status()
+    status.ParseFromString(reply.body)
+    return status
+
+
+def response_of(reply: Http) -> ExportTraceServiceResponse:
+    response = ExportTraceServiceResponse()
+    response.ParseFromString(reply.body)
+    return response
+
+
+# --- end to end, with the real exporter -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compression", [Compression.Gzip, Compression.NoCompression, Compression.Deflate])
+def test_exporter_spans_become_exact_request_rows(receiver: OtlpReceiver, compression: Compression) -> None:
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], compression=compression)
+    assert drain(receiver) == [EXPECTED]
+    assert drain(receiver) == []
+    assert receiver.stats()["spans_accepted"] == 1
+    assert receiver.stats()["requests_accepted"] == 1
+
+
+def test_receiver_is_a_source_and_a_listener(receiver: OtlpReceiver) -> None:
+    source: Source = receiver
+    assert source.name == "otlp"
+    assert isinstance(receiver, Listener)
+    assert receiver.url == f"http://127.0.0.1:{receiver.port}" and receiver.port != 0
+    assert set(receiver.stats()) == set(STATS_KEYS)
+
+
+def test_other_spans_are_ignored_not_errors(receiver: OtlpReceiver) -> None:
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES), ("tokenize", {"x": 1}), ("POST /v1/chat", {})])
+    assert drain(receiver) == [EXPECTED]
+    stats = receiver.stats()
+    assert (stats["spans_accepted"], stats["spans_ignored"], stats["spans_rejected"]) == (1, 2, 0)
+    assert stats["requests_bad"] == 0
+
+
+@pytest.mark.parametrize(("resource", "engine"), [
+    ({"service.name": "prod-a", "stepline.engine": "gpu7:8000"}, "gpu7:8000"),
+    ({}, "vllm"),  # the SDK fills in service.name = unknown_service
+    ({"service.name": "unknown_service:python3"}, "vllm"),
+    ({"service.name": "prod-b"}, "prod-b"),
+])
+def test_engine_comes_from_the_resource(receiver: OtlpReceiver, resource: dict[str, str], engine: str) -> None:
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], resource=resource)
+    assert drain(receiver) == [EXPECTED._replace(engine=engine)]
+
+
+def test_optional_attributes_missing(receiver: OtlpReceiver) -> None:
+    attributes = {"gen_ai.request.id": "r2", "gen_ai.request.model": "m", "gen_ai.usage.completion_tokens": 1,
+                  "gen_ai.response.finish_reasons": ("length", "stop")}
+    export(receiver.url, [("llm_request", attributes)])
+    [row] = drain(receiver)
+    assert isinstance(row, Request)
+    assert (row.request_id, row.model_name, row.finish_reason, row.generation_tokens) == ("r2", "m", "length", 1)
+    assert (row.prompt_tokens, row.max_tokens, row.cached_tokens, row.preemptions) == (0, 0, 0, 0)
+    for value in (row.queue_seconds, row.prefill_seconds, row.decode_seconds, row.inference_seconds,
+                  row.e2e_seconds, row.ttft_seconds, row.mean_tpot_seconds):
+        assert math.isnan(value)
+
+
+def test_exporter_bearer_token(make_receiver: Any) -> None:
+    receiver = make_receiver(token=TOKEN)
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)])  # no token: 401, and the exporter does not retry it
+    assert drain(receiver) == []
+    assert receiver.stats()["requests_unauthorized"] == 1
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], headers={"Authorization": f"Bearer {TOKEN}"})
+    assert drain(receiver) == [EXPECTED]
+
+
+def test_exporter_retries_a_busy_receiver_and_nothing_is_lost(make_receiver: Any) -> None:
+    receiver = make_receiver(max_pending_rows=1)
+    assert post(receiver, request_of(good_span("first")).SerializeToString()).status == 200
+    sender = threading.Thread(target=export, args=(receiver.url, [("llm_request", VLLM_ATTRIBUTES)]))
+    sender.start()
+    wait_until(lambda: receiver.stats()["requests_busy"] >= 1, timeout_s=5)
+    first = drain(receiver)  # the exporter backs off about a second, then retries into the drained buffer
+    sender.join(timeout=10)
+    assert not sender.is_alive()
+    assert [r.request_id for r in first if isinstance(r, Request)] == ["first"]
+    assert drain(receiver) == [EXPECTED]
+
+
+# --- raw HTTP: refusals and their status codes ----------------------------------------------------------------
+
+def test_garbage_protobuf_is_400_with_a_google_rpc_status(receiver: OtlpReceiver,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    reply = post(receiver, b"\xff\xff\xff\xff not protobuf")
+    assert reply.status == 400
+    assert reply.headers["Content-Type"] == PROTOBUF
+    status = status_of(reply)
+    assert status.code == 3 and "ExportTraceServiceRequest" in status.message
+    assert receiver.stats()["requests_bad"] == 1
+    [record] = [r for r in caplog.records if r.name == "stepline.sources.otlp"]
+    assert "(HTTP 400): not a valid protobuf ExportTraceServiceRequest" in record.getMessage()
+    assert record.exc_info is None
+
+
+@pytest.mark.parametrize("body", [b"\x1f\x8b\x08\x00garbage-garbage", gzip.compress(b"x" * 1000)[:-12]])
+def test_corrupt_or_truncated_gzip_is_400(receiver: OtlpReceiver, body: bytes) -> None:
+    reply = post(receiver, body, {"Content-Encoding": "gzip"})
+    assert reply.status == 400
+    assert "gzip" in status_of(reply).message
+    assert receiver.stats()["requests_bad"] == 1
+
+
+def test_oversized_content_length_is_413_without_reading_the_body(receiver: OtlpReceiver) -> None:
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", receiver.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Content-Length: 1000000000\r\n\r\nonly a few bytes")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert time.monotonic() - started < 2.0
+    assert reply.startswith(b"HTTP/1.1 413 ")
+    assert b"Connection: close" in reply
+    assert receiver.stats()["requests_too_large"] == 1
+
+
+def test_gzip_bomb_is_413(make_receiver: Any) -> None:
+    receiver = make_receiver(max_body_bytes=1 << 20)
+    bomb = gzip.compress(b"\0" * (32 << 20), compresslevel=9)
+    assert len(bomb) < 64 << 10
+    reply = post(receiver, bomb, {"Content-Encoding": "gzip"})
+    assert reply.status == 413
+    assert "inflates past" in status_of(reply).message
+    assert receiver.stats()["requests_too_large"] == 1
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("POST", "/v1/metrics", 404), ("POST", "/", 404), ("GET", "/v1/traces", 405), ("PUT", "/v1/traces", 405),
+    ("GET", "/nothing", 404),
+])
+def test_wrong_path_or_method(receiver: OtlpReceiver, method: str, path: str, status: int) -> None:
+    reply = post(receiver, b"", method=method, path=path)
+    assert reply.status == status
+    if status == 405:
+        assert reply.headers["Allow"] == "POST"
+    assert receiver.stats()["requests_unsupported"] == 1
+
+
+def test_framing_errors(receiver: OtlpReceiver) -> None:
+    assert post(receiver, b"", {"X-No-Length": "1"}).status == 411
+    assert post(receiver, b"0\r\n\r\n", {"Transfer-Encoding": "chunked"}).status == 411
+    assert post(receiver, b"", {"Content-Length": "-1"}).status == 400
+    assert post(receiver, b"", {"Content-Length": "ten"}).status == 400
+    assert post(receiver, b"", {"Content-Length": "\u00b2"}).status == 400  # a digit to str.isdigit(), not to int()
+    assert post(receiver, b"", {"Content-Length": "9" * 5000}).status == 413
+    assert post(receiver, b"", {"Content-Length": "0", "content-length": "5"}).status == 400
+    assert post(receiver, b"", {"Content-Length": "00"}).status == 200
+    stats = receiver.stats()
+    assert (stats["requests_unsupported"], stats["requests_bad"], stats["requests_too_large"]) == (2, 4, 1)
+
+
+def test_unsupported_media_type_and_encoding_are_415(receiver: OtlpReceiver) -> None:
+    body = request_of(good_span()).SerializeToString()
+    reply = post(receiver, body, {"Content-Type": "text/plain"})
+    assert reply.status == 415 and "application/x-protobuf" in status_of(reply).message
+    assert post(receiver, body, {"Content-Encoding": "br"}).status == 415
+    assert receiver.stats()["requests_unsupported"] == 2
+    assert drain(receiver) == []
+
+
+def test_otlp_json_is_accepted_and_answered_in_json(receiver: OtlpReceiver) -> None:
+    message = request_of(good_span("j1"), good_span("j2", gen_ai__latency__e2e={"string_value": "abc"}))
+    body = json_format.MessageToJson(message).encode()
+    # OTLP/JSON carries ids in hex and int64 as strings: both must parse.
+    body = body.replace(b'"name": "llm_request"',
+                        b'"name": "llm_request", "traceId": "5b8efff798038103d269b633813fc60c", '
+                        b'"spanId": "eee19b7ec3c1b174", "kind": 2', 1)
+    reply = post(receiver, body, {"Content-Type": "application/json; charset=utf-8"})
+    assert reply.status == 200
+    assert reply.headers["Content-Type"] == JSON
+    answer = json.loads(reply.body)
+    assert answer["partialSuccess"]["rejectedSpans"] == "1"
+    assert [r.request_id for r in drain(receiver) if isinstance(r, Request)] == ["j1"]
+    bad = post(receiver, b"{not json", {"Content-Type": JSON})
+    assert bad.status == 400 and json.loads(bad.body)["code"] == 3
+
+
+def test_bearer_token_is_required_and_never_logged(make_receiver: Any, caplog: pytest.LogCaptureFixture) -> None:
+    receiver = make_receiver(token=TOKEN)
+    body = request_of(good_span()).SerializeToString()
+    caplog.set_level(logging.DEBUG)
+    missing = post(receiver, body)
+    assert missing.status == 401 and missing.headers["WWW-Authenticate"].startswith("Bearer")
+    assert post(receiver, body, {"Authorization": "Bearer wrong"}).status == 401
+    assert post(receiver, body, {"Authorization": f"Basic {TOKEN}"}).status == 401
+    assert post(receiver, body, {"Authorization": f"Bearer {TOKEN}"}).status == 200
+    assert receiver.stats()["requests_unauthorized"] == 3
+    assert len(drain(receiver)) == 1
+    assert TOKEN not in caplog.text
+
+
+def test_without_a_token_no_authorization_is_needed(receiver: OtlpReceiver) -> None:
+    assert post(receiver, request_of(good_span()).SerializeToString()).status == 200
+
+
+def test_full_buffer_is_503_until_polled(make_receiver: Any) -> None:
+    receiver = make_receiver(max_pending_rows=2)
+    assert post(receiver, request_of(good_span("a"), good_span("b")).SerializeToString()).status == 200
+    busy = post(receiver, request_of(good_span("c")).SerializeToString())
+    assert busy.status == 503 and status_of(busy).code == 14
+    assert receiver.stats()["requests_busy"] == 1
+    assert [r.request_id for r in drain(receiver) if isinstance(r, Request)] == ["a", "b"]
+    assert post(receiver, request_of(good_span("c")).SerializeToString()).status == 200
+    # All or nothing: one row waits, so a batch of two would overflow; an empty buffer takes any batch.
+    assert post(receiver, request_of(good_span("d"), good_span("e")).SerializeToString()).status == 503
+    drain(receiver)
+    big = request_of(good_span("f"), good_span("g"), good_span("h"))
+    assert post(receiver, big.SerializeToString()).status == 200
+    assert len(drain(receiver)) == 3
+
+
+def test_partial_success_for_rejected_spans(receiver: OtlpReceiver) -> None:
+    message = request_of(
+        good_span("ok-1"),
+        span(gen_ai__usage__prompt_tokens={"int_value": 3}),  # no gen_ai.request.id
+        good_span("bad-latency", gen_ai__latency__time_in_queue={"string_value": "abc"}),
+        good_span("negative", gen_ai__latency__e2e={"double_value": -1.0}),
+        good_span("nan", gen_ai__latency__e2e={"double_value": math.nan}),
+        good_span("fraction", gen_ai__usage__prompt_tokens={"double_value": 12.5}),
+        good_span("bool", gen_ai__usage__prompt_tokens={"bool_value": True}),
+        span(name="other"),
+    )
+    reply = post(receiver, message.SerializeToString())
+    assert reply.status == 200
+    response = response_of(reply)
+    assert response.partial_success.rejected_spans == 6
+    assert "gen_ai.request.id" in response.partial_success.error_message
+    assert "'abc'" in response.partial_success.error_message
+    assert [r.request_id for r in drain(receiver) if isinstance(r, Request)] == ["ok-1"]
+    stats = receiver.stats()
+    assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 6, 1)
+    clean = response_of(post(receiver, request_of(good_span()).SerializeToString()))
+    assert not clean.HasField("partial_success")
+
+
+def test_tolerant_number_kinds() -> None:
+    message = request_of(good_span(
+        "t",
+        gen_ai__latency__time_in_queue={"int_value": 2},
+        gen_ai__latency__e2e={"string_value": " 0.75 "},
+        gen_ai__usage__prompt_tokens={"double_value": 12.0},
+        gen_ai__usage__completion_tokens={"string_value": "3"},
+        gen_ai__request__max_tokens={"int_value": 64},
+        gen_ai__response__finish_reasons={"array_value": ArrayValue(values=[AnyValue(string_value="stop")])},
+    ), resource={"service.name": "s", "stepline.engine": ""})
+    [row] = to_rows(message, HOST).rows
+    assert (row.queue_seconds, row.e2e_seconds, row.prompt_tokens, row.generation_tokens) == (2.0, 0.75, 12, 3)
+    assert (row.max_tokens, row.finish_reason, row.engine) == (64, "stop", "s")
+    assert row.mean_tpot_seconds == 0.2
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, FINISH_NS), (FINISH_NS, ARRIVAL_NS), (ARRIVAL_NS, 0),
+                                            (ARRIVAL_NS, 1 << 63), (1, FINISH_NS), (946_684_799 * 10**9, FINISH_NS)])
+def test_invalid_span_times_are_rejected(start: int, end: int) -> None:
+    decoded = to_rows(request_of(span(start=start, end=end, gen_ai__request__id={"string_value": "x"})), HOST)
+    assert (decoded.rows, decoded.rejected) == ([], 1)
+
+
+def test_stop_releases_the_port_and_keeps_received_rows(make_receiver: Any) -> None:
+    receiver: OtlpReceiver = make_receiver()
+    port = receiver.port
+    assert post(receiver, request_of(good_span("kept")).SerializeToString()).status == 200
+    receiver.stop()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert [r.request_id for r in drain(receiver) if isinstance(r, Request)] == ["kept"]
+    again = OtlpReceiver(SourceContext(HOST, ManualClock()), port=port)
+    again.start()
+    again.stop()
+    receiver.stop()  # idempotent
+
+
+def test_ipv6_listen_address() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), "::1", 0)
+    try:
+        receiver.start()
+    except OSError:
+        pytest.skip("::1 is not configured here")
+    try:
+        assert receiver.url == f"http://[::1]:{receiver.port}"
+        export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)])
+        assert drain(receiver) == [EXPECTED]
+    finally:
+        receiver.stop()
+
+
+def test_taken_port_is_a_clear_oserror(receiver: OtlpReceiver) -> None:
+    other = OtlpReceiver(SourceContext(HOST, ManualClock()), port=receiver.port)
+    with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
+        other.start()
+
+
+@pytest.mark.parametrize("kwargs", [{"port": 70000}, {"max_body_bytes": 0}, {"max_pending_rows": 0}, {"token": ""}])
+def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="otlp receiver"):
+        OtlpReceiver(SourceContext(HOST, ManualClock()), **kwargs)
+
+
+# --- inflate and decode in isolation ---------------------------------------------------------------------------
+
+def test_inflate_encodings() -> None:
+    data = b"payload" * 100
+    assert inflate(data, "", 1000) == data
+    assert inflate(gzip.compress(data), "gzip", 1000) == data
+    assert inflate(gzip.compress(data[:300]) + gzip.compress(data[300:]), "gzip", 1000) == data  # two members
+    assert inflate(zlib.compress(data), "deflate", 1000) == data
+    raw = zlib.compressobj(wbits=-15)
+    assert inflate(raw.compress(data) + raw.flush(), "deflate", 1000) == data
+    with pytest.raises(OtlpDecodeError, match="corrupt gzip"):
+        inflate(gzip.compress(data) + b"junk", "gzip", 1000)
+    with pytest.raises(OtlpDecodeError, match="garbage"):
+        inflate(zlib.compress(data) + b"junk", "deflate", 1000)
+    with pytest.raises(OtlpDecodeError, match="truncated"):
+        inflate(b"", "gzip", 1000)
+    with pytest.raises(BodyTooLarge):
+        inflate(data, "identity", 10)
+    with pytest.raises(BodyTooLarge):
+        inflate(zlib.compress(data), "deflate", 699)
+    assert inflate(zlib.compress(data), "deflate", 700) == data
+
+
+ANY_VALUES = st.one_of(
+    st.builds(lambda v: AnyValue(int_value=v), st.integers(-(1 << 63), (1 << 63) - 1)),
+    st.builds(lambda v: AnyValue(double_value=v), st.floats()),
+    st.builds(lambda v: AnyValue(string_value=v), st.text(max_size=20) | st.from_regex(r"-?\d{1,12}(\.\d*)?")),
+    st.builds(lambda v: AnyValue(bool_value=v), st.booleans()),
+    st.builds(lambda v: AnyValue(bytes_value=v), st.binary(max_size=8)),
+    st.builds(lambda v: AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=s) for s in v])),
+              st.lists(st.text(max_size=5), max_size=3)),
+)
+ATTRIBUTE_KEYS = st.sampled_from([*VLLM_ATTRIBUTES, "gen_ai.request.model", "gen_ai.response.finish_reasons", "x"])
+NANOS = st.integers(0, (1 << 64) - 1) | st.just(ARRIVAL_NS) | st.just(FINISH_NS)
+SPANS = st.builds(
+    lambda name, start, end, attrs: ProtoSpan(name=name, start_time_unix_nano=start, end_time_unix_nano=end,
+                                              attributes=[KeyValue(key=k, value=v) for k, v in attrs]),
+    st.sampled_from(["llm_request", "llm_request", "other", ""]), NANOS, NANOS,
+    st.lists(st.tuples(ATTRIBUTE_KEYS, ANY_VALUES), max_size=16),
+)
+MESSAGES = st.builds(
+    lambda spans, engine: request_of(*spans, resource={"stepline.engine": engine} if engine else None),
+    st.lists(SPANS, max_size=6), st.sampled_from(["", "e1"]),
+)
+
+
+@settings(max_examples=300, deadline=2000)
+@given(st.binary(max_size=2048), st.sampled_from([PROTOBUF, JSON]))
+def test_decode_random_bytes_raises_only_its_own_error(body: bytes, media_type: str) -> None:
+    with contextlib.suppress(OtlpDecodeError):
+        decode(body, media_type, HOST)
+
+
+@settings(max_examples=300, deadline=2000)
+@given(st.binary(max_size=2048), st.sampled_from(["gzip", "deflate", "identity", "br"]))
+def test_inflate_random_bytes_raises_only_its_own_errors(body: bytes, encoding: str) -> None:
+    with contextlib.suppress(OtlpDecodeError, BodyTooLarge):
+        assert len(inflate(body, encoding, 512)) <= 512
+
+
+@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(MESSAGES)
+def test_valid_ish_messages_give_valid_rows(message: ExportTraceServiceRequest) -> None:
+    decoded = decode(message.SerializeToString(), PROTOBUF, HOST)
+    spans = [s for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert len(decoded.rows) + decoded.rejected + decoded.ignored == len(spans)
+    assert decoded.ignored == sum(s.name != "llm_request" for s in spans)
+    for row in decoded.rows:
+        assert 0 < row.arrival_ts <= row.ts and row.request_id and row.source == "otlp"
+        for count in (row.prompt_tokens, row.generation_tokens, row.max_tokens):
+            assert 0 <= count < 1 << 32
+        for seconds in (row.queue_seconds, row.prefill_seconds, row.decode_seconds, row.inference_seconds,
+                        row.e2e_seconds, row.ttft_seconds):
+            assert math.isnan(seconds) or (math.isfinite(seconds) and seconds >= 0)
+    as_json = decode(json_format.MessageToJson(message).encode(), JSON, HOST)
+    assert (as_json.ignored, as_json.rejected) == (decoded.ignored, decoded.rejected)
+    assert [r.request_id for r in as_json.rows] == [r.request_id for r in decoded.rows]

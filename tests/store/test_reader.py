@@ -1,0 +1,92 @@
+"""What `stepline status` and `stepline query` print: a DOWN source with its reason, and cut values said to be cut."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from prometheus_client import generate_latest
+
+from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.runner import Runner
+from stepline.ingest.writer import Writers
+from stepline.sources.base import Emit, SourceError
+from stepline.store.reader import SourceHealth, render_table, source_health
+from stepline.testing.sink import MemorySink
+
+
+class Flaky:
+    """Fails with whatever `error` says, or succeeds when it is empty."""
+
+    name = "gpu"
+    error = "no NVML: NVML Shared Library Not Found"
+
+    def poll(self, emit: Emit) -> None:
+        if self.error:
+            raise SourceError(self.error)
+
+
+def _errors(metrics: SelfMetrics) -> dict[str, str]:
+    return {s.labels["source"]: s.labels["error"] for family in metrics.registry.collect()
+            if family.name == "stepline_source_last_error_info" for s in family.samples if s.value}
+
+
+def test_the_runner_exports_a_failing_sources_last_error_and_forgets_it_on_recovery() -> None:
+    metrics = SelfMetrics()
+    runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
+    source = Flaky()
+    runner.poll_once(source)
+    runner.poll_once(source)
+    assert _errors(metrics) == {"gpu": "no NVML: NVML Shared Library Not Found"}
+    source.error = "NVML:\n  driver/library version mismatch " + "x" * 300
+    runner.poll_once(source)
+    (error,) = _errors(metrics).values()  # one series per source: the old reason is gone
+    assert error.startswith("NVML: driver/library version mismatch xx") and len(error) == 200 and error[-1] == "…"
+    source.error = ""
+    runner.poll_once(source)
+    assert _errors(metrics) == {}
+    assert "stepline_source_last_error_info{" not in generate_latest(metrics.registry).decode()
+
+
+@pytest.fixture
+def served_metrics() -> Iterator[tuple[SelfMetrics, str]]:
+    metrics = SelfMetrics()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(metrics.registry)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            """Quiet."""
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield metrics, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+def test_source_health_reads_the_reason_beside_down(served_metrics: tuple[SelfMetrics, str]) -> None:
+    metrics, url = served_metrics
+    runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
+    runner.poll_once(Flaky())
+    metrics.source_up.labels("host").set(1)
+    assert source_health(url) == {"gpu": SourceHealth(False, "no NVML: NVML Shared Library Not Found"),
+                                  "host": SourceHealth(True, "")}
+
+
+def test_a_table_says_once_below_it_that_values_were_cut() -> None:
+    note = "(cut: --format tsv shows them whole)"
+    cut = render_table(("a", "b"), [("x" * 70, "y" * 61), ("short", 1)], 60, note)
+    lines = cut.splitlines()
+    assert lines[2] == "x" * 59 + "…" + "  " + "y" * 59 + "…"
+    assert lines[-1] == note and cut.count(note) == 1 and len(lines) == 5
+    whole = render_table(("a",), [("x" * 60,), ("two\nlines",)], 60, note)
+    assert note not in whole and "two lines" in whole

@@ -1,0 +1,171 @@
+"""`stepline whatif` on runs recorded through the normal path (plugin, OTLP, /metrics) into the embedded store."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+
+from stepline.cli.main import main
+from stepline.diagnosis.findings import Window
+from stepline.sim import costmodel
+from stepline.sim.config import EngineConfig
+from stepline.sim.scenarios import Scenario, run_engines
+from stepline.sim.workloads import Arrival, Workload, short_burst
+from stepline.store.reader import open_reader
+from stepline.whatif.core import WhatIf, lanes, whatif
+from stepline.whatif.figures import Objectives
+from stepline.whatif.fit import FitError, fit
+from stepline.whatif.levers import Lever, baseline_config, candidates
+from stepline.whatif.render import render
+from stepline.whatif.trace import EngineTrace, Steps, TracedRequest, load
+
+OBJECTIVES = Objectives(ttft_s=10.0, tpot_s=0.1)
+
+
+@dataclass
+class Recorded:
+    store_url: str
+    window: Window
+    traces: list[EngineTrace]
+
+
+def _record(store_url: str, config: EngineConfig, workload: Workload | None = None) -> Recorded:
+    scenario = Scenario("whatif", None, workload or short_burst(), config)
+    _, window = run_engines([("whatif", scenario)], store_url)
+    reader = open_reader(store_url)
+    try:
+        return Recorded(store_url, window, load(reader.client, window))
+    finally:
+        reader.close()
+
+
+@pytest.fixture(scope="module")
+def recorded(chdb_dir: object) -> Recorded:
+    return _record(f"chdb://{chdb_dir}?database=t_whatif_a", EngineConfig())
+
+
+@pytest.fixture(scope="module")
+def result(recorded: Recorded) -> WhatIf:
+    return whatif(recorded.traces, OBJECTIVES, jobs=1)
+
+
+def test_the_fit_recovers_the_engines_step_cost(recorded: Recorded) -> None:
+    f = fit(recorded.traces[0])
+    assert f.cost.step_overhead_s == pytest.approx(costmodel.STEP_OVERHEAD_S, rel=0.05)
+    assert f.cost.prefill_token_s == pytest.approx(costmodel.PREFILL_TOKEN_S, rel=0.05)
+    assert f.cost.prefill_attention_pair_s == pytest.approx(costmodel.PREFILL_ATTENTION_PAIR_S, rel=0.05)
+    assert f.held_out > 0 and f.median_error < 0.02 and abs(f.total_error) < 0.02
+
+
+def test_the_replayed_baseline_reproduces_the_recording(result: WhatIf) -> None:
+    assert result.recorded.requests == result.baseline.figures.requests > 100
+    assert result.reproduces, result.calibration_errors
+    assert "the replay reproduces the recording within 15%" in render(result)
+
+
+def test_a_lever_predicts_a_run_under_that_setting(recorded: Recorded, result: WhatIf) -> None:
+    """The simulator's ground truth: the same workload really run under the lever, through the normal path."""
+    lever = next(p for p in result.levers if p.lever.name == "long_prefill_token_threshold=1024")
+    assert lever.replay is not None
+    actual = _record(f"{recorded.store_url.rsplit('=', 1)[0]}=t_whatif_b",
+                     EngineConfig(long_prefill_token_threshold=1024))
+    truth = whatif(actual.traces, OBJECTIVES, levers=[], jobs=1).recorded
+    predicted = lever.replay.figures
+    for name in ("ttft_p99_s", "itl_p99_s", "goodput_rps"):
+        assert getattr(predicted, name) == pytest.approx(getattr(truth, name), rel=0.15), name
+    # and the lever changed what it does in vLLM: capped, the queue prefills beside the monster instead of behind it
+    assert predicted.ttft_p50_s < 0.1 * result.baseline.figures.ttft_p50_s
+
+
+def test_levers_the_build_does_not_accept_are_shown_unavailable(recorded: Recorded) -> None:
+    trace = recorded.traces[0]
+    config, _ = baseline_config(trace)
+    older = replace(trace, config={k: v for k, v in trace.config.items() if k != "prefill_schedule_interval"})
+    levers = {lv.name: lv for lv in candidates([older], [config], 0.05)}
+    assert "no such setting" in levers["prefill_schedule_interval=2"].unavailable
+    assert levers["shard at " + next(n.split("at ")[1] for n in levers if n.startswith("shard"))].unavailable
+    small = replace(config, num_gpu_blocks=1024)  # 16k tokens of KV: a 32k budget cannot fit
+    tight = {lv.name: lv for lv in candidates([trace], [small], 0.05)}
+    assert "exceed the KV cache" in tight["max_num_batched_tokens=32768"].unavailable
+    assert not tight["max_num_batched_tokens=4096"].unavailable
+    assert "Concurrent Partial Prefill is not supported" in tight["max_num_partial_prefills=2"].unavailable
+    unchunked = replace(trace, config={**trace.config, "enable_chunked_prefill": "False"})
+    gated = {lv.name: lv for lv in candidates([unchunked], [config], 0.05)}
+    assert gated["long_prefill_token_threshold=1024"].unavailable.startswith("gated: chunked prefill is off")
+    assert not tight["long_prefill_token_threshold=1024"].unavailable
+    # prefill_schedule_interval does something only in a data-parallel engine core
+    assert "only in data-parallel engine cores" in tight["prefill_schedule_interval=2"].unavailable
+    parallel = replace(trace, config={**trace.config, "data_parallel_size": "2"})
+    assert not {lv.name: lv for lv in candidates([parallel], [config], 0.05)}["prefill_schedule_interval=2"].unavailable
+
+
+def _request(i: int, prompt: int) -> TracedRequest:
+    return TracedRequest(f"r{i}", 100.0 + i, 101.0 + i, 0.0, 0.5, 0.5, prompt, 0, 8, "length", 8)
+
+
+def test_shape_sharding_sends_long_prompts_to_one_lane() -> None:
+    traces = [EngineTrace(f"e{k}", {}, [_request(2 * i + k, 50_000 if i % 5 == 0 else 500) for i in range(20)],
+                          Steps()) for k in range(3)]
+    configs = [EngineConfig(num_gpu_blocks=10_000 + k) for k in range(3)]
+    plan = lanes(traces, configs, Lever("shard", "shard", shard_tokens=10_000), 0.0)
+    long_lane = max(plan, key=lambda lane: lane.config.kv_capacity_tokens)
+    assert {a.prompt_tokens for a in long_lane.arrivals} == {50_000}
+    assert all(a.prompt_tokens == 500 for lane in plan if lane is not long_lane for a in lane.arrivals)
+    assert sum(len(lane.arrivals) for lane in plan) == 60
+
+
+def test_priority_lever_orders_shorter_prompts_first() -> None:
+    traces = [EngineTrace("e", {}, [_request(0, 200_000), _request(1, 300)], Steps())]
+    plan = lanes(traces, [EngineConfig()], Lever("p", "policy", {"policy": "priority"}, priority_by_band=True), 0.0)
+    priorities = {a.prompt_tokens: a.priority for a in plan[0].arrivals}
+    assert priorities[300] < priorities[200_000]
+    assert plan[0].config.policy == "priority"
+
+
+def test_steps_without_iteration_details_cannot_be_fitted() -> None:
+    steps = Steps(ts=[1.0, 2.0], elapsed_s=[math.nan, math.nan], ctx_tokens=[0, 0], gen_requests=[0, 0],
+                  gen_tokens=[1, 1], in_flight_after=[1, 1], itls=[(), ()])
+    with pytest.raises(FitError, match="enable-logging-iteration-details"):
+        fit(EngineTrace("e", {}, [_request(0, 10)], steps))
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """In this process: chDB serves one store path per process, and the test holds it."""
+    code = main(["whatif", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_command_prints_the_calibration_and_ranked_levers(recorded: Recorded, result: WhatIf,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    window = ["--from", recorded.window.start.isoformat(), "--to", recorded.window.end.isoformat()]
+    code, out, err = _cli(capsys, "--store", recorded.store_url, *window, "--json", "--jobs", "1")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["reproduces"] is True
+    available = [lv for lv in got["levers"] if lv["available"]]
+    assert len(available) >= 8
+    goodputs = [lv["figures"]["goodput_rps"] for lv in available]
+    assert goodputs == sorted(goodputs, reverse=True)
+    assert got["baseline"]["requests"] == result.recorded.requests
+    code, out, _ = _cli(capsys, "--store", recorded.store_url, *window, "--jobs", "1")
+    assert code == 0 and "levers, ranked by goodput" in out and "held-out" in out
+
+
+def test_an_empty_window_is_one_clear_line(recorded: Recorded, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(capsys, "--store", recorded.store_url, "--from", "2001-01-01T00:00:00", "--to",
+                        "2001-01-01T00:10:00")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "nothing to replay" in err
+
+
+def test_arrivals_keep_their_recorded_shape(recorded: Recorded) -> None:
+    trace = recorded.traces[0]
+    plan = lanes([trace], [baseline_config(trace)[0]], None, trace.requests[0].arrival)
+    arrivals: tuple[Arrival, ...] = plan[0].arrivals
+    assert sum(a.prompt_tokens for a in arrivals) == sum(r.prompt_tokens for r in trace.requests)
+    assert sum(a.output_tokens for a in arrivals) == sum(r.generation_tokens for r in trace.requests)
+    assert arrivals[0].offset_s == 0.0

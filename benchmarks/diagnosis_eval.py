@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Finding, Window
 from stepline.sim.scenarios import SCENARIO_NAMES, Scenario, make_scenario, run_scenario
-from stepline.store.reader import open_reader, render_table
+from stepline.store.reader import open_reader
 
 Diagnose = Callable[[Any, Window], list[Finding]]
 

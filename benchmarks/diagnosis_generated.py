@@ -19,10 +19,11 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
+from stepline.core.texttable import render_table
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding
 from stepline.sim.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
-from stepline.store.reader import open_reader, render_table
+from stepline.store.reader import open_reader
 from stepline.store.store import Store
 
 Result = tuple[Verdict, str, float, float, list[str]]  # verdict, description, replay s, diagnose s, findings

@@ -51,8 +51,8 @@ from stepline.plugin import wire
 from stepline.plugin.core import PluginCore
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import EMIT_BATCH_ROWS, PluginReceiver
-from stepline.store.store import Store
 from stepline.store import batches as native
+from stepline.store.store import Store
 
 HOST = "bench"
 RUNNING = 64

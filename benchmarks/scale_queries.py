@@ -31,11 +31,11 @@ from pathlib import Path
 import chdb
 from scale_data import Shape, synthesise
 
+from stepline.core.texttable import render_table
 from stepline.dashboards.macros import ALL, QueryContext, expand
 from stepline.dashboards.query import CLICKHOUSE_TYPE
 from stepline.diagnosis.detectors import DETECTORS, diagnose
 from stepline.diagnosis.findings import Window
-from stepline.store.reader import render_table
 from stepline.store.store import Store
 
 TARGET_S = 2.0

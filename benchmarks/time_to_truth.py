@@ -17,9 +17,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from stepline.core.texttable import render_table
 from stepline.sim.generator import LIVE_CAUSES
 from stepline.sim.timetotruth import LiveResult, run_live
-from stepline.store.reader import render_table
 
 FAST_CAUSES = ("monster_finished", "gpu_throttling_lasting")  # the right finding within FAST_S of onset
 FAST_S = 10.0

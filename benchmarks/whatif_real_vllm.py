@@ -26,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import Endpoint
 from stepline.loadgen.replay import Recorded, plan, replay
-from stepline.store.reader import open_reader, render_table
+from stepline.store.reader import open_reader
 from stepline.whatif.core import recorded_figures, whatif
 from stepline.whatif.figures import Figures, Objectives, quantile
 from stepline.whatif.levers import Lever

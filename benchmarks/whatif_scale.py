@@ -20,8 +20,9 @@ import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
-from stepline.store.reader import open_reader, render_table
+from stepline.store.reader import open_reader
 from stepline.whatif.core import whatif
 from stepline.whatif.figures import Objectives
 from stepline.whatif.trace import EngineTrace, Steps, load
@@ -58,7 +59,7 @@ def main() -> int:
                            capture_output=True, timeout=900)
             print(f"recorded the demo burst in {time.monotonic() - started:.0f} s")
         now = datetime.now(UTC)
-        from stepline.cli.main import parse_duration
+        from stepline.core.timeparse import parse_duration
 
         window = Window(now - timedelta(seconds=parse_duration(args.since)), now)
         reader = open_reader(store)

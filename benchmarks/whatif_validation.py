@@ -22,11 +22,12 @@ from datetime import UTC, datetime, timedelta
 
 import clickhouse_connect
 
+from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
 from stepline.sim.config import EngineConfig
 from stepline.sim.scenarios import Scenario, run_engines
 from stepline.sim.workloads import Workload, make_workload, short_burst, steady
-from stepline.store.reader import open_reader, render_table
+from stepline.store.reader import open_reader
 from stepline.whatif.core import Priced, lanes, whatif
 from stepline.whatif.figures import Figures, Objectives
 from stepline.whatif.levers import Lever

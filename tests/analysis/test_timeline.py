@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from stepline.analysis import timeline
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.model import schema
 from stepline.model.rows import GpuSample, Step, micros
 from stepline.store.store import Store
@@ -89,7 +89,7 @@ def test_moments_parse(text: str, expected: datetime) -> None:
 
 
 def test_a_bad_moment_is_named() -> None:
-    with pytest.raises(SettingsError, match="'yesterday' is not ISO 8601"):
+    with pytest.raises(UsageError, match="'yesterday' is not ISO 8601"):
         timeline.parse_moment("yesterday")
 
 

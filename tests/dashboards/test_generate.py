@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from stepline.alerting.config import AlertConfig, Slo
+from stepline.alerting.config import AlertConfig
 from stepline.cli import dashboards as dashboards_cli
+from stepline.config.slo import Slo
 from stepline.dashboards.generate import DASHBOARDS, build, render
 from stepline.dashboards.macros import ALL, QueryContext, expand
 from stepline.dashboards.query import CLICKHOUSE_TYPE

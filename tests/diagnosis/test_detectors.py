@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from stepline.cli import diagnose as diagnose_cli
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.diagnosis.baseline import LONG_PROMPT_CHUNKS
 from stepline.diagnosis.detectors import as_json, diagnose, render
 from stepline.diagnosis.findings import Finding, Window
@@ -248,7 +248,7 @@ def test_cli_window_and_bad_input() -> None:
     w = diagnose_cli.window_of(parser.parse_args(["--from", "2026-01-01T00:00:00", "--to", "2026-01-01T01:00:00"]))
     assert w.start == datetime(2026, 1, 1, tzinfo=UTC)
     for bad in (["--since", "soon"], ["--from", "2026-01-01T02:00:00", "--to", "2026-01-01T01:00:00"]):
-        with pytest.raises(SettingsError):
+        with pytest.raises(UsageError):
             diagnose_cli.window_of(parser.parse_args(bad))
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from stepline.alerting.config import AlertConfig
-from stepline.alerting.localstack import ALERTMANAGER, PROMETHEUS, AlertStack, Webhook, wait_for
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.ingest.runner import Scheduled
@@ -23,6 +22,7 @@ from stepline.sim.telemetry import LateBound, Telemetry
 from stepline.sim.workloads import chat_arrivals, compose, one_request
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
+from stepline.testing.alertstack import ALERTMANAGER, PROMETHEUS, AlertStack, Webhook, wait_for
 
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),
                                 reason="needs Debian's prometheus and prometheus-alertmanager (.ci/run installs them)")

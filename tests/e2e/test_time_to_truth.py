@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from stepline.alerting.localstack import ALERTMANAGER, PROMETHEUS
 from stepline.sim.timetotruth import LiveResult, run_live
+from stepline.testing.alertstack import ALERTMANAGER, PROMETHEUS
 
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),
                                 reason="needs Debian's prometheus and prometheus-alertmanager (.ci/run installs them)")

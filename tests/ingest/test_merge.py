@@ -20,8 +20,8 @@ from stepline.ingest.writer import Writers
 from stepline.model.rows import Request, micros
 from stepline.sources.otlp_decode import PROTOBUF, decode
 from stepline.sources.registry import REGISTRY
-from stepline.store.store import Store
 from stepline.store import batches as native
+from stepline.store.store import Store
 from stepline.testing.sink import wait_until
 
 HOST = "h"

@@ -13,8 +13,8 @@ from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.spool import Spool, SpoolError
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, Request
-from stepline.store.store import Store
 from stepline.store import batches as native
+from stepline.store.store import Store
 from stepline.testing.sink import MemorySink, wait_until
 
 

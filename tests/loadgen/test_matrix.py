@@ -21,7 +21,6 @@ from stepline.loadgen.client import (
     UNCOUNTED_SHARE,
     Endpoint,
     MatrixError,
-    percentile,
     prompt_text,
     size_long_prompt,
 )
@@ -229,14 +228,11 @@ def test_errors_are_one_clear_line_and_exit_2(
     assert err.count("\n") == 1 and err.startswith("stepline matrix: ") and message in err
 
 
-def test_sweep_labels_and_percentiles() -> None:
+def test_sweep_labels() -> None:
     assert matrix._sweep_labels("max_num_batched_tokens=2048, 8192") == [
         "max_num_batched_tokens=2048", "max_num_batched_tokens=8192"]
     with pytest.raises(MatrixError, match="NAME=V1,V2"):
         matrix._sweep_labels("nothing")
-    assert percentile([], 99) == 0.0
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
 
 
 def test_the_long_prompt_fits_max_model_len_with_room_for_its_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,8 +31,8 @@ from stepline.sim.telemetry import Telemetry
 from stepline.sources import registry as sources
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
-from stepline.testing.sink import MemorySink
 from stepline.testing import vllm_standins as standins
+from stepline.testing.sink import MemorySink
 
 NOW = 1_790_000_000.25
 

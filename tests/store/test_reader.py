@@ -13,7 +13,7 @@ from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.runner import Runner
 from stepline.ingest.writer import Writers
 from stepline.sources.base import Emit, SourceError
-from stepline.store.reader import SourceHealth, render_table, source_health
+from stepline.store.reader import SourceHealth, source_health
 from stepline.testing.sink import MemorySink
 
 
@@ -80,13 +80,3 @@ def test_source_health_reads_the_reason_beside_down(served_metrics: tuple[SelfMe
     metrics.source_up.labels("host").set(1)
     assert source_health(url) == {"gpu": SourceHealth(False, "no NVML: NVML Shared Library Not Found"),
                                   "host": SourceHealth(True, "")}
-
-
-def test_a_table_says_once_below_it_that_values_were_cut() -> None:
-    note = "(cut: --format tsv shows them whole)"
-    cut = render_table(("a", "b"), [("x" * 70, "y" * 61), ("short", 1)], 60, note)
-    lines = cut.splitlines()
-    assert lines[2] == "x" * 59 + "…" + "  " + "y" * 59 + "…"
-    assert lines[-1] == note and cut.count(note) == 1 and len(lines) == 5
-    whole = render_table(("a",), [("x" * 60,), ("two\nlines",)], 60, note)
-    assert note not in whole and "two lines" in whole

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from stepline.analysis.summary import Reads
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.model.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
 from stepline.sim.vllm_server import SimServer
+from stepline.store.reads import Reads
 from stepline.testing.sink import wait_until
 from stepline.watchdog.budget import Policy, StepCosts
 from stepline.watchdog.tap import Watchdog

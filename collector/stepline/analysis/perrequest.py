@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, budgets
 from stepline.diagnosis.findings import Window
+from stepline.store.reads import Reads
 
 ORDER_BY = {
     "e2e": "e2e_seconds",

@@ -8,16 +8,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
 
 from stepline.model.rows import micros
-
-
-class Reads(Protocol):
-    """Anything that answers a query with rows: a clickhouse-connect client or the Store."""
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any: ...
-
+from stepline.store.reads import Reads
 
 # A bucket whose upper bound is at least this many times its lower bound: a figure interpolated inside it may be
 # off by half of itself, so it is printed with its bucket (vLLM's TTFT buckets double from 10 s to 160 s).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from stepline.analysis.summary import Reads
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.model.schema import timeline_sql
+from stepline.store.reads import Reads
 
 MAX_WINDOW_S = 7 * 86400.0  # a week each side: a larger window is a query, not a timeline
 # The GPU side is read from a little before the window so the first steps find their sample.
@@ -46,7 +46,7 @@ def parse_moment(text: str, now: datetime | None = None) -> datetime:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
-        raise SettingsError(f"time {text!r} is not ISO 8601, epoch seconds or HH:MM:SS") from None
+        raise UsageError(f"time {text!r} is not ISO 8601, epoch seconds or HH:MM:SS") from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
@@ -54,13 +54,13 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
            bucket_s: float = 1.0) -> str:
     """The timeline from window_s before to window_s after `moment`, per bucket_s (0: every step)."""
     if not 0 < window_s <= MAX_WINDOW_S:
-        raise SettingsError(f"window {window_s} s must be more than 0 and at most {MAX_WINDOW_S:.0f} s")
+        raise UsageError(f"window {window_s} s must be more than 0 and at most {MAX_WINDOW_S:.0f} s")
     if not 0 <= bucket_s <= 2 * window_s:
-        raise SettingsError(f"bucket {bucket_s} s must be 0 (every step) or at most twice the window")
+        raise UsageError(f"bucket {bucket_s} s must be 0 (every step) or at most twice the window")
     try:
         lo, hi = moment - timedelta(seconds=window_s), moment + timedelta(seconds=window_s)
     except OverflowError:
-        raise SettingsError(f"{window_s} s around {moment:%Y-%m-%d %H:%M:%S} leaves the calendar") from None
+        raise UsageError(f"{window_s} s around {moment:%Y-%m-%d %H:%M:%S} leaves the calendar") from None
     inner = timeline_sql(database, _BOUNDS_STEPS, _BOUNDS_GPU) + "\nUNION ALL" + _steps_without_gpu(database)
     if bucket_s > 0:
         sql = ("SELECT toStartOfInterval(ts, toIntervalMillisecond({bucket_ms:UInt64})) AS t, engine, gpu_index,"

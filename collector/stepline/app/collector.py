@@ -25,6 +25,7 @@ from stepline.model.rows import Event, micros
 from stepline.sources import registry as source_registry
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
+from stepline.store import discovery as runtimefile
 from stepline.store.store import (
     CollectorInfo,
     LazyStore,
@@ -33,7 +34,6 @@ from stepline.store.store import (
     remove_collector_info,
     write_collector_info,
 )
-from stepline.store import discovery as runtimefile
 from stepline.store.url import StoreUrl, parse_store_url
 from stepline.watchdog.tap import Watchdog
 

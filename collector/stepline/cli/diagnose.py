@@ -7,10 +7,10 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 
-from stepline.analysis.summary import Reads
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.diagnosis.detectors import as_json, diagnose, render
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,15 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def window_of(args: argparse.Namespace, now: datetime | None = None) -> Window:
-    """The window the arguments name; SettingsError when they contradict each other."""
+    """The window the arguments name; UsageError when they contradict each other."""
     from stepline.analysis.timeline import parse_moment
-    from stepline.cli.main import parse_duration
+    from stepline.core.timeparse import parse_duration
 
     now = now or datetime.now(UTC)
     end = parse_moment(args.to, now) if args.to else now
     start = parse_moment(args.from_, now) if args.from_ else end - timedelta(seconds=parse_duration(args.since))
     if start >= end:
-        raise SettingsError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
+        raise UsageError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
     return Window(start, end, args.engine)
 
 
@@ -58,7 +58,7 @@ def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
-    """1 when a finding is critical, 0 otherwise; bad arguments raise SettingsError (exit 2)."""
+    """1 when a finding is critical, 0 otherwise; bad arguments raise UsageError (exit 2)."""
     from stepline.store.reader import open_reader
     from stepline.store.url import default_store_url
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +13,8 @@ from typing import TYPE_CHECKING
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.config.settings import ROLES, Settings, SettingsError, size
+from stepline.core.timeparse import parse_duration
+from stepline.core.usage import UsageError
 from stepline.model import schema
 from stepline.store.discovery import RUNTIME_DIR_HELP, LocatedStore
 from stepline.store.store import StoreError
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("urllib3").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
-    except (SettingsError, StoreError, StoreUrlError) as exc:
+    except (UsageError, StoreError, StoreUrlError) as exc:
         print(f"stepline: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -250,7 +251,7 @@ def _collect(args: argparse.Namespace) -> int:
 
 def _query(args: argparse.Namespace) -> int:
     from stepline.clickhouse_http.protocol import SqlRefused, read_only_statement
-    from stepline.store.reader import render_table
+    from stepline.core.texttable import render_table
 
     try:  # read-only whichever way the store is reached (an embedded store opened directly is writable)
         read_only_statement(args.sql)
@@ -307,19 +308,6 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_duration(text: str) -> float:
-    """'90s', '30m', '2h', '1d' (or plain seconds) in seconds; SettingsError naming the text otherwise."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    value, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
-    try:
-        seconds = float(value) * units[unit]
-    except ValueError:
-        raise SettingsError(f"duration {text!r} is not like 90s, 30m, 2h or 1d") from None
-    if not 0 < seconds < math.inf:  # nan and inf too: the duration becomes a bound Int64 of microseconds
-        raise SettingsError(f"duration {text!r} must be positive and finite")
-    return seconds
-
-
 def _count(text: str) -> int:
     """A whole number 1..2^32-1: it is bound to a UInt32 query parameter."""
     try:
@@ -332,7 +320,8 @@ def _count(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from stepline.store.reader import render_table, table_status
+    from stepline.core.texttable import render_table
+    from stepline.store.reader import table_status
 
     reader, located = _open(args.store)
     try:
@@ -367,7 +356,8 @@ def _announced_metrics(located: LocatedStore) -> str:
 
 
 def _print_sources(metrics_url: str) -> None:
-    from stepline.store.reader import render_table, source_health
+    from stepline.core.texttable import render_table
+    from stepline.store.reader import source_health
 
     if not metrics_url:
         print("collector: not running")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from stepline.analysis.summary import Reads
 from stepline.cli.diagnose import add_window_arguments, window_of
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

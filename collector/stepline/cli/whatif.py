@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from stepline.alerting.config import Slo
 from stepline.cli.diagnose import add_window_arguments, window_of
+from stepline.config.slo import Slo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when priced; 2 when the window cannot be replayed."""
-    from stepline.config.settings import SettingsError
+    from stepline.core.usage import UsageError
     from stepline.store.reader import open_reader
     from stepline.store.url import default_store_url
     from stepline.whatif.core import WhatIfError, whatif
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from stepline.whatif.trace import load
 
     if not (args.ttft > 0 and args.tpot > 0):
-        raise SettingsError(f"--ttft and --tpot must be positive, got {args.ttft} and {args.tpot}")
+        raise UsageError(f"--ttft and --tpot must be positive, got {args.ttft} and {args.tpot}")
     window = window_of(args)
     started = time.monotonic()
     reader = open_reader(args.store or default_store_url())

@@ -9,12 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stepline.core.usage import UsageError
 from stepline.store.url import StoreUrlError, default_store_url, parse_store_url, with_password
 
 ROLES = ("sidecar", "node")
 
 
-class SettingsError(ValueError):
+class SettingsError(UsageError):
     """A setting has a value stepline cannot run with; the message names it."""
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.common import (
     APPROXIMATE,
     EXACT_MAX_STEPS,
@@ -27,6 +26,7 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import whole_minutes
+from stepline.store.reads import Reads
 
 # prefill_interference and head_of_line_blocking
 # An uncached prompt of at least this many token budgets (chunks) is a long prefill: four steps that each hold the

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.store.reads import Reads
 
 Detector = Callable[[Reads, Window], list[Finding]]
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis import hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
 from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 
 log = logging.getLogger(__name__)
 

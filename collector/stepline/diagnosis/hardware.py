@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
     ALONE,
@@ -22,6 +21,7 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import whole_minutes
+from stepline.store.reads import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
 

@@ -6,7 +6,6 @@ import math
 from datetime import timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import (
     COLLAPSE_SHARE,
     MIN_BUCKET_REQUESTS,
@@ -24,6 +23,7 @@ from stepline.diagnosis.baseline import (
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.store.reads import Reads
 
 GPU_IDLE_PCT = 5.0  # a share of the GPU's time, the same on every GPU
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import (
     BUSY_SHARE,
     LONG_CHUNK_SHARE,
@@ -27,6 +26,7 @@ from stepline.diagnosis.baseline import (
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.store.reads import Reads
 
 # Per bucket of the window, from the steps' projections (a day of steps is read as its minutes): how long the engine
 # stepped and how many waited. Then, over the loaded span only, the raw steps (_SPAN).

@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import (
     CRITICAL_SLOWDOWN,
     HOL_DRAINED,
@@ -38,6 +37,7 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.runs import PrefillRun, prefill_runs
+from stepline.store.reads import Reads
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
 # when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).

@@ -10,8 +10,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 
 WIDTH = 1200
 HEIGHT = 170

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, LONG_PROMPT_CHUNKS, budgets
 from stepline.diagnosis.common import EACH_ENGINE, Query, config_int, engine_configs, number, utc, which_span
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.store.reads import Reads
 
 # A chunk is long from LONG_CHUNK_SHARE of the engine's budget (of its long_prefill_token_threshold when that is
 # smaller: chunks are bounded by it); a run is a long prefill from LONG_PROMPT_CHUNKS budgets in all. Iteration

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import IDLE_SLOT_SHARE, LEAK_RECENT_SHARE, MIN_LEAK_STEPS, budgets
 from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 
 # Steps of the window's last LEAK_RECENT_SHARE with requests waiting and at least half the token budget unused.
 _IDLE_SLOTS = f"""

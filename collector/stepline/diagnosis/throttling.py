@@ -12,11 +12,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.baseline import BUSY_GPU_PCT, CLOCK_DROP, THROTTLED_SHARE
 from stepline.diagnosis.common import EACH_ENGINE, EXACT_MAX_STEPS, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.model.schema import timeline_sql
+from stepline.store.reads import Reads
 
 THROTTLE_FLAGS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
                   "hw_power_brake_slowdown")

@@ -10,7 +10,7 @@ import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,17 +30,6 @@ UNCOUNTED_SHARE = 0.9
 
 class MatrixError(RuntimeError):
     """The engine could not be measured; the message is one line."""
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), interpolating linearly between ranks; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from stepline.core.stats import percentile
 from stepline.endpoints.events import EventsRefused, post_events
 from stepline.loadgen.client import (
     DEFAULT_LONG_PROMPT_TOKENS,
@@ -39,7 +40,6 @@ from stepline.loadgen.client import (
     MatrixError,
     StreamResult,
     long_prompt,
-    percentile,
     prompt_text,
     size_long_prompt,
 )

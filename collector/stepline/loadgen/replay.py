@@ -39,8 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepline.config.settings import SettingsError
-from stepline.loadgen.client import Endpoint, MatrixError, StreamResult, percentile
+from stepline.core.stats import percentile
+from stepline.core.usage import UsageError
+from stepline.loadgen.client import Endpoint, MatrixError, StreamResult
 from stepline.loadgen.replay_plan import (
     BLOCK_TOKENS,
     DEFAULT_MAX_REQUESTS,
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         window = window_from(args.since, args.from_, args.to, args.source_engine)
         recorded = load_window(args.store, window)
         report = replay_window(args, url, recorded, window)
-    except (MatrixError, StoreError, StoreUrlError, SettingsError) as exc:
+    except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
         print(f"stepline replay: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report), flush=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.loadgen.client import MatrixError
 
 DEFAULT_MAX_REQUESTS = 2000
@@ -84,15 +84,15 @@ class Plan:
 
 def window_from(since: str, from_: str | None, to: str | None, engine: str = "",
                 now: datetime | None = None) -> Window:
-    """The window --since / --from / --to name (as `stepline diagnose` reads them); SettingsError if inverted."""
+    """The window --since / --from / --to name (as `stepline diagnose` reads them); UsageError if inverted."""
     from stepline.analysis.timeline import parse_moment
-    from stepline.cli.main import parse_duration
+    from stepline.core.timeparse import parse_duration
 
     now = now or datetime.now(UTC)
     end = parse_moment(to, now) if to else now
     start = parse_moment(from_, now) if from_ else end - timedelta(seconds=parse_duration(since))
     if start >= end:
-        raise SettingsError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
+        raise UsageError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
     return Window(start, end, engine)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from stepline.config.settings import SettingsError
+from stepline.core.usage import UsageError
 from stepline.loadgen import replay
 from stepline.loadgen.client import Endpoint, MatrixError
 from stepline.loadgen.matrix import STOP_GRACE_S, MatrixResult, parse_sweep, render, run_matrix, store_events
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             if values[-1].replay is not None and values[-1].replay.stopped_by == "interrupted":
                 break
-    except (MatrixError, StoreError, StoreUrlError, SettingsError) as exc:
+    except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
         print(f"stepline matrix: {exc}", file=sys.stderr)
         if not values:
             return 2

@@ -25,13 +25,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.alerting.config import AlertConfig
-from stepline.alerting.localstack import AlertStack, Webhook
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
 from stepline.sim.generator import live_case
 from stepline.sim.live import LiveEngine
+from stepline.testing.alertstack import AlertStack, Webhook
 
 POLL_WINDOW = timedelta(minutes=3)
 # The alert that is itself the cause's name: its page names the cause whatever its text says.

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any
 from urllib.parse import urlsplit
 
 import clickhouse_connect
@@ -153,22 +151,3 @@ def source_health(metrics_url: str, timeout_s: float = 2.0) -> dict[str, SourceH
     return {name: SourceHealth(bool(value), "" if value else errors.get(name, "")) for name, value in up.items()}
 
 
-def render_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60,
-                 cut_note: str = "") -> str:
-    """Rows as an aligned text table, each value on one line and at most `max_width` characters; when a value had
-    to be cut, `cut_note` (if any) follows the table, once."""
-    texts = [[_text(v) for v in row] for row in rows]
-    cut = any(len(t) > max_width for row in texts for t in row)
-    cells = [[t if len(t) <= max_width else t[: max_width - 1] + "…" for t in row] for row in texts]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells)
-    if cut and cut_note:
-        lines.append(cut_note)
-    return "\n".join(lines)
-
-
-def _text(value: Any) -> str:
-    text = f"{value:.6g}" if isinstance(value, float) else str(value)
-    return " ".join(text.split())

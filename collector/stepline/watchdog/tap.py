@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stepline.analysis.summary import Reads
 from stepline.core.clock import Clock, SystemClock
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.model.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
+from stepline.store.reads import Reads
 from stepline.watchdog.budget import STATES, Assessment, EngineModel, Policy
 
 log = logging.getLogger(__name__)

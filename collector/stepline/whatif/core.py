@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepline.core.clock import ManualClock
+from stepline.core.stats import nearest_rank
 from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord
 from stepline.sim.workloads import Arrival, Workload
-from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures, nearest_rank
+from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
 from stepline.whatif.fit import Fit, FitError, Jitter, fit
 from stepline.whatif.levers import Lever, baseline_config, candidates
 from stepline.whatif.trace import EngineTrace

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from stepline.loadgen.client import percentile
+from stepline.core.stats import percentile
 
 # Prompt bands for decode rates: (label, lower bound in tokens); a request falls in the last band it reaches.
 BANDS = (("<1k", 0), ("1k-8k", 1_000), ("8k-32k", 8_000), ("32k-128k", 32_000), (">=128k", 128_000))
@@ -66,11 +66,6 @@ def quantile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0-1), interpolating linearly between ranks as the matrix's percentiles do; NaN when
     empty (a figure with nothing behind it, not zero)."""
     return percentile(values, q * 100.0) if values else math.nan
-
-
-def nearest_rank(ordered: Sequence[float], q: float) -> float:
-    """The value at rank q * n of sorted `ordered` (no interpolation); NaN when empty."""
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
 def band(prompt_tokens: int) -> str:

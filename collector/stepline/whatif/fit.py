@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stepline.core.linsolve import solve
+from stepline.core.stats import nearest_rank
 from stepline.sim.costmodel import CostModel, attention_pairs
-from stepline.whatif.figures import nearest_rank
 from stepline.whatif.trace import EngineTrace, TracedRequest
 
 TERMS = ("overhead", "prefill_token", "attention_pair", "decode_request", "decode_context_token")

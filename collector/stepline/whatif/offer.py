@@ -6,9 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from stepline.alerting.config import Slo
-from stepline.analysis.summary import Reads
+from stepline.config.slo import Slo
 from stepline.diagnosis.findings import Finding, Window
+from stepline.store.reads import Reads
 from stepline.whatif.core import Priced, WhatIf, whatif
 from stepline.whatif.figures import Objectives
 from stepline.whatif.render import seconds

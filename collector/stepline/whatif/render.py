@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-from stepline.store.reader import render_table
+from stepline.core.texttable import render_table
 from stepline.whatif.core import CALIBRATION_TOLERANCE, Priced, WhatIf
 from stepline.whatif.figures import BANDS, Figures
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from stepline.analysis.summary import Reads
 from stepline.diagnosis.common import EACH_ENGINE, Query, engine_configs, number
 from stepline.diagnosis.findings import Window
+from stepline.store.reads import Reads
 
 
 @dataclass(frozen=True, slots=True)

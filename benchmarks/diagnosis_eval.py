@@ -2,7 +2,7 @@
 
     python benchmarks/diagnosis_eval.py [--scenario NAME ...]
 
-Each scenario (stepline.sim.scenarios) is replayed fast into a database of its own in a temporary
+Each scenario (stepline.drills.scenarios) is replayed fast into a database of its own in a temporary
 embedded store, then `diagnose` runs over the scenario's window. Prints a match table, then a
 TARGET MISSED line for each scenario whose top finding is not the expected kind, and for any
 finding above info on a scenario where nothing is wrong. Always exits 0: a report, not a gate.
@@ -18,7 +18,7 @@ from typing import Any
 
 from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Finding, Window
-from stepline.sim.scenarios import SCENARIO_NAMES, Scenario, make_scenario, run_scenario
+from stepline.drills.scenarios import SCENARIO_NAMES, Scenario, make_scenario, run_scenario
 from stepline.store.reader import open_reader
 
 Diagnose = Callable[[Any, Window], list[Finding]]

@@ -2,7 +2,7 @@
 
     python benchmarks/diagnosis_generated.py [--cases 200] [--seed0 0] [--jobs 2] [--seed N ...]
 
-Each case (stepline.sim.generator.generate(seed)) is replayed into a database of its own in a temporary
+Each case (stepline.drills.generator.generate(seed)) is replayed into a database of its own in a temporary
 embedded store and diagnosed over its window (all engines). Prints top-1 accuracy overall and per cause,
 a confusion matrix (truth x top finding kind), how often the top finding names the right engine, false
 warnings/criticals (on healthy and legitimately slow cases, and on engines nothing was injected into), the
@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from stepline.core.texttable import render_table
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding
-from stepline.sim.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
+from stepline.drills.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from stepline.core.clock import SystemClock
 from stepline.model.rows import Row
 from stepline.sources.base import SourceContext
-from stepline.sources.gpu import GpuSource
+from stepline.sources.gpu.source import GpuSource
 from stepline.sources.host import EngineTarget, HostSource
 from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 

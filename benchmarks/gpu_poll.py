@@ -18,7 +18,7 @@ from collections import Counter
 from stepline.core.clock import ManualClock
 from stepline.model.rows import Row
 from stepline.sources.base import SourceContext
-from stepline.sources.gpu import GpuSource
+from stepline.sources.gpu.source import GpuSource
 from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 
 

@@ -51,7 +51,8 @@ from stepline.sim.records import StepRecord
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.vllm_server import serve
 from stepline.sim.workloads import Workload, chat_arrivals, compose
-from stepline.store.store import Store, read_collector_info
+from stepline.store.discovery import read_beside_store
+from stepline.store.store import Store
 
 OUTPUT_MEDIAN = 150  # tokens: steady chat (the simulator's `steady` workload)
 MEAN_OUTPUT = OUTPUT_MEDIAN * math.exp(0.5**2 / 2)  # lognormal, sigma 0.5
@@ -282,9 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command += ["--engine", f"{name}={url}"]
         with open(log_path, "wb") as log_file:
             collector = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-        wait_for(lambda: read_collector_info(store_dir) is not None and os.path.exists(plugin_socket), 120,
+        wait_for(lambda: read_beside_store(store_dir) is not None and os.path.exists(plugin_socket), 120,
                  "the collector's start", log_path)
-        info = read_collector_info(store_dir)
+        info = read_beside_store(store_dir)
         assert info is not None
         process = psutil.Process(collector.pid)
         sampler = threading.Thread(target=memory.sample_every_second, args=(process,), daemon=True)

@@ -2,9 +2,9 @@
 
     python benchmarks/time_to_truth.py [--cause CAUSE ...] [--seed 0] [--duration 75] [--poll 2]
 
-Each cause (stepline.sim.generator.LIVE_CAUSES) is served in real time beside a collector, with the generated
+Each cause (stepline.drills.generator.LIVE_CAUSES) is served in real time beside a collector, with the generated
 alert rules in a real Prometheus and Alertmanager (Debian's packages), while `diagnose --since 3m` and the
-collector's /metrics are polled every `--poll` seconds (stepline.sim.timetotruth). Prints per cause: the first
+collector's /metrics are polled every `--poll` seconds (stepline.drills.timetotruth). Prints per cause: the first
 correct top finding and the watchdog's, after the onset; the first page (or ticket) naming the cause; the wrong
 findings shown before; false findings and pages on the runs with nothing injected; and diagnose's poll time.
 Then the targets, with a TARGET MISSED line for each miss. Always exits 0: a report, not a gate.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from stepline.core.texttable import render_table
-from stepline.sim.generator import LIVE_CAUSES
-from stepline.sim.timetotruth import LiveResult, run_live
+from stepline.drills.generator import LIVE_CAUSES
+from stepline.drills.timetotruth import LiveResult, run_live
 
 FAST_CAUSES = ("monster_finished", "gpu_throttling_lasting")  # the right finding within FAST_S of onset
 FAST_S = 10.0

@@ -24,8 +24,8 @@ import clickhouse_connect
 
 from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
+from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim.config import EngineConfig
-from stepline.sim.scenarios import Scenario, run_engines
 from stepline.sim.workloads import Workload, make_workload, short_burst, steady
 from stepline.store.reader import open_reader
 from stepline.whatif.core import Priced, lanes, whatif

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -10,13 +12,16 @@ import clickhouse_connect
 
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
+from stepline.endpoints.events import post_events
+from stepline.model.rows import Event, micros
 from stepline.sim.vllm_server import SimServer
 from stepline.sim.workloads import make_workload
-from stepline.store.discovery import running
+from stepline.sources.otlp import OtlpReceiver
+from stepline.store.discovery import read_beside_store, running
 from stepline.store.reader import open_reader, table_status
-from stepline.store.store import read_collector_info
 from stepline.store.url import parse_store_url
 from stepline.testing.sink import wait_until
+from tests.core.test_listener import needs_ipv6
 
 
 def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, steady_engine: SimServer,
@@ -36,7 +41,7 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
             f":{collector.metrics_server.port}/metrics")
         wait_until(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
         # The collector announces its endpoint next to the store; a client reads through it.
-        info = read_collector_info(parse_store_url(store_url).path)
+        info = read_beside_store(parse_store_url(store_url).path)
         assert info is not None and info.query_url == collector.query_endpoint.url
         client = clickhouse_connect.get_client(host="127.0.0.1", port=collector.query_endpoint.port,
                                                database=collector.store.database)
@@ -57,7 +62,7 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
     finally:
         collector.stop()
     # After a clean stop everything accepted is in the store, and the store opens directly.
-    assert read_collector_info(parse_store_url(store_url).path) is None
+    assert read_beside_store(parse_store_url(store_url).path) is None
     assert running(tmp_path / "run") == ([], [])
     written = collector.metrics.registry.get_sample_value("stepline_writer_rows_written_total",
                                                           {"table": "engine_samples"})
@@ -107,3 +112,35 @@ def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, s
     assert value("stepline_source_counts_total", {"source": "otlp", "counter": "spans_accepted"}) == requests
     assert value("stepline_requests_deduplicated_total", {"source": "otlp"}) == requests
     assert value("stepline_source_counts_total", {"source": "plugin", "counter": "malformed"}) is None
+
+
+@needs_ipv6
+def test_on_ipv6_loopback_every_listener_is_announced_in_brackets_and_answers(store_url: str, sock_dir: str,
+                                                                              tmp_path: Path) -> None:
+    settings = Settings.from_env({}, store=store_url, listen="::1", metrics_port=0, query_port=0, events_port=0,
+                                 otlp_port=0, plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1,
+                                 disabled_sources=frozenset({"vllm_metrics", "gpu", "host"}))
+    collector = Collector(settings, runtime_dir=tmp_path / "run")
+    collector.start()
+    try:
+        assert collector.metrics_server and collector.query_endpoint and collector.events_ingest
+        ((_, announced),), _ = running(tmp_path / "run")
+        assert announced.metrics_url == f"http://[::1]:{collector.metrics_server.port}/metrics"
+        assert announced.query_url == f"http://[::1]:{collector.query_endpoint.port}"
+        assert announced.events_url == f"http://[::1]:{collector.events_ingest.port}/v1/events"
+        beside = read_beside_store(parse_store_url(store_url).path)
+        assert beside is not None and (beside.query_url, beside.metrics_url) == (announced.query_url,
+                                                                                 announced.metrics_url)
+        with urllib.request.urlopen(announced.metrics_url, timeout=10) as response:
+            assert b"stepline_source_up" in response.read()
+        query = urllib.parse.urlsplit(announced.query_url)
+        client = clickhouse_connect.get_client(host=query.hostname, port=query.port,
+                                               database=parse_store_url(store_url).database)
+        assert post_events(announced.events_url, announced.events_token,
+                           [Event(micros(time.time()), "h", "", "matrix", "matrix_run", "info", "over IPv6", {})]) == 1
+        wait_until(lambda: client.command("SELECT count() FROM events WHERE message = 'over IPv6'") == 1)
+        client.close()
+        otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+        assert otlp.url == f"http://[::1]:{otlp.port}"
+    finally:
+        collector.stop()

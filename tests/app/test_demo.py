@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import re
-from pathlib import Path
 
 import pytest
 
@@ -13,18 +11,10 @@ from stepline.sim.records import FinishedRequest, StepRecord
 from stepline.sim.replay import ReplayResult, replay
 from stepline.sim.workloads import Workload
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    return parser.parse_args(argv)
-
 
 @pytest.fixture(scope="module")
 def default_workload() -> Workload:
-    return demo.workload_for(_args())
+    return demo.workload_for()
 
 
 @pytest.fixture(scope="module")
@@ -70,23 +60,12 @@ def test_default_demo_ends_when_it_says(default_workload: Workload, default_repl
 def test_default_demo_replayed_fast_diagnoses_prefill_interference(
         default_workload: Workload, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     # The session's embedded engine (chDB hosts one path per process), in a database of this test's own.
-    args = _args("--fast", "--workload", default_workload.name, "--duration", str(default_workload.duration_s),
-                 "--store", store_url)
-    assert demo.workload_for(args) == default_workload
-    assert demo.run(args) == 0
+    workload = demo.workload_for(default_workload.name, fast=True, duration_s=default_workload.duration_s)
+    assert workload == default_workload
+    demo.run_demo(store_url, workload, fast=True)
     out = capsys.readouterr().out
     diagnosis = out.split("what stepline diagnose says about", 1)[1].splitlines()
     assert diagnosis[1].startswith("1. CRITICAL  prefill_interference"), "\n".join(diagnosis[:12])
     assert re.match(r"   \S+ \(359k uncached\) prefill: ITL p99 \d\.\d+s vs \d+ms$", diagnosis[2]), diagnosis[2]
     assert any("head_of_line_blocking" in line for line in diagnosis), "\n".join(diagnosis)
 
-
-def test_the_readme_and_help_give_the_demo_one_length(default_workload: Workload) -> None:
-    length = f"about {default_workload.duration_s + default_workload.drain_s:.0f} s"
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    assert length in " ".join(parser.format_help().split())
-    try_it = README.read_text(encoding="utf-8").split("## Try it", 1)[1].split("\n## ", 1)[0]
-    prose = " ".join(try_it.split())
-    assert length in prose
-    assert "about a minute" not in prose and not re.search(r"\b(60|120) s\b", prose)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stepline.cli.main import build_parser
+from stepline.cli import schema
+from stepline.cli.main import COMMANDS, build_parser, main
 
 
 def _stepline(*args: str, cwd: Path | None = None, timeout: float = 120,
@@ -21,10 +22,13 @@ def _stepline(*args: str, cwd: Path | None = None, timeout: float = 120,
                           timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
 
 
-def test_every_subcommand_has_useful_help() -> None:
-    parser = build_parser()
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    subcommands: dict[str, argparse.ArgumentParser] = action.choices
+    return dict(action.choices)
+
+
+def test_every_subcommand_has_useful_help() -> None:
+    subcommands = _subcommands(build_parser())
     assert set(subcommands) >= {"collect", "query", "status", "schema", "sim", "demo"}
     for name, sub in subcommands.items():
         text = sub.format_help()
@@ -32,11 +36,17 @@ def test_every_subcommand_has_useful_help() -> None:
         assert "--store" in text or name in ("schema", "sim", "alerts", "dashboards", "grafana-provisioning"), name
 
 
-def test_schema_prints_cluster_ddl() -> None:
-    result = _stepline("schema", "--cluster", "fleet", "--retention", "14")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("ENGINE = Distributed(`fleet`") == 6
-    assert "INTERVAL 14 DAY" in result.stdout
+def test_a_command_line_builds_only_its_commands_options() -> None:
+    subcommands = _subcommands(build_parser("schema"))
+    assert list(subcommands) == list(COMMANDS)  # every command keeps its line in `stepline --help`
+    assert {a.dest for a in subcommands["schema"]._actions} >= {"cluster", "database", "retention_days"}
+    assert [a.dest for a in subcommands["matrix"]._actions] == ["help"]
+    assert build_parser("schema").parse_args(["schema"]).func is schema.run
+
+
+def test_usage_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["timeline", "--around", "soon"]) == 2
+    assert capsys.readouterr().err == "stepline: time 'soon' is not ISO 8601, epoch seconds or HH:MM:SS\n"
 
 
 @pytest.mark.parametrize(
@@ -223,9 +233,3 @@ def test_demo_fills_gpu_and_host_samples_and_the_timeline_joins_them(demo_store:
     around = _stepline("timeline", "--around", moment, "--window", "10", "--store", url)
     assert around.returncode == 0, around.stderr
     assert "sw_power_cap" in around.stdout and around.stdout.startswith("time (UTC)")
-
-
-def test_requests_leaves_the_long_chunk_to_the_engines_own_budget() -> None:
-    # A fixed default (2,048) read 0 tok·pf on an engine whose whole budget is 1,024 tokens.
-    assert build_parser("requests").parse_args(["requests", "--slowest", "3"]).long_prefill is None
-    assert build_parser("requests").parse_args(["requests", "--long-prefill", "512"]).long_prefill == 512

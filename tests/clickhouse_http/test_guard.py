@@ -1,8 +1,9 @@
-"""Security of SQL: the query endpoint cannot write or reach outside the store; the CLI binds what users type.
+"""The read-only SQL guard: on its own, then behind the query endpoint, which cannot write or reach outside the
+store; the CLI binds what users type.
 
-test_queryserver.py refuses the common writes (INSERT, DROP, CREATE, ALTER, TRUNCATE, SYSTEM, KILL, SET, a
-SETTINGS clause, file(), url(), remoteSecure(), INTO OUTFILE, a second statement); this completes the list. After
-every attempt the store must be exactly as before: rows, tables, databases, and no file written.
+tests/endpoints/test_query.py refuses the common writes over HTTP (INSERT, DROP, CREATE, ALTER, TRUNCATE, SYSTEM,
+KILL, SET, a SETTINGS clause, file(), url(), remoteSecure(), INTO OUTFILE, a second statement); this completes the
+list. After every attempt the store must be exactly as before: rows, tables, databases, and no file written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import clickhouse_connect
 import pytest
 
 from stepline.cli.main import main
+from stepline.clickhouse_http.errors import READONLY, SYNTAX_ERROR, SqlRefused
+from stepline.clickhouse_http.guard import Statement, Token, read_only_statement, tokens
 from stepline.endpoints.query import QueryEndpoint
 from stepline.model import schema
 from stepline.model.rows import GpuSample, Request, Step, micros
@@ -29,6 +32,65 @@ from stepline.store.store import Store
 
 MARKER = Path(tempfile.gettempdir()) / f"stepline-sec-{uuid.uuid4().hex}"
 URL = "http://127.0.0.1:1/x"
+
+
+# ---- the guard on its own -----------------------------------------------------------------------------------
+
+
+def test_tokens_split_where_clickhouses_lexer_splits() -> None:
+    sql = "SELECT /* a /* b */ */ `x`, 'it''s', $t$ ; $t$ -- c\n# d\n;"
+    assert list(tokens(sql)) == [
+        Token("word", "SELECT", 6), Token("ident", "`x`", 26), Token("punct", ",", 27), Token("string", "'it''s'", 35),
+        Token("punct", ",", 36), Token("string", "$t$ ; $t$", 46), Token("punct", ";", 57),
+    ]
+    assert [t.text for t in tokens("SELECT $open 1")] == ["SELECT", "$open", "1"]  # no closing tag: a bareword
+
+
+@pytest.mark.parametrize(("sql", "statement", "fmt"), [
+    ("SELECT 1", "SELECT 1", None),
+    (" (SELECT 1) UNION ALL (SELECT 2) ;; -- trailing", " (SELECT 1) UNION ALL (SELECT 2)", None),
+    ("SELECT 1 AS x FORMAT JSON", "SELECT 1 AS x FORMAT JSON", "JSON"),
+    ("SELECT format FROM t", "SELECT format FROM t", None),
+    ("SELECT 'a;b', $x$; DROP$x$ /* ; /* nested */ */", "SELECT 'a;b', $x$; DROP$x$", None),
+])
+def test_guard_accepts_one_read_only_statement(sql: str, statement: str, fmt: str | None) -> None:
+    assert read_only_statement(sql) == Statement(statement, fmt)
+
+
+def test_guard_reads_settings_clauses_and_the_leading_keyword() -> None:
+    sql = "SELECT 1 FROM (SELECT 2 SETTINGS max_threads = 1) FORMAT TSV SETTINGS max_block_size=-5, x_y = 'v'"
+    assert read_only_statement(sql) == Statement(
+        sql, "TSV", (("max_threads", "1"), ("max_block_size", "-5"), ("x_y", "'v'")), "SELECT")
+    assert read_only_statement("show tables").leading == "SHOW"
+
+
+@pytest.mark.parametrize(("sql", "kind"), [
+    ("INSERT INTO t VALUES (1)", "INSERT"),
+    ("select 1; select 2", "a second statement"),
+    ("SELECT $ a $; DROP TABLE t; $ a $", "a second statement"),  # not a heredoc to ClickHouse either
+    ("SELECT 1 # x\n; DROP TABLE t", "a second statement"),
+    ("SELECT \"file\"('x')", "file()"),
+    ("SELECT `File`(1)", "file()"),
+    ("SELECT * FROM s3Cluster('c', 'u')", "s3cluster()"),
+    ("SELECT `fi\\x6ce`('x')", "an escaped function name"),
+    ("SELECT 1 SETTINGS readonly=0", "changing readonly"),
+    ("SELECT 1 SETTINGS input_format_record_errors_file_path = 'x'", "setting input_format_record_errors_file_path"),
+])
+def test_guard_refuses(sql: str, kind: str) -> None:
+    with pytest.raises(SqlRefused, match=re.escape(f"read-only: {kind} is not allowed")) as err:
+        read_only_statement(sql)
+    assert (err.value.code, err.value.name) == (READONLY, "READONLY")
+
+
+def test_guard_reports_syntax_errors() -> None:
+    # An unknown first word is ClickHouse's SYNTAX_ERROR (HTTP 400), not READONLY: nothing was refused.
+    for sql in ("", " -- nothing", "SELECT 'open", "SELECT /* open", "SELEC 1", "* FROM t"):
+        with pytest.raises(SqlRefused) as err:
+            read_only_statement(sql)
+        assert err.value.code == SYNTAX_ERROR
+
+
+# ---- behind the query endpoint ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -192,7 +192,7 @@ def test_compress_1_is_clickhouse_compressed_blocks(endpoint: QueryEndpoint, met
 
 def test_decompress_1_reads_a_compressed_query() -> None:
     from stepline.clickhouse_http import compression as chcompress
-    from stepline.clickhouse_http.protocol import SqlRefused
+    from stepline.clickhouse_http.errors import SqlRefused
     packed = chcompress.compress_block(b"SELECT 42", chcompress.method_byte("zstd"))
     assert chcompress.decompress_blocks(packed, 1 << 20) == b"SELECT 42"
     damaged = packed[:-1] + bytes([packed[-1] ^ 1])

@@ -517,16 +517,3 @@ def test_query_url_forms() -> None:
     for bad in ("chdb:///tmp/x", "http://", "http://default:secret@h:8123", "http://h:99999"):
         with pytest.raises(provisioning.ProvisioningError):
             provisioning.clickhouse_datasource(bad)
-
-
-def test_cli_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    provisioning.add_arguments(parser)
-    args = parser.parse_args(["--out", str(tmp_path / "o"), "--dashboards", str(tmp_path / "none")])
-    assert provisioning.run(args) == 0
-    out, err = capsys.readouterr()
-    assert out.strip().endswith("provisioning/datasources/stepline.yaml")
-    assert "wrote the datasources only" in err
-    args = parser.parse_args(["--out", str(tmp_path / "o"), "--query-url", "ftp://x"])
-    assert provisioning.run(args) == 2
-    assert "must be http(s)" in capsys.readouterr().err

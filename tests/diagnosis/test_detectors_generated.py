@@ -14,9 +14,9 @@ import pytest
 
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding, Window
-from stepline.sim.generator import CAUSE_NAMES, CAUSES, Case, generate, judge, replay_case
+from stepline.drills.generator import CAUSE_NAMES, CAUSES, Case, generate, judge, replay_case
+from stepline.drills.scenarios import ScenarioRun
 from stepline.sim.gpu import BOOST_MHZ
-from stepline.sim.scenarios import ScenarioRun
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 

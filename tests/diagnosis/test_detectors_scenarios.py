@@ -11,7 +11,7 @@ import pytest
 
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding, Window
-from stepline.sim.scenarios import SCENARIO_NAMES, make_scenario, run_scenario
+from stepline.drills.scenarios import SCENARIO_NAMES, make_scenario, run_scenario
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 

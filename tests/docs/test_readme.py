@@ -79,3 +79,10 @@ def test_the_query_endpoint_section_names_the_database_and_port() -> None:
             f"database='{DEFAULT_DATABASE}')") in text
     assert f"default database `{DEFAULT_DATABASE}`" in text and "protocol **http**" in text
     assert f"curl '{url}/?database={DEFAULT_DATABASE}'" in text
+
+
+def test_the_code_layout_lists_every_layer_in_order() -> None:
+    from tests.test_layout import LAYERS
+
+    listed = re.findall(r"^\| `([a-z_]+)/` \|", _section("### Code layout"), re.M)
+    assert tuple(listed) == LAYERS

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from stepline.drills.scenarios import Scenario, run_engines, simulate
 from stepline.sim.config import EngineConfig, SpecDecode
 from stepline.sim.costmodel import CostModel
 from stepline.sim.engine import Simulation
 from stepline.sim.records import StepRecord
-from stepline.sim.scenarios import Scenario, run_engines, simulate
 from stepline.sim.telemetry import engine_config, scheduler_stats
 from stepline.sim.workloads import Arrival, chat_arrivals, compose, one_request
 from stepline.store.store import Store

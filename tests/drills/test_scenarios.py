@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from stepline.diagnosis.findings import Window
+from stepline.drills.scenarios import SCENARIO_NAMES, ScenarioRun, make_scenario, run_scenario, simulate
 from stepline.sim.gpu import BOOST_MHZ, SW_POWER_CAP
 from stepline.sim.records import StepRecord
-from stepline.sim.scenarios import SCENARIO_NAMES, ScenarioRun, make_scenario, run_scenario, simulate
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 

@@ -2,7 +2,7 @@
 
 A running collector with every secret set (from the environment, and from *_FILE) is probed over real HTTP; its
 logs (at DEBUG), replies, /metrics, events and announcement file must hold none of them. The query endpoint's
-read-only guarantees are in test_security_sql.py, with the CLI's bound parameters.
+read-only guarantees are in tests/clickhouse_http/test_guard.py, with the CLI's bound parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.plugin import wire
 from stepline.sources.otlp import OtlpReceiver
-from stepline.store.store import COLLECTOR_FILE
+from stepline.store.discovery import BESIDE_STORE_FILE
 from stepline.store.url import parse_store_url
 from stepline.testing.sink import wait_until
 from tests.sources.test_otlp import VLLM_ATTRIBUTES, export, good_span, request_of
@@ -207,7 +207,7 @@ def test_secrets_are_never_logged_echoed_or_shown(running: Running) -> None:
     c = running.collector
     assert c.metrics_server is not None and c.store is not None
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_server.port}/metrics", timeout=10).read().decode()
-    info = (Path(parse_store_url(running.settings.store).path) / COLLECTOR_FILE).read_text()
+    info = (Path(parse_store_url(running.settings.store).path) / BESIDE_STORE_FILE).read_text()
     wait_until(lambda: c.wait_for_rows("events", 2, 0.1) >= 2)
     events = str(c.store.query("SELECT kind, message, attributes FROM events").result_rows)
     shown = "\n".join([running.logs.text(), *running.seen, repr(running.settings), str(running.settings), metrics,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepline.sim.timetotruth import LiveResult, run_live
+from stepline.drills.timetotruth import LiveResult, run_live
 from stepline.testing.alertstack import ALERTMANAGER, PROMETHEUS
 
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),

@@ -11,6 +11,7 @@ import pytest
 
 from stepline.endpoints.events import MAX_BODY_BYTES, EventsIngest, EventsRefused, post_events
 from stepline.model.rows import Event
+from tests.core.test_listener import needs_ipv6
 
 NOW = 1_750_000_000.0
 
@@ -133,3 +134,17 @@ def test_a_full_queue_is_503_and_the_client_says_so_in_one_line() -> None:
 def test_a_new_collector_makes_a_new_token() -> None:
     tokens = {EventsIngest(Sink().write).token for _ in range(3)}
     assert len(tokens) == 3
+
+
+@needs_ipv6
+def test_listens_on_ipv6_loopback_when_given_it(sink: Sink) -> None:
+    endpoint = EventsIngest(sink.write, "::1", 0, clock=lambda: NOW)
+    endpoint.start()
+    try:
+        assert endpoint.url == f"http://[::1]:{endpoint.port}/v1/events"
+        assert post_events(endpoint.url, endpoint.token, [event()]) == 1
+        with pytest.raises(EventsRefused, match="refused the events: HTTP 401"):
+            post_events(endpoint.url, "wrong", [event()])
+    finally:
+        endpoint.stop()
+    assert sink.rows == [event()]

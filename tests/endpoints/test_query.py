@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import gzip
 import json
-import re
 import threading
 import urllib.error
 import urllib.parse
@@ -23,9 +22,10 @@ import pytest
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from stepline.clickhouse_http import protocol as chhttp
+from stepline.clickhouse_http.native import BLOCK_INFO
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.query import QueryEndpoint
+from tests.core.test_listener import needs_ipv6
 
 PASSWORD = "s3cret"
 ROWS = [
@@ -183,10 +183,10 @@ def test_native_framing_follows_client_protocol_version(endpoint: QueryEndpoint)
     plain = http(endpoint, body=sql, default_format="Native").body
     framed = http(endpoint, body=sql, default_format="Native", client_protocol_version="54460").body
     assert plain == b"\x02\x01\x01a\x05UInt8\x07\x01s\x06String\x02xy"
-    assert framed == chhttp.BLOCK_INFO + b"\x02\x01\x01a\x05UInt8\x00\x07\x01s\x06String\x00\x02xy"
+    assert framed == BLOCK_INFO + b"\x02\x01\x01a\x05UInt8\x00\x07\x01s\x06String\x00\x02xy"
     hello = http(endpoint, body=b"SELECT displayName(), version(), revision(), timezone()", default_format="Native",
                  client_protocol_version="54460")
-    assert hello.status == 200 and hello.body.startswith(chhttp.BLOCK_INFO + b"\x04\x01")
+    assert hello.status == 200 and hello.body.startswith(BLOCK_INFO + b"\x04\x01")
 
 
 def test_password_via_basic_key_header_or_param(secured: QueryEndpoint) -> None:
@@ -299,46 +299,16 @@ def test_only_embedded_stores_are_served(endpoint: QueryEndpoint) -> None:
     remote.close()
 
 
-# ---- the SQL guard on its own ----------------------------------------------------------------------------
+@needs_ipv6
+def test_listens_on_ipv6_loopback_when_given_it(chdb_dir: Path, db: str) -> None:
+    ep = _start(chdb_dir, db, host="::1", password=PASSWORD)
+    try:
+        assert ep.url == f"http://[::1]:{ep.port}"
+        assert http(ep, "/ping").body == b"Ok.\n"
+        assert http(ep, query="SELECT count() FROM steps", password=PASSWORD).body == b"3\n"
+        c = clickhouse_connect.get_client(host="::1", port=ep.port, database=db, password=PASSWORD)
+        assert c.query("SELECT host FROM steps ORDER BY ts").result_rows == [("h1",), ("h2",), ("h1",)]
+        c.close()
+    finally:
+        ep.stop()
 
-
-@pytest.mark.parametrize(("sql", "statement", "fmt"), [
-    ("SELECT 1", "SELECT 1", None),
-    (" (SELECT 1) UNION ALL (SELECT 2) ;; -- trailing", " (SELECT 1) UNION ALL (SELECT 2)", None),
-    ("SELECT 1 AS x FORMAT JSON", "SELECT 1 AS x FORMAT JSON", "JSON"),
-    ("SELECT format FROM t", "SELECT format FROM t", None),
-    ("SELECT 'a;b', $x$; DROP$x$ /* ; /* nested */ */", "SELECT 'a;b', $x$; DROP$x$", None),
-])
-def test_guard_accepts_one_read_only_statement(sql: str, statement: str, fmt: str | None) -> None:
-    assert chhttp.read_only_statement(sql) == chhttp.Statement(statement, fmt)
-
-
-def test_guard_reads_settings_clauses_and_the_leading_keyword() -> None:
-    sql = "SELECT 1 FROM (SELECT 2 SETTINGS max_threads = 1) FORMAT TSV SETTINGS max_block_size=-5, x_y = 'v'"
-    assert chhttp.read_only_statement(sql) == chhttp.Statement(
-        sql, "TSV", (("max_threads", "1"), ("max_block_size", "-5"), ("x_y", "'v'")), "SELECT")
-    assert chhttp.read_only_statement("show tables").leading == "SHOW"
-
-
-@pytest.mark.parametrize(("sql", "kind"), [
-    ("INSERT INTO t VALUES (1)", "INSERT"),
-    ("select 1; select 2", "a second statement"),
-    ("SELECT $ a $; DROP TABLE t; $ a $", "a second statement"),  # not a heredoc to ClickHouse either
-    ("SELECT 1 # x\n; DROP TABLE t", "a second statement"),
-    ("SELECT \"file\"('x')", "file()"),
-    ("SELECT * FROM s3Cluster('c', 'u')", "s3cluster()"),
-    ("SELECT `fi\\x6ce`('x')", "an escaped function name"),
-    ("SELECT 1 SETTINGS readonly=0", "changing readonly"),
-    ("SELECT 1 SETTINGS input_format_record_errors_file_path = 'x'", "setting input_format_record_errors_file_path"),
-])
-def test_guard_refuses(sql: str, kind: str) -> None:
-    with pytest.raises(chhttp.SqlRefused, match=re.escape(f"read-only: {kind} is not allowed")):
-        chhttp.read_only_statement(sql)
-
-
-def test_guard_reports_syntax_errors() -> None:
-    # An unknown first word is ClickHouse's SYNTAX_ERROR (HTTP 400), not READONLY: nothing was refused.
-    for sql in ("", " -- nothing", "SELECT 'open", "SELECT /* open", "SELEC 1", "* FROM t"):
-        with pytest.raises(chhttp.SqlRefused) as err:
-            chhttp.read_only_statement(sql)
-        assert err.value.code == chhttp.SYNTAX_ERROR

@@ -20,7 +20,11 @@ from typing import Any
 atheris: Any = importlib.import_module("atheris")  # optional: imported only when a hunt runs
 
 with atheris.instrument_imports(include=["stepline"]):  # stepline only: instrumenting protobuf takes seconds
-    from stepline.clickhouse_http import protocol as chhttp
+    from stepline.clickhouse_http.body import form_fields
+    from stepline.clickhouse_http.compression import decode_content
+    from stepline.clickhouse_http.errors import SqlRefused
+    from stepline.clickhouse_http.guard import read_only_statement
+    from stepline.clickhouse_http.settings import query_settings
     from stepline.model.rows import micros
     from stepline.plugin import wire
     from stepline.sources.otlp_decode import JSON, PROTOBUF, BodyTooLarge, OtlpDecodeError, decode, inflate
@@ -77,16 +81,16 @@ def sql(data: bytes) -> None:
     """The query endpoint's read-only guard, settings policy, form and body decoding."""
     provider = atheris.FuzzedDataProvider(data)
     text = provider.ConsumeUnicodeNoSurrogates(provider.ConsumeIntInRange(0, 512))
-    with contextlib.suppress(chhttp.SqlRefused):
-        assert chhttp.read_only_statement(text).sql.strip()
+    with contextlib.suppress(SqlRefused):
+        assert read_only_statement(text).sql.strip()
     params = {provider.ConsumeUnicodeNoSurrogates(12): provider.ConsumeUnicodeNoSurrogates(12) for _ in range(3)}
-    with contextlib.suppress(chhttp.SqlRefused):
-        chhttp.query_settings(params, {}, {"max_execution_time": 60})
+    with contextlib.suppress(SqlRefused):
+        query_settings(params, {}, {"max_execution_time": 60})
     body = provider.ConsumeBytes(provider.ConsumeIntInRange(0, 512))
-    with contextlib.suppress(chhttp.SqlRefused):
-        chhttp.form_fields("multipart/form-data; boundary=B", body)
-    with contextlib.suppress(chhttp.SqlRefused):
-        chhttp.decompress(provider.PickValueInList(["gzip", "deflate", "zstd", "lz4", "br", ""]), body, 1 << 16)
+    with contextlib.suppress(SqlRefused):
+        form_fields("multipart/form-data; boundary=B", body)
+    with contextlib.suppress(SqlRefused):
+        decode_content(provider.PickValueInList(["gzip", "deflate", "zstd", "lz4", "br", ""]), body, 1 << 16)
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {

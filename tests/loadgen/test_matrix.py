@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import math
-import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from unittest import mock
 
 import pytest
 
@@ -27,7 +25,7 @@ from stepline.loadgen.client import (
 from stepline.loadgen.matrix import render, run_matrix
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
-from stepline.store.store import Store, StoreLocked
+from stepline.store.store import Store
 
 MODEL = "test/model"
 
@@ -35,14 +33,6 @@ MODEL = "test/model"
 @pytest.fixture
 def server() -> Iterator[SimServer]:
     handle = serve(idle_workload(), EngineConfig(model=MODEL), port=0, speed=1.0)
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture
-def small_server() -> Iterator[SimServer]:
-    """An engine whose model takes 512 tokens, prompt and output together."""
-    handle = serve(idle_workload(), EngineConfig(model=MODEL), port=0, speed=1.0, max_model_len=512)
     yield handle
     handle.stop()
 
@@ -62,12 +52,6 @@ def sse_events(raw: bytes) -> list[str]:
     events = raw.decode().split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events)
     return [e[len("data: "):] for e in events]
-
-
-def parse_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    matrix.add_arguments(parser)
-    return parser.parse_args(list(argv))
 
 
 def test_matrix_shows_long_prefill_interference_and_the_cache_hit_removing_it(server: SimServer) -> None:
@@ -138,111 +122,11 @@ def test_bad_requests_get_vllm_errors(server: SimServer, body: dict[str, Any], s
     assert error["object"] == "error" and error["code"] == status and message in error["message"]
 
 
-def test_matrix_stores_one_event_per_run(server: SimServer, store: Store, store_url: str,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_args("--engine", f"sim={server.url}", "--streams", "2", "--max-tokens", "8",
-                      "--long-prompt-tokens", "8192", "--repeat", "1", "--store", store_url)
-    assert matrix.run(args) == 0
-    out = capsys.readouterr().out
-    assert "a decode-only" in out and "stored 3 matrix_run events" in out
-    rows = store.query("SELECT engine, source, kind, attributes['run'], attributes['itl_p99_ms'], "
-                       "attributes['itl_p99_delta_ms'] FROM events ORDER BY attributes['run']").result_rows
-    assert [r[:4] for r in rows] == [("sim", "matrix", "matrix_run", k) for k in "abc"]
-    assert float(rows[1][4]) > 0 and rows[0][5] == "" and float(rows[1][5]) > 0
-
-
-def test_a_locked_store_is_one_line_and_not_a_failure(server: SimServer, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_args("--engine", server.url, "--streams", "1", "--max-tokens", "2", "--long-prompt-tokens", "64",
-                      "--repeat", "1")
-    with mock.patch.object(matrix, "store_results", side_effect=StoreLocked("locked", None)):
-        assert matrix.run(args) == 0
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "held by a running collector" in err
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _JsonOnly(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self._send(b'{"data": [{"id": "m"}]}')
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self._send(b'{"choices": []}')
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def json_only() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _JsonOnly)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
-
-@pytest.mark.parametrize(
-    ("engine", "extra", "message"),
-    [
-        ("unreachable", (), "cannot reach http://127.0.0.1:"),
-        ("json_only", (), "did not stream"),
-        ("server", ("--model", "nope"), "answered HTTP 404: The model `nope` does not exist."),
-        ("small", ("--prompt-tokens", "500", "--max-tokens", "64"),
-         "a decode stream needs 500 prompt + 64 output tokens, over test/model's max_model_len 512"),
-        ("ftp://x", (), "must be http(s)://host:port"),
-        ("server", ("--streams", "0"), "streams must be positive"),
-    ],
-)
-def test_errors_are_one_clear_line_and_exit_2(
-    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str], engine: str, extra: tuple[str, ...],
-    message: str,
-) -> None:
-    if engine == "unreachable":
-        url = f"http://127.0.0.1:{_free_port()}"
-    elif engine == "json_only":
-        url = request.getfixturevalue("json_only")
-    elif engine == "server":
-        url = request.getfixturevalue("server").url
-    elif engine == "small":
-        url = request.getfixturevalue("small_server").url
-    else:
-        url = engine
-    args = parse_args("--engine", url, "--streams", "1", "--max-tokens", "2", "--long-prompt-tokens", "64",
-                      "--repeat", "1", "--no-store", *extra)
-    assert matrix.run(args) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("stepline matrix: ") and message in err
-
-
-def test_sweep_labels() -> None:
-    assert matrix._sweep_labels("max_num_batched_tokens=2048, 8192") == [
-        "max_num_batched_tokens=2048", "max_num_batched_tokens=8192"]
-    with pytest.raises(MatrixError, match="NAME=V1,V2"):
-        matrix._sweep_labels("nothing")
-
-
-def test_the_long_prompt_fits_max_model_len_with_room_for_its_output(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_long_prompt_fits_max_model_len_with_room_for_its_output() -> None:
     handle = serve(idle_workload(), EngineConfig(model=MODEL), port=0, speed=1.0, max_model_len=2048)
     try:
         result = run_matrix(handle.url, streams=1, prompt_tokens=16, max_tokens=4, long_prompt_tokens=None,
                             repeat=1, timeout_s=30)
-        args = parse_args("--engine", handle.url, "--streams", "1", "--max-tokens", "4", "--long-prompt-tokens",
-                          "100000", "--repeat", "1", "--no-store")
-        assert matrix.run(args) == 0
     finally:
         handle.stop()
     # The engine counted it (/tokenize), and it ran: prompt and output within 2048 tokens.
@@ -250,10 +134,7 @@ def test_the_long_prompt_fits_max_model_len_with_room_for_its_output(capsys: pyt
     assert result.max_model_len == 2048 and result.run("b").long_ttft is not None
     assert result.long_prompt_note == (f"cut to fit {MODEL}'s max_model_len 2048: default 100000, 8 tokens kept for "
                                        "its output; counted by the engine's /tokenize")
-    out = capsys.readouterr().out
-    assert (f"long prompt: cut to fit {MODEL}'s max_model_len 2048: --long-prompt-tokens 100000, 8 tokens kept for "
-            "its output; counted by the engine's /tokenize") in out
-    assert f"long prompt {result.long_prompt_tokens} tokens" in out
+    assert f"long prompt {result.long_prompt_tokens} tokens" in render(result)
 
 
 class _Counting(Endpoint):
@@ -373,3 +254,17 @@ def test_events_that_arrive_together_are_named_in_the_output() -> None:
             "those ITL figures show how it writes, not how long its steps take") in text
     quiet = matrix.MatrixResult("http://e", MODEL, 1, 8, 8, 64, 1, (run("a", 0.2), run("b", 0.1), run("c", 0.0)))
     assert "after the one before" not in render(quiet)
+
+
+def test_the_runs_are_stored_as_events_in_a_store_the_matrix_is_the_first_to_open(store_url: str) -> None:
+    runs = tuple(matrix.RunStats(k, k, 8, 8, 0.1, 0.1, 0.1, 0.01, 0.02, 0.03, 0.04, None, time.time())
+                 for k in "abc")
+    result = matrix.MatrixResult("http://e", MODEL, 1, 8, 8, 64, 1, runs)
+    said = matrix.store_results(store_url, matrix.events(result, "e", "h"))
+    store = Store.open(store_url)
+    try:
+        assert said == f"stored 3 matrix_run events in {store.url.redacted()}"
+        rows = store.query("SELECT attributes['run'], attributes['itl_p99_ms'] FROM events ORDER BY 1").result_rows
+    finally:
+        store.close()
+    assert rows == [("a", "30.000"), ("b", "30.000"), ("c", "30.000")]

@@ -9,7 +9,8 @@ from prometheus_client.samples import Sample
 from stepline.core.clock import ManualClock
 from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation
-from stepline.sim.records import StepRecord
+from stepline.sim.metrics import FINISHED_REASONS, VllmMetrics
+from stepline.sim.records import FinishedRequest, StepRecord
 from stepline.sim.workloads import make_workload
 from tests.conftest import VLLM_METRICS_FIXTURE
 
@@ -133,3 +134,22 @@ def test_counters_and_histograms_agree_with_the_step_records() -> None:
     assert value(values, "vllm:iteration_tokens_total_sum") == sum(
         s.num_prompt_tokens + s.num_output_tokens for s in steps
     )
+
+
+def test_a_finished_request_moves_the_families_vllm_moves_for_it() -> None:
+    metrics = VllmMetrics(EngineConfig(model="m"))
+    metrics.observe_queue(running=3, waiting=2, kv_cache_usage=0.25)
+    metrics.observe_finished(FinishedRequest(
+        request_id="r", finish_reason="length", arrival_ts=1.0, finished_ts=3.0, e2e_latency=2.0, queued_time=0.5,
+        prefill_time=0.25, decode_time=1.25, inference_time=1.5, time_to_first_token=0.75,
+        mean_time_per_output_token=0.05, num_prompt_tokens=100, num_cached_tokens=40, num_generation_tokens=26,
+        max_tokens_param=26, num_preemptions=0))
+    values = samples(metrics.render())
+    assert value(values, "vllm:num_requests_running") == 3 and value(values, "vllm:num_requests_waiting") == 2
+    assert value(values, "vllm:kv_cache_usage_perc") == 0.25
+    assert {reason: value(values, "vllm:request_success_total", finished_reason=reason)
+            for reason in FINISHED_REASONS} == {r: float(r == "length") for r in FINISHED_REASONS}
+    assert value(values, "vllm:e2e_request_latency_seconds_sum") == 2.0
+    assert value(values, "vllm:request_queue_time_seconds_count") == 1
+    assert value(values, "vllm:request_prefill_kv_computed_tokens_sum") == 60  # prompt tokens not from the cache
+    assert value(values, "vllm:request_params_n_sum") == 1

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -19,6 +20,7 @@ from stepline.cli import sim as cli
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, serve
 from stepline.sim.workloads import make_workload
+from tests.core.test_listener import needs_ipv6
 
 
 @pytest.fixture
@@ -61,6 +63,30 @@ def test_health_models_and_unknown_paths(server: SimServer) -> None:
     assert status == 200 and content_type == "application/json"
     assert [m["id"] for m in json.loads(body)["data"]] == ["test/model"]
     assert get(server.url + "/nope")[0] == 404
+
+
+def _post_raw(server: SimServer, path: str, headers: str, body: bytes = b"") -> tuple[int, dict[str, object]]:
+    """A request as a client that may leave out or lie about Content-Length sends it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as connection:
+        connection.sendall(f"POST {path} HTTP/1.0\r\n{headers}\r\n".encode() + body)
+        answer = b"".join(iter(lambda: connection.recv(65536), b""))
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+def test_posts_are_refused_with_vllms_errors(server: SimServer) -> None:
+    assert _post_raw(server, "/v1/nope", "Content-Length: 2\r\n", b"{}") == (404, {"detail": "Not Found"})
+    status, error = _post_raw(server, "/v1/completions", "")
+    assert (status, error["message"], error["type"], error["code"]) == (
+        411, "Content-Length is required", "BadRequestError", 411)
+    status, error = _post_raw(server, "/tokenize", f"Content-Length: {64 * 1024 * 1024 + 1}\r\n")
+    assert (status, error["message"]) == (413, f"the body is over {64 * 1024 * 1024} bytes")
+    status, error = _post_raw(server, "/v1/completions", "Content-Length: 13\r\n", b'{"prompt": 7}')
+    assert (status, error["message"]) == (400, "prompt must be a non-empty string or list of token ids")
+    body = json.dumps({"prompt": "hello", "max_tokens": 3}).encode()
+    status, answer = _post_raw(server, "/v1/completions?x=1", f"Content-Length: {len(body)}\r\n", body)
+    assert status == 200 and answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_models_report_max_model_len_and_tokenize_counts_as_completions_do() -> None:
@@ -124,3 +150,14 @@ def test_cli_serves_until_sigterm(capsys: pytest.CaptureFixture[str]) -> None:
     line = capsys.readouterr().out.strip()
     assert line.startswith("stepline sim: burst workload") and "/metrics" in line
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@needs_ipv6
+def test_serves_on_ipv6_loopback_when_given_it() -> None:
+    handle = serve(make_workload("steady"), EngineConfig(model="sim-ipv6"), host="::1", port=0)
+    try:
+        assert handle.url == f"http://[::1]:{handle.port}"
+        with urllib.request.urlopen(f"{handle.url}/v1/models", timeout=10) as reply:
+            assert json.loads(reply.read())["data"][0]["id"] == "sim-ipv6"
+    finally:
+        handle.stop()

@@ -49,6 +49,7 @@ from stepline.sources.otlp_decode import (
     to_rows,
 )
 from stepline.testing.sink import wait_until
+from tests.core.test_listener import needs_ipv6
 
 HOST = "h1"
 ARRIVAL_NS = 1_714_564_800_123_456_789
@@ -452,18 +453,19 @@ def test_stop_releases_the_port_and_keeps_received_rows(make_receiver: Any) -> N
     receiver.stop()  # idempotent
 
 
-def test_ipv6_listen_address() -> None:
-    if not socket.has_ipv6:
-        pytest.skip("no IPv6 here")
-    receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), "::1", 0)
-    try:
-        receiver.start()
-    except OSError:
-        pytest.skip("::1 is not configured here")
+@needs_ipv6
+def test_listens_on_ipv6_loopback_when_given_it() -> None:
+    receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), "::1", 0, token=TOKEN)
+    receiver.start()
     try:
         assert receiver.url == f"http://[::1]:{receiver.port}"
-        export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)])
+        export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], headers={"Authorization": f"Bearer {TOKEN}"})
         assert drain(receiver) == [EXPECTED]
+        conn = http.client.HTTPConnection("::1", receiver.port, timeout=10)
+        conn.request("POST", "/v1/traces", b"", {"Content-Type": PROTOBUF, "Authorization": "Bearer wrong"})
+        refused = conn.getresponse()
+        assert (refused.status, refused.headers["WWW-Authenticate"]) == (401, 'Bearer realm="stepline"')
+        conn.close()
     finally:
         receiver.stop()
 

@@ -17,7 +17,7 @@ from stepline.config.settings import Settings, SettingsError
 from stepline.core.clock import ManualClock
 from stepline.model.rows import GpuSample, Row
 from stepline.sources.base import SourceContext, SourceError
-from stepline.sources.gpu import GpuSource
+from stepline.sources.gpu.source import GpuSource
 from stepline.sources.podresources import (
     ContainerDevices,
     PodResourcesError,

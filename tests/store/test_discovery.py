@@ -1,4 +1,5 @@
-"""The collector's runtime file, and how the CLI picks the store to read: --store, env, cwd, then the file."""
+"""What a collector announces (its runtime file, the file beside its store), and how the CLI picks the store to read:
+--store, env, cwd, then the runtime file."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from pathlib import Path
 import pytest
 
 from stepline.store.discovery import (
+    BESIDE_STORE_FILE,
+    RunningCollector,
     announce,
+    announce_beside_store,
     is_alive,
     locate_store,
     process_started,
+    read_beside_store,
     running,
     runtime_dir,
     store_without_password,
     withdraw,
+    withdraw_beside_store,
 )
 from stepline.store.url import parse_store_url
 
@@ -39,14 +45,21 @@ def test_a_store_url_is_announced_without_its_password() -> None:
 
 def test_announce_and_withdraw(tmp_path: Path) -> None:
     folder = tmp_path / "run" / "stepline"
-    path = announce("chdb:///s", "http://127.0.0.1:8124", "http://127.0.0.1:9465/metrics", folder)
+    path = announce("chdb:///s", "http://127.0.0.1:8124", "http://127.0.0.1:9465/metrics", folder,
+                    events_url="http://127.0.0.1:9466", events_token="t0ken")
     assert path == folder / f"collector-{os.getpid()}.json"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in folder.iterdir()] == [path.name]  # no temporary file left behind
     raw = json.loads(path.read_text())
+    assert list(raw) == ["pid", "started", "started_at", "store", "query_url", "metrics_url", "events_url",
+                         "events_token"]
     assert raw["pid"] == os.getpid() and raw["store"] == "chdb:///s" and raw["query_url"] == "http://127.0.0.1:8124"
     assert raw["metrics_url"] == "http://127.0.0.1:9465/metrics" and raw["started"] == process_started(os.getpid())
     alive, stale = running(folder)
     assert [p for p, _ in alive] == [path] and stale == []
+    ((_, info),) = alive
+    assert (info.events_url, info.events_token, info.password_required) == ("http://127.0.0.1:9466", "t0ken", False)
+    assert "t0ken" not in repr(info)
     withdraw(path)
     withdraw(path)  # twice: no error
     assert running(folder) == ([], [])
@@ -98,3 +111,34 @@ def test_the_store_to_read_explicit_then_env_then_cwd_then_the_running_collector
         path.unlink()
     nothing = locate_store(None, {}, str(cwd), folder)
     assert nothing.url == f"chdb://{cwd}/stepline-data" and nothing.searched == folder and nothing.collector is None
+
+
+def test_the_announcement_beside_a_store_is_read_back_and_withdrawn(tmp_path: Path) -> None:
+    announce_beside_store(str(tmp_path), "http://127.0.0.1:8124", "http://127.0.0.1:9465/metrics", True)
+    path = tmp_path / BESIDE_STORE_FILE
+    assert [p.name for p in tmp_path.iterdir()] == ["stepline-collector.json"]  # no temporary file left behind
+    assert path.read_text() == (f'{{"pid": {os.getpid()}, "query_url": "http://127.0.0.1:8124", '
+                                '"metrics_url": "http://127.0.0.1:9465/metrics", "password_required": true}')
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # no secret in it: whoever reads the store reads it
+    assert read_beside_store(str(tmp_path)) == RunningCollector(
+        os.getpid(), query_url="http://127.0.0.1:8124", metrics_url="http://127.0.0.1:9465/metrics",
+        password_required=True)
+    withdraw_beside_store(str(tmp_path))
+    withdraw_beside_store(str(tmp_path))  # twice: no error
+    assert read_beside_store(str(tmp_path)) is None
+    assert read_beside_store(str(tmp_path / "absent")) is None
+
+
+def test_an_unreadable_announcement_beside_a_store_is_ignored_and_said(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / BESIDE_STORE_FILE
+    for text in ("{", '{"pid": 7}', '{"pid": "seven", "query_url": "http://127.0.0.1:1"}', "[7]"):
+        path.write_text(text)
+        caplog.clear()
+        assert read_beside_store(str(tmp_path)) is None
+        assert f"ignoring unreadable {BESIDE_STORE_FILE} in {tmp_path}: " in caplog.text, text
+    # One written before the file said more: what it lacks is at its default.
+    path.write_text('{"pid": 7, "query_url": "http://127.0.0.1:1"}')
+    assert read_beside_store(str(tmp_path)) == RunningCollector(7, query_url="http://127.0.0.1:1")

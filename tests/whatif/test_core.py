@@ -10,9 +10,9 @@ import pytest
 
 from stepline.cli.main import main
 from stepline.diagnosis.findings import Window
+from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim import costmodel
 from stepline.sim.config import EngineConfig
-from stepline.sim.scenarios import Scenario, run_engines
 from stepline.sim.workloads import Arrival, Workload, short_burst
 from stepline.store.reader import open_reader
 from stepline.whatif.core import WhatIf, lanes, whatif

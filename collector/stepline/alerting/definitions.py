@@ -41,27 +41,21 @@ WATCHDOG_CONTEXT = (
 
 def alerts(cfg: AlertConfig) -> list[Alert]:
     """Every alert, in the order they appear in the rule file."""
+    return [*_engine_liveness(cfg), *_engine_latency(cfg), *_engine_cache(cfg), *_engine_diagnosis(cfg),
+            *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg), *_dead_mans_switch()]
+
+
+def _diagnose_hint(cfg: AlertConfig) -> str:
+    return f"Run: stepline diagnose --engine [engine] --since {cfg.diagnose_since}"
+
+
+def _engine_liveness(cfg: AlertConfig) -> list[Alert]:
+    """An engine that is down, stalled past its watchdog budget, or wedged with a queue."""
     s = cfg.sel
-    slo = cfg.slo
     ctx = WATCHDOG_CONTEXT.format(since=cfg.diagnose_since)
-    diag = f"Run: stepline diagnose --engine [engine] --since {cfg.diagnose_since}"
-    throttle = "|".join(cfg.throttle_reasons)
-    fatal = "|".join(str(x) for x in cfg.fatal_xids)
-    dropped = "|".join(cfg.dropped_source_counters)
+    diag = _diagnose_hint(cfg)
     vllm_sources = s('source=~"vllm_metrics:.*"')
-    other_sources = s('source!~"vllm_metrics:.*"')
-    gpu_source = s('source="gpu"')
     stalled_state = s('state="stalled"')
-    throttled = s('reason=~"' + throttle + '"')
-    fatal_xid = s('xid=~"' + fatal + '"')
-    remap_pending, remap_failed = s('state="pending"'), s('state="failed"')
-    diagnosed = s('kind=~"' + "|".join(cfg.diagnosed_kinds) + '"', 'severity=~"warning|critical"')
-    dropped_counters = s('counter=~"' + dropped + '"')
-    drops = (
-        "sum without (table, reason, source, counter) (\n"
-        f"  rate(stepline_writer_rows_dropped_total{s()}[{cfg.drop_window}])\n"
-        f"  or rate(stepline_source_counts_total{dropped_counters}[{cfg.drop_window}])\n)"
-    )
     return [
         Alert(
             "EngineDown", "critical",
@@ -94,6 +88,15 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "Engine [engine] has requests queued but its GPUs are idle and nothing moves: a leaked slot "
             "or a stuck lane, not slow work. " + ctx,
         ),
+    ]
+
+
+def _engine_latency(cfg: AlertConfig) -> list[Alert]:
+    """Decode starved by prefill, and requests queued behind a long prefill."""
+    s = cfg.sel
+    slo = cfg.slo
+    diag = _diagnose_hint(cfg)
+    return [
         Alert(
             "DecodeStarvation", "warning",
             f"(stepline_engine_itl_p99_seconds{s()} > {slo.itl_p99_seconds:g})\n"
@@ -131,6 +134,14 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             f"Engine [engine]: {cfg.hol_critical_requests} or more requests ([value]) have waited behind "
             f"a long prefill for {cfg.hol_critical_for}. Top finding: [finding]. " + diag,
         ),
+    ]
+
+
+def _engine_cache(cfg: AlertConfig) -> list[Alert]:
+    """The prefix cache collapsing, and the KV cache full enough to preempt."""
+    s = cfg.sel
+    diag = _diagnose_hint(cfg)
+    return [
         Alert(
             "PrefixCacheCollapse", "warning",
             f"(stepline_engine_prefix_cache_hit_ratio{s()}\n"
@@ -162,6 +173,14 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             f"Engine [engine]: KV cache usage [value_ratio] and more than {cfg.kv_preemptions_critical_per_5m} "
             "preemptions in 5m: the engine spends its time recomputing. " + diag,
         ),
+    ]
+
+
+def _engine_diagnosis(cfg: AlertConfig) -> list[Alert]:
+    """A cause the watchdog's diagnosis names and no other alert pages on."""
+    diag = _diagnose_hint(cfg)
+    diagnosed = cfg.sel('kind=~"' + "|".join(cfg.diagnosed_kinds) + '"', 'severity=~"warning|critical"')
+    return [
         Alert(
             "EngineDiagnosed", "warning",
             # By engine and kind: the finding's title changes as it is re-diagnosed, the alert must not.
@@ -172,6 +191,14 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             f"{cfg.diagnosed_for}: [finding]. (GPU throttling here includes a power cap holding clocks below the "
             "GPU's maximum, which GpuThrottling leaves out because sw_power_cap alone is normal under load.) " + diag,
         ),
+    ]
+
+
+def _gpu_clocks(cfg: AlertConfig) -> list[Alert]:
+    """GPU clocks held down by temperature or the board."""
+    diag = _diagnose_hint(cfg)
+    throttled = cfg.sel('reason=~"' + "|".join(cfg.throttle_reasons) + '"')
+    return [
         Alert(
             "GpuThrottling", "warning",
             f'stepline_gpu_clock_event_active{throttled} == 1',
@@ -189,6 +216,16 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "GPU [gpu] of engine [engine] has reported [reason] for "
             f"{cfg.throttle_critical_for}: check cooling and power delivery. " + diag,
         ),
+    ]
+
+
+def _gpu_faults(cfg: AlertConfig) -> list[Alert]:
+    """GPU hardware faults: XIDs, lost GPUs, HBM row remaps."""
+    s = cfg.sel
+    diag = _diagnose_hint(cfg)
+    fatal_xid = s('xid=~"' + "|".join(str(x) for x in cfg.fatal_xids) + '"')
+    remap_pending, remap_failed = s('state="pending"'), s('state="failed"')
+    return [
         Alert(
             "GpuXidError", "warning",
             f"increase(stepline_gpu_xid_errors_total{s()}[{cfg.xid_window}]) > 0\n"
@@ -235,6 +272,21 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "GPU [gpu] of engine [engine] could not remap a failing HBM row (no spare rows left): its memory is "
             "failing. Drain the node and replace the GPU. " + diag,
         ),
+    ]
+
+
+def _collector_health(cfg: AlertConfig) -> list[Alert]:
+    """The collector itself: dropping data, unable to write to its store, a source down."""
+    s = cfg.sel
+    other_sources = s('source!~"vllm_metrics:.*"')
+    gpu_source = s('source="gpu"')
+    dropped_counters = s('counter=~"' + "|".join(cfg.dropped_source_counters) + '"')
+    drops = (
+        "sum without (table, reason, source, counter) (\n"
+        f"  rate(stepline_writer_rows_dropped_total{s()}[{cfg.drop_window}])\n"
+        f"  or rate(stepline_source_counts_total{dropped_counters}[{cfg.drop_window}])\n)"
+    )
+    return [
         Alert(
             "CollectorDroppingData", "warning",
             f"({drops}) > 0",
@@ -285,6 +337,12 @@ def alerts(cfg: AlertConfig) -> list[Alert]:
             "collector's log name the error. (The gpu source on a machine without GPUs does not count, unless "
             "STEPLINE_EXPECT_GPUS says GPUs are expected there.)",
         ),
+    ]
+
+
+def _dead_mans_switch() -> list[Alert]:
+    """The pipeline's heartbeat: always firing."""
+    return [
         Alert(
             "Watchdog", "none",
             "vector(1)",

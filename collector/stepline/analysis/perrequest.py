@@ -15,6 +15,8 @@ from typing import Any
 
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, budgets
 from stepline.diagnosis.findings import Window
+from stepline.queries.requests import FIRST_TOKEN, MERGED, PROMPT_BAND, SCHEDULED
+from stepline.queries.window import EACH_ENGINE, ENGINE, SINCE
 from stepline.store.reads import Reads
 
 ORDER_BY = {
@@ -25,7 +27,7 @@ ORDER_BY = {
 }
 
 # The slowest requests first, then only the steps of their engines and time span: the join stays small.
-_SLOWEST = """
+_SLOWEST = f"""
 WITH slow AS (
     SELECT host, engine, request_id, finish_reason, ts, arrival_ts, queue_seconds, ttft_seconds,
            mean_tpot_seconds, e2e_seconds, prompt_tokens, cached_tokens, generation_tokens,
@@ -33,12 +35,10 @@ WITH slow AS (
            toUnixTimestamp64Micro(ts) AS finish_us,
            arrival_us + toInt64(queue_seconds * 1e6) AS scheduled_us,
            arrival_us + toInt64(ttft_seconds * 1e6) AS first_token_us
-    FROM requests FINAL
-    WHERE ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
-      AND ({engine:String} = '' OR engine = {engine:String})
-      AND isFinite(ORDER_COLUMN)
+    FROM {MERGED}
+    WHERE {SINCE} AND {EACH_ENGINE} AND isFinite(ORDER_COLUMN)
     ORDER BY ORDER_COLUMN DESC
-    LIMIT {limit:UInt32}
+    LIMIT {{limit:UInt32}}
 ),
 near AS (
     SELECT host, engine, toUnixTimestamp64Micro(ts) AS step_us, elapsed_ms, num_ctx_tokens
@@ -50,8 +50,8 @@ SELECT slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_to
        slow.generation_tokens, slow.queue_seconds, slow.ttft_seconds, slow.mean_tpot_seconds, slow.e2e_seconds,
        sumIf(near.elapsed_ms, near.num_ctx_tokens > 0 AND near.step_us > slow.arrival_us
              AND near.step_us <= slow.scheduled_us) / 1000 AS queued_during_prefill_s,
-       countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {budget_engines:Array(String)},
-                                                {long_chunk:Array(UInt64)}, {unknown:UInt64})
+       countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {{budget_engines:Array(String)}},
+                                                {{long_chunk:Array(UInt64)}}, {{unknown:UInt64}})
                AND near.step_us > slow.first_token_us
                AND near.step_us <= slow.finish_us) AS tokens_beside_long_prefill,
        quantileExactIf(0.99)(near.elapsed_ms, near.step_us > slow.first_token_us
@@ -146,25 +146,23 @@ def _ms(ms: Any) -> str:
 
 
 # Prompt-size bands: decode rates differ by workload class, so they are reported per band, never as one number.
-_BANDS = """
-SELECT multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, '8k-32k',
-               prompt_tokens < 100000, '32k-100k', '>= 100k') AS band,
+_BANDS = f"""
+SELECT {PROMPT_BAND} AS band,
        min(prompt_tokens) AS lo, count() AS n,
        quantileExact(0.5)(ttft_seconds) AS ttft_p50, quantileExact(0.99)(ttft_seconds) AS ttft_p99,
        quantileExactIf(0.5)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS rate_p50,
        quantileExactIf(0.01)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS rate_p1
-FROM requests FINAL
-WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') AND isFinite(ttft_seconds)
+FROM {MERGED}
+WHERE {ENGINE} AND {SINCE} AND isFinite(ttft_seconds)
 GROUP BY band ORDER BY lo
 """
 
 # The steps around the largest prompt's prefill, in 5-second buckets.
-_AROUND = """
+_AROUND = f"""
 WITH big AS (
-    SELECT request_id, prompt_tokens, arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS start,
-           arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)) AS first_token
-    FROM requests FINAL
-    WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') AND isFinite(ttft_seconds)
+    SELECT request_id, prompt_tokens, {SCHEDULED} AS start, {FIRST_TOKEN} AS first_token
+    FROM {MERGED}
+    WHERE {ENGINE} AND {SINCE} AND isFinite(ttft_seconds)
     ORDER BY prompt_tokens DESC LIMIT 1
 )
 SELECT toStartOfInterval(ts, INTERVAL 5 SECOND) AS t, count() AS steps, sum(num_ctx_tokens) AS prefill_tokens,
@@ -172,7 +170,7 @@ SELECT toStartOfInterval(ts, INTERVAL 5 SECOND) AS t, count() AS steps, sum(num_
        max(elapsed_ms) AS step_max, (SELECT any(request_id) FROM big) AS request,
        (SELECT any(prompt_tokens) FROM big) AS prompt
 FROM steps
-WHERE engine = {engine:String}
+WHERE {ENGINE}
   AND ts >= (SELECT any(start) FROM big) - INTERVAL 20 SECOND
   AND ts <= (SELECT any(first_token) FROM big) + INTERVAL 20 SECOND
 GROUP BY t ORDER BY t
@@ -212,9 +210,8 @@ def _rate(value: Any) -> str:
 def largest_prefill_start(reader: Reads, engine: str, since: float) -> datetime | None:
     """When the largest prompt since `since` began its prefill (UTC), if there is one."""
     rows = reader.query(
-        "SELECT arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) FROM requests FINAL "
-        "WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC') "
-        "AND isFinite(queue_seconds) ORDER BY prompt_tokens DESC LIMIT 1",
+        f"SELECT {SCHEDULED} FROM {MERGED} WHERE {ENGINE} AND {SINCE} AND isFinite(queue_seconds) "
+        "ORDER BY prompt_tokens DESC LIMIT 1",
         parameters={"engine": engine, "since": round(since * 1e6)}).result_rows
     if not rows:
         return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -26,14 +25,8 @@ from stepline.sources import registry as source_registry
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store import discovery as runtimefile
-from stepline.store.store import (
-    CollectorInfo,
-    LazyStore,
-    Store,
-    StoreUnreachable,
-    remove_collector_info,
-    write_collector_info,
-)
+from stepline.store.errors import StoreUnreachable
+from stepline.store.store import LazyStore, Store
 from stepline.store.url import StoreUrl, parse_store_url
 from stepline.watchdog.tap import Watchdog
 
@@ -102,7 +95,7 @@ class Collector:
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
-            metrics_url = f"http://{s.listen}:{self.metrics_server.port}/metrics"
+            metrics_url = self.metrics_server.url
             # The CLI's events (matrix runs) reach the store through here while this process holds it.
             self.events_ingest = EventsIngest(self.writers.write, s.listen, s.events_port, extra_token=s.otlp_token)
             self.events_ingest.start()
@@ -111,8 +104,8 @@ class Collector:
                                                     password=s.query_password, database=sink.database,
                                                     metrics=self.metrics)
                 self.query_endpoint.start()
-                write_collector_info(url.path, CollectorInfo(os.getpid(), self.query_endpoint.url,
-                                                                   metrics_url, s.query_password is not None))
+                runtimefile.announce_beside_store(url.path, self.query_endpoint.url, metrics_url,
+                                                  s.query_password is not None)
         except BaseException:
             self._close()
             raise
@@ -124,9 +117,8 @@ class Collector:
                                                 "retention_days": str(s.retention_days)})
         self.runner.start()
         self._announce(url, metrics_url)
-        log.info("collecting from %d source(s) into %s; self-metrics on http://%s:%d/metrics%s",
-                 len(scheduled), url.redacted(), s.listen, self.metrics_server.port,
-                 f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
+        log.info("collecting from %d source(s) into %s; self-metrics on %s%s", len(scheduled), url.redacted(),
+                 metrics_url, f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
 
     def _announce(self, url: StoreUrl, metrics_url: str) -> None:
         try:
@@ -199,7 +191,7 @@ class Collector:
             self.runtime_file = None
         if self.store is not None:
             if self.store.url.embedded:
-                remove_collector_info(self.store.url.path)
+                runtimefile.withdraw_beside_store(self.store.url.path)
             self.store.close()
 
     def run_until_signalled(self) -> None:

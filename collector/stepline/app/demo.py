@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -17,24 +16,19 @@ from stepline.core.clock import ManualClock
 from stepline.diagnosis.detectors import summary_for_demo
 from stepline.ingest.runner import Scheduled
 from stepline.model.rows import micros
+from stepline.queries.requests import merged
+from stepline.queries.window import ENGINE, SINCE
 from stepline.sim import vllm_server as sim_server
 from stepline.sim.config import EngineConfig
-from stepline.sim.gpu import SCENARIOS, GpuModel, SimulatedGpus, SimulatedGpuSource, VirtualGpuSampler
+from stepline.sim.gpu import GpuModel, SimulatedGpus, SimulatedGpuSource, VirtualGpuSampler
 from stepline.sim.records import StepRecord
 from stepline.sim.replay import replay
 from stepline.sim.telemetry import LateBound, Telemetry
-from stepline.sim.workloads import (
-    SHORT_BURST_DRAIN_S,
-    SHORT_BURST_DURATION_S,
-    WORKLOAD_NAMES,
-    Workload,
-    make_workload,
-)
+from stepline.sim.workloads import Workload, make_workload
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.vllm_metrics import VllmMetricsSource
 from stepline.store.store import Store
-from stepline.store.url import default_store_url
 
 log = logging.getLogger(__name__)
 
@@ -42,57 +36,38 @@ log = logging.getLogger(__name__)
 # --fast it replays the whole 10-minute burst. Rescaling the burst to a minute loses its story (sim/workloads.py).
 REALTIME_WORKLOAD = "short-burst"
 FAST_WORKLOAD = "burst"
+DEFAULT_GPU_SCENARIO = "power-cap"  # the clocks drop during prefill: the GPU panels have a story too
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", help="store URL (default: $STEPLINE_STORE, else chdb://./stepline-data)")
-    parser.add_argument("--fast", action="store_true",
-                        help=f"replay the full 10-minute {FAST_WORKLOAD} on a virtual clock in seconds, stamped as "
-                             f"if it had just happened, instead of the {REALTIME_WORKLOAD} in real time "
-                             f"(about {SHORT_BURST_DURATION_S + SHORT_BURST_DRAIN_S:.0f} s)")
-    parser.add_argument("--workload", choices=WORKLOAD_NAMES,
-                        help=f"what traffic to simulate (default: {REALTIME_WORKLOAD} in real time, "
-                             f"{FAST_WORKLOAD} with --fast)")
-    parser.add_argument("--duration", type=float, metavar="SECONDS",
-                        help="how long requests arrive (default: the workload's nominal length; the demo then "
-                             "waits for the engine to drain)")
-    parser.add_argument("--scrape-interval", type=float, metavar="SECONDS",
-                        help="scrape interval (default 1 s in real time, 5 s with --fast)")
-    parser.add_argument("--gpu-scenario", choices=SCENARIOS, default="power-cap",
-                        help="what the simulated GPUs do: follow the load (normal), also hit a power cap during "
-                             "prefill so clocks drop (power-cap, the default), or also report an XID error (xid)")
+def workload_for(name: str | None = None, *, fast: bool = False, duration_s: float | None = None) -> Workload:
+    """The workload the demo drives: `name`, else the whole burst with `fast` and the short burst in real time."""
+    return make_workload(name or (FAST_WORKLOAD if fast else REALTIME_WORKLOAD), duration_s=duration_s)
 
 
-def workload_for(args: argparse.Namespace) -> Workload:
-    """The workload the demo drives for these arguments."""
-    name = args.workload or (FAST_WORKLOAD if args.fast else REALTIME_WORKLOAD)
-    return make_workload(name, duration_s=args.duration)
+def run_demo(store_url: str, workload: Workload, *, fast: bool = False, scrape_interval_s: float | None = None,
+             gpu_scenario: str = DEFAULT_GPU_SCENARIO) -> None:
+    """Drive `workload` into a collector that writes `store_url`, then print the summary and the diagnosis.
 
-
-def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code."""
-    store_url = args.store or default_store_url()
+    With `fast` it is replayed on a virtual clock (scraped every 5 s unless told), else served in real time (1 s)."""
     since = time.time()
     # Each run is an engine of its own: a fast replay is stamped into the recent past, where an
     # earlier run may already lie, and the two must not blur into one engine's counters.
     engine = time.strftime("sim-%H%M%S")
     config = EngineConfig()
-    gpus = SimulatedGpus(GpuModel(scenario=args.gpu_scenario), engine_pid=os.getpid())
+    gpus = SimulatedGpus(GpuModel(scenario=gpu_scenario), engine_pid=os.getpid())
     with tempfile.TemporaryDirectory(prefix="stepline-demo-") as sockets:
         # The real GPU source would find no NVML here: the demo's GPUs are simulated, sampled by the same code.
         base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
                                 "plugin_socket": os.path.join(sockets, "plugin.sock"),
                                 "disabled_sources": frozenset({"gpu"})}
-        if args.fast:
-            interval = args.scrape_interval or 5.0
-            workload = workload_for(args)
+        if fast:
+            interval = scrape_interval_s or 5.0
             collector = Collector(Settings.from_env(engines=(), scrape_interval_s=interval, **base))
             collector.start()
             telemetry = _telemetry(collector, engine, config)
             since = _replay(collector, workload, config, interval, engine, telemetry, gpus)
         else:
-            interval = args.scrape_interval or 1.0
-            workload = workload_for(args)
+            interval = scrape_interval_s or 1.0
             forward = LateBound(gpus.model.on_step)
             server = sim_server.serve(workload, config, host="127.0.0.1", port=0, repeat=False, on_step=forward)
             try:
@@ -107,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
         telemetry.close()
         collector.stop()
     _print_summary(collector.settings.store, engine, since)
-    return 0
 
 
 def _gpu_sources(gpus: SimulatedGpus, ctx: SourceContext, engine: str, settings: Settings) -> list[Scheduled]:
@@ -174,7 +148,7 @@ def _watch(collector: Collector, server: sim_server.SimServer, seconds: float, i
 def _print_summary(store_url: str, engine: str, since: float) -> None:
     store = Store.open(store_url)
     params = {"since": micros(since), "engine": engine}
-    window = "engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')"
+    window = f"{ENGINE} AND {SINCE}"
     try:
         print(f"\nengine {engine}, per minute (from vLLM's own counters and histograms):")
         print(summary.render(summary.trim_idle(summary.per_minute(store, engine, since))))
@@ -189,13 +163,13 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
                                   engine=engine, bucket_s=5))
         counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
                              parameters=params).result_rows
-        # A request's reports merge into one row (FINAL): count requests, not reports.
-        tables = {table: store.query(f"SELECT count() FROM {table}{' FINAL' if table == 'requests' else ''} "
+        # A request's reports merge into one row (the merged read): count requests, not reports.
+        tables = {table: store.query(f"SELECT count() FROM {merged(table) if table == 'requests' else table} "
                                      f"WHERE {window}", parameters=params).result_rows[0][0]
                   for table in ("engine_samples", "steps", "requests", "gpu_samples")}
         # The host is sampled in real time, also while a fast replay runs: its rows are the collector's own.
-        tables["host_samples"] = store.query("SELECT count() FROM host_samples WHERE ts >= fromUnixTimestamp64Micro("
-                                             "{since:Int64}, 'UTC')", parameters=params).result_rows[0][0]
+        tables["host_samples"] = store.query(f"SELECT count() FROM host_samples WHERE {SINCE}",
+                                             parameters=params).result_rows[0][0]
         print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
               + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
         print(f"\nwhat stepline diagnose says about {engine}:")

@@ -7,11 +7,15 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from stepline.alerting.build import build, copy_into_kustomization
 from stepline.alerting.config import AlertConfig
+
+HELP = "generate the alert rules, Alertmanager example and Grafana alert provisioning"
+DESCRIPTION = ("`stepline alerts build` regenerates everything in alerts/ from the one alert config: Prometheus "
+               "rules, an Alertmanager example, Grafana-managed rules, contact point and policy.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `build` action and what the generated files point at."""
     sub = parser.add_subparsers(dest="alerts_command", required=True, metavar="ACTION")
     b = sub.add_parser("build", help="write the rule, Alertmanager and Grafana provisioning files")
     b.add_argument("--out", default="alerts", help="output folder (default: alerts)")
@@ -28,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Writes the files and lists them; 0 on success."""
+    from stepline.alerting.build import build, copy_into_kustomization
+
     changes = {k: v for k, v in (("selector", args.selector), ("grafana_datasource_uid", args.datasource_uid),
                                  ("runbook_url", args.runbook_url)) if v is not None}
     cfg = dataclasses.replace(AlertConfig(), **changes)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from stepline.dashboards.generate import build
+HELP = "generate the Grafana dashboards"
+DESCRIPTION = ("`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet overview, "
+               "engine timeline, requests, GPU and collector health.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the dashboards; prints one line per file; returns the exit code."""
+    from stepline.dashboards.generate import build
+
     for path in build(args.out):
         print(path)
     return 0

@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
+from typing import TYPE_CHECKING
 
-from stepline.core.usage import UsageError
-from stepline.diagnosis.detectors import as_json, diagnose, render
-from stepline.diagnosis.findings import Finding, Window
-from stepline.store.reads import Reads
+if TYPE_CHECKING:
+    from stepline.diagnosis.findings import Finding, Window
+    from stepline.store.reads import Reads
+
+HELP = "say what is wrong: ranked findings with evidence, SQL and the lever to pull"
+DESCRIPTION = ("Run every detector over a window of the timeline: prefill interference, head-of-line blocking, "
+               "scheduler vs hardware, prefix-cache collapse, KV pressure, a wedged engine, configuration not in "
+               "effect, GPU throttling and XIDs, speculative-decoding shifts. Exit code 1 when a finding is critical.")
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
-    """--since / --from / --to / --engine / --store, shared by diagnose and report."""
+    """--since / --from / --to / --engine / --store, shared by diagnose, report and whatif."""
     parser.add_argument("--since", default="30m", help="look back this far (90s, 30m, 2h, 1d); default 30m")
     parser.add_argument("--from", dest="from_", metavar="T", help="window start (ISO 8601, epoch, HH:MM[:SS] UTC)")
     parser.add_argument("--to", metavar="T", help="window end (default now)")
@@ -23,6 +28,7 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The window, and how to print the findings."""
     add_window_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     parser.add_argument("--whatif", action="store_true",
@@ -31,16 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def window_of(args: argparse.Namespace, now: datetime | None = None) -> Window:
-    """The window the arguments name; UsageError when they contradict each other."""
-    from stepline.analysis.timeline import parse_moment
-    from stepline.core.timeparse import parse_duration
+    """The window the arguments of add_window_arguments name; UsageError when they contradict each other."""
+    from stepline.analysis.window import window_from
 
-    now = now or datetime.now(UTC)
-    end = parse_moment(args.to, now) if args.to else now
-    start = parse_moment(args.from_, now) if args.from_ else end - timedelta(seconds=parse_duration(args.since))
-    if start >= end:
-        raise UsageError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
-    return Window(start, end, args.engine)
+    return window_from(args.since, args.from_, args.to, args.engine, now)
 
 
 def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[Finding]:
@@ -59,6 +59,7 @@ def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[
 
 def run(args: argparse.Namespace) -> int:
     """1 when a finding is critical, 0 otherwise; bad arguments raise UsageError (exit 2)."""
+    from stepline.diagnosis.detectors import as_json, diagnose, render
     from stepline.store.reader import open_reader
     from stepline.store.url import default_store_url
 

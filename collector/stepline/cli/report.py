@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from stepline.cli.diagnose import add_window_arguments, window_of
-from stepline.diagnosis.findings import Finding, Window
-from stepline.store.reads import Reads
+
+if TYPE_CHECKING:
+    from stepline.diagnosis.findings import Finding, Window
+    from stepline.store.reads import Reads
+
+HELP = "write a self-contained HTML incident report (findings and plots on one time axis)"
+DESCRIPTION = ("Diagnose a window and write one HTML file that opens anywhere without a network: the findings, then "
+               "step time, ITL, queue, KV, prefix-cache and GPU plots on one time axis with the findings' windows "
+               "marked.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

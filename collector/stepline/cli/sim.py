@@ -9,15 +9,16 @@ import threading
 from types import FrameType
 
 from stepline.sim.config import DEFAULT_MODEL, EngineConfig
-from stepline.sim.telemetry import Telemetry
-from stepline.sim.vllm_server import idle_workload, serve
 from stepline.sim.workloads import WORKLOAD_NAMES, make_workload
 
-_DEFAULTS = EngineConfig()
+HELP = "run the vLLM-compatible engine simulator"
+DESCRIPTION = ("Serve a simulated vLLM 0.33 engine's /metrics, plugin datagrams, OTLP spans and streaming "
+               "completions: no GPU needed.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `stepline sim` options to `parser`."""
+    defaults = EngineConfig()
     parser.add_argument(
         "--workload",
         choices=(*WORKLOAD_NAMES, "idle"),
@@ -32,26 +33,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=_DEFAULTS.max_num_batched_tokens,
+        default=defaults.max_num_batched_tokens,
         help="token budget of one engine step, in tokens (default: %(default)s)",
     )
     parser.add_argument(
         "--max-num-seqs",
         type=int,
-        default=_DEFAULTS.max_num_seqs,
+        default=defaults.max_num_seqs,
         help="most requests running at once (default: %(default)s)",
     )
     parser.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=_DEFAULTS.long_prefill_token_threshold,
+        default=defaults.long_prefill_token_threshold,
         help="most prompt tokens one request may prefill in one step, 0 for no cap (default: %(default)s)",
     )
     parser.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=_DEFAULTS.num_gpu_blocks,
-        help=f"KV-cache capacity in blocks of {_DEFAULTS.block_size} tokens (default: %(default)s)",
+        default=defaults.num_gpu_blocks,
+        help=f"KV-cache capacity in blocks of {defaults.block_size} tokens (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload random seed (default: %(default)s)")
     parser.add_argument(
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, 2 on a bad setting, 1 if the port cannot be bound."""
+    from stepline.sim.telemetry import Telemetry
+    from stepline.sim.vllm_server import idle_workload, serve
+
     try:
         workload = (idle_workload(args.duration or 60.0) if args.workload == "idle"
                     else make_workload(args.workload, seed=args.seed, duration_s=args.duration))

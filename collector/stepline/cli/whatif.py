@@ -10,8 +10,16 @@ import time
 from stepline.cli.diagnose import add_window_arguments, window_of
 from stepline.config.slo import Slo
 
+HELP = "what each scheduler lever would buy, replayed on the recorded window"
+DESCRIPTION = ("Fits the engine's step cost from its recorded steps (error on held-out steps), replays the window's "
+               "requests through the simulator's scheduler under the recorded settings (the calibration check, "
+               "beside the recording) and under each lever: chunk threshold, token budget, max_num_seqs, prefill "
+               "interval, priority, shape-sharding, deadline-aware chunks. TTFT, ITL, decode rates and goodput, "
+               "ranked.")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The window, goodput's objectives (the alert configuration's SLO by default), and the replays."""
     add_window_arguments(parser)
     slo = Slo()
     parser.add_argument("--ttft", type=float, default=slo.ttft_p99_seconds, metavar="SECONDS",

@@ -1,5 +1,5 @@
-"""Compression on ClickHouse's HTTP interface: its own compressed blocks (compress=1, decompress=1) and the HTTP
-Content-Encodings a response is given with enable_http_compression=1.
+"""Compression on ClickHouse's HTTP interface: its own compressed blocks (compress=1, decompress=1), the HTTP
+Content-Encodings a request body may come in, and those a response is given with enable_http_compression=1.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ import lz4.frame
 from backports import zstd
 from clickhouse_cityhash.cityhash import CityHash128
 
-from stepline.clickhouse_http.protocol import SqlRefused, too_large
+from stepline.clickhouse_http.body import too_large
+from stepline.clickhouse_http.errors import (
+    CANNOT_DECOMPRESS,
+    CHECKSUM_DOESNT_MATCH,
+    NOT_IMPLEMENTED,
+    UNKNOWN_COMPRESSION_METHOD,
+    SqlRefused,
+)
 
 # ClickHouse's compressed block: a 16-byte CityHash128 (v1.0.2) of the rest, then a method byte, the block's size
 # with its 9-byte header and the decompressed size (UInt32 little-endian each), then the compressed bytes
@@ -23,9 +30,6 @@ from stepline.clickhouse_http.protocol import SqlRefused, too_large
 _NONE, _LZ4, _ZSTD = 0x02, 0x82, 0x90
 _METHODS = {"lz4": _LZ4, "lz4hc": _LZ4, "zstd": _ZSTD, "none": _NONE}
 _HEADER = struct.Struct("<BII")
-CANNOT_DECOMPRESS = 271
-CHECKSUM_DOESNT_MATCH = 40
-UNKNOWN_COMPRESSION_METHOD = 89
 _BLOCK_BYTES = 1 << 20  # ClickHouse's max_compress_block_size
 
 
@@ -100,6 +104,39 @@ def decompress_blocks(data: bytes, limit: int) -> bytes:
 
 def _corrupt(message: str) -> SqlRefused:
     return SqlRefused(message, CANNOT_DECOMPRESS, "CANNOT_DECOMPRESS")
+
+
+class _Decoder(Protocol):
+    def decompress(self, data: bytes, max_length: int, /) -> bytes: ...
+
+
+def _zlib_or_gzip() -> _Decoder:
+    return zlib.decompressobj(32 + zlib.MAX_WBITS)  # 32+: zlib or gzip framing, whichever the header says
+
+
+# The request Content-Encodings served: the zlib family, and lz4 and zstd (clickhouse-connect's dependencies).
+_DECODERS: dict[str, Callable[[], _Decoder]] = {
+    "gzip": _zlib_or_gzip, "x-gzip": _zlib_or_gzip, "deflate": _zlib_or_gzip, "lz4": lz4.frame.LZ4FrameDecompressor,
+    "zstd": zstd.ZstdDecompressor,
+}
+
+
+def decode_content(encoding: str, body: bytes, limit: int) -> bytes:
+    """Undo a request Content-Encoding, refusing output beyond `limit` bytes (a zip bomb is a large body)."""
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in _DECODERS:
+        raise SqlRefused(f"Unknown Content-Encoding of HTTP request: {encoding[:40]}", NOT_IMPLEMENTED,
+                         "NOT_IMPLEMENTED")
+    try:
+        out = _DECODERS[encoding]().decompress(body, limit + 1)
+    except Exception as ex:  # untrusted bytes: every decompressor failure (zlib.error, ZstdError, ...) is the body's
+        detail = " ".join(str(ex).split())[:160] or type(ex).__name__
+        raise SqlRefused(f"cannot decompress the {encoding} request body: {detail}", CANNOT_DECOMPRESS,
+                         "CANNOT_DECOMPRESS") from None
+    if len(out) > limit:
+        raise too_large(len(out), limit)
+    return out
 
 
 class Encoder(Protocol):

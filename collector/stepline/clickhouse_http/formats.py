@@ -1,4 +1,5 @@
-"""Output formats over chDB's streaming: per-block documents joined into the one response ClickHouse would write.
+"""Output formats over chDB's streaming: per-block documents joined into the one response ClickHouse would write,
+and the Content-Type it is sent with.
 
 chDB's `send_query` encodes every block as a whole document of the format (its header, its rows, its footer),
 so the blocks of a row format concatenate as they are, but a format with a header repeats it per block and a
@@ -24,6 +25,10 @@ _ROWS = frozenset({
 _JSON_DOCUMENTS = frozenset({"json", "jsoncompact", "jsonstrings", "jsoncompactstrings"})
 # A row format with one header line (names) or two (names, types).
 _HEADED = re.compile(r"(?P<base>.+?)withnames(?P<types>andtypes)?\Z")
+_CONTENT_TYPES = (
+    (("json",), "application/json"), (("tabseparated", "tsv"), "text/tab-separated-values"), (("csv",), "text/csv"),
+    (("xml",), "application/xml"), (("pretty", "vertical", "markdown", "values", "prometheus"), "text/plain"),
+)
 
 
 def joiner(fmt: str) -> Joiner | None:
@@ -40,6 +45,15 @@ def joiner(fmt: str) -> Joiner | None:
             return _row_binary_headed(bool(headed.group("types")))
         return _text_headed(2 if headed.group("types") else 1)
     return None
+
+
+def content_type(fmt: str) -> str:
+    """Content-Type ClickHouse sends for an output format."""
+    f = fmt.lower()
+    for prefixes, mime in _CONTENT_TYPES:
+        if f.startswith(prefixes):
+            return f"{mime}; charset=UTF-8"
+    return "application/octet-stream"
 
 
 def needs_header(fmt: str) -> bool:

@@ -1,9 +1,14 @@
-"""Native blocks as a `client_protocol_version` HTTP client reads them: block info, per-column flags."""
+"""Native blocks as a `client_protocol_version` HTTP client reads them: block info, per-column flags.
+
+Public: `native_for_revision` (what the endpoints answer with), `reframe` and its `UnsupportedColumn`, `BLOCK_INFO`.
+"""
 
 from __future__ import annotations
 
 import re
 import struct
+
+from stepline.clickhouse_http.errors import NOT_IMPLEMENTED, SqlRefused
 
 # A quoted literal or identifier, as a type name may hold one (Enum8('a' = 1), Tuple(`a b` UInt8)).
 _QUOTED_RE = re.compile(r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|`(?:[^`\\]|\\.|``)*`", re.S)
@@ -156,3 +161,11 @@ def reframe(data: bytes, revision: int) -> bytes:
                 pos = _skip(data, pos + 8 * _prefix_count(type_name), type_name, rows)
             out += data[start:pos]
     return bytes(out)
+
+
+def native_for_revision(data: bytes, revision: int) -> bytes:
+    """reframe() for an endpoint's answer: a column type it cannot re-frame is ClickHouse's NOT_IMPLEMENTED."""
+    try:
+        return reframe(data, revision)
+    except UnsupportedColumn as ex:
+        raise SqlRefused(str(ex), NOT_IMPLEMENTED, "NOT_IMPLEMENTED") from None

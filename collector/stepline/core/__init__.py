@@ -1,2 +1,13 @@
-"""Helpers every layer may use and that know nothing of the timeline: clocks, rate-limited logging, the HTTP
-listener, the collector's own metrics, statistics, duration parsing, text tables."""
+"""Helpers every layer may use and that know nothing of the timeline.
+
+    clock        the wall clock, and a manual one for tests and fast replays
+    ratelimit    a drop or an error always counted, logged at most once per interval
+    listener     the one HTTP listener (IPv4 or IPv6), its URL, the bearer-token check
+    selfmetrics  the collector's own /metrics
+    stats        percentiles and nearest ranks over plain lists
+    linsolve     a small dense linear solve for the step-cost fits
+    timeparse    durations as typed on a command line (90s, 30m, 2h)
+    usage        UsageError, what a command line is refused with
+    texttable    rows as an aligned text table
+    gctune       the garbage collector tuned for a long-running collector
+"""

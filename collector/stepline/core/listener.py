@@ -1,13 +1,64 @@
-"""A socket server run on a daemon thread: every listener of the collector starts and stops the same way."""
+"""The collector's HTTP listeners, written once: a threaded server on the address family its host needs (IPv4 or
+IPv6), the URL that reaches it, the bearer-token check, and the daemon thread each one starts and stops the same way.
+
+Public: HttpServer, ServerThread, Address, url, address_family, bearer_authorized, BEARER_CHALLENGE, linger.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import socket
 import socketserver
 import threading
+from collections.abc import Sequence
+from http.server import ThreadingHTTPServer
 
 LINGER_CAP_BYTES = 1 << 20  # how much of an unread request body linger() reads and drops at most
+BEARER_CHALLENGE = 'Bearer realm="stepline"'  # the WWW-Authenticate header of a 401 from a listener with a token
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 literal (`::1`, `::`, `fd00::5`), AF_INET for anything else (`127.0.0.1`, `localhost`)."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a name: resolved as IPv4, as socketserver's TCPServer always did
+        return socket.AF_INET
+
+
+def url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 host in brackets (RFC 3986 section 3.2.2)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bearer_authorized(header: str, tokens: Sequence[bytes]) -> bool:
+    """Whether an Authorization header is `Bearer <one of tokens>` (the scheme in any case)."""
+    scheme, _, supplied = header.strip().partition(" ")
+    given = supplied.strip().encode()
+    # hmac.compare_digest on bytes: constant time for a token's length, whatever the header holds; and every token is
+    # compared, whichever matches, so the time taken does not say which one it was.
+    matches = [hmac.compare_digest(given, token) for token in tokens]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+class HttpServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer on the family its host needs: IPv6 for an IPv6 literal (`::` takes IPv4 too where the
+    kernel allows dual-stack), IPv4 otherwise. Handler threads are daemons: a stalled client never holds up exit."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[socketserver.BaseRequestHandler]) -> None:
+        self.address_family = address_family(address[0])
+        self._dual_stack = self.address_family == socket.AF_INET6 and ipaddress.ip_address(address[0]).is_unspecified
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # As CPython's own `python -m http.server --bind ::` does (Lib/http/server.py, DualStackServer).
+        if self._dual_stack:
+            with contextlib.suppress(OSError):  # no dual-stack here (net.ipv6.bindv6only, BSDs): IPv6 only
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
 
 class Address:
@@ -25,8 +76,7 @@ class Address:
     @property
     def base_url(self) -> str:
         """http://host:port, an IPv6 host in brackets."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return url(self.host, self.port)
 
 
 class ServerThread:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+import gzip
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
+from urllib.parse import parse_qs, unquote
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from stepline.core.listener import ServerThread
+from stepline.core.listener import HttpServer, ServerThread, url
 
 WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -133,17 +136,22 @@ class SelfMetrics:
 
 
 class MetricsServer:
-    """Serves a registry on /metrics in a background thread."""
+    """Serves a registry on /metrics in a background thread; bound (and its port known) from the start."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server = make_server(
-            host, port, make_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
-        )
+        self.host = host
+        self._server = _Server((host, port), _MetricsHandler)
+        self._server.registry = registry
         self._serving: ServerThread | None = None
 
     @property
     def port(self) -> int:
         return int(self._server.server_port)
+
+    @property
+    def url(self) -> str:
+        """http://host:port/metrics, an IPv6 host in brackets."""
+        return f"{url(self.host, self.port)}/metrics"
 
     def start(self) -> None:
         self._serving = ServerThread(self._server, "self-metrics")
@@ -155,6 +163,57 @@ class MetricsServer:
             self._server.server_close()
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _Server(HttpServer):
+    registry: CollectorRegistry
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """Answers byte for byte as prometheus_client's make_wsgi_app did under wsgiref (prometheus_client/exposition.py,
+    0.26), bar the Server header: any path but /favicon.ico is the exposition, negotiated by Accept (choose_encoder),
+    gzipped when Accept-Encoding asks (gzip_accepted), restricted by name[] parameters; OPTIONS is 200; every other
+    method is 405. HTTP/1.0: one request a connection."""
+
+    server: _Server
+
+    def __getattr__(self, name: str) -> Callable[[], None]:
+        # BaseHTTPRequestHandler answers a method whose do_<METHOD> it does not find with 501; the app answered 405.
+        if name.startswith("do_"):
+            return self._serve
+        raise AttributeError(name)
+
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes are routine; they are not logged."""
+
+    def _serve(self) -> None:
+        allow = [("Allow", "OPTIONS,GET")]
+        path, _, query = self.path.partition("?")  # wsgiref's PATH_INFO and QUERY_STRING
+        if self.command == "OPTIONS":
+            self._send(200, allow, b"")
+        elif self.command != "GET":
+            self._send(405, allow, f"# HTTP 405 Method Not Allowed: {self.command}; use OPTIONS or GET\n".encode())
+        elif unquote(path, "iso-8859-1") == "/favicon.ico":  # browsers ask for it: an empty answer
+            self._send(200, [], b"")
+        else:
+            self._send(200, *self._exposition(parse_qs(query)))
+
+    def _exposition(self, params: dict[str, list[str]]) -> tuple[list[tuple[str, str]], bytes]:
+        encoder, content_type = choose_encoder(self._header("Accept"))
+        registry = self.server.registry
+        output = encoder(registry.restricted_registry(params["name[]"]) if "name[]" in params else registry)
+        headers = [("Content-Type", content_type)]
+        if gzip_accepted(self._header("Accept-Encoding")):
+            output = gzip.compress(output)
+            headers.append(("Content-Encoding", "gzip"))
+        return headers, output
+
+    def _header(self, name: str) -> str:
+        """A request header as wsgiref's environ held it: repeated values stripped and joined with commas."""
+        return ",".join(value.strip() for value in self.headers.get_all(name, []))
+
+    def _send(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.send_response(status)
+        for key, value in headers:
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -117,30 +115,3 @@ def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, metavar="DIR",
-                        help="output folder; Grafana's paths.provisioning is DIR/provisioning")
-    parser.add_argument("--query-url", default=DEFAULT_QUERY_URL, metavar="URL",
-                        help=f"the collector's query endpoint or a ClickHouse server (default {DEFAULT_QUERY_URL}); "
-                             "a password comes from STEPLINE_QUERY_PASSWORD in Grafana's environment")
-    parser.add_argument("--dashboards", default=None, metavar="DIR",
-                        help="dashboard JSON to copy instead of the dashboards stepline generates")
-    parser.add_argument("--prometheus-url", default=None, metavar="URL",
-                        help="also provision a Prometheus datasource (uid stepline-prometheus)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Writes the files and lists them; 2 with a one-line message when an input is unusable."""
-    try:
-        written = write_provisioning(args.out, query_url=args.query_url, dashboards_dir=args.dashboards,
-                                     prometheus_url=args.prometheus_url)
-    except (ProvisioningError, OSError) as exc:
-        print(f"stepline grafana-provisioning: {exc}", file=sys.stderr)
-        return 2
-    for path in written:
-        print(path)
-    if not any(path.suffix == ".json" for path in written):
-        print(f"no dashboards (*.json) in {args.dashboards}: wrote the datasources only", file=sys.stderr)
-    return 0

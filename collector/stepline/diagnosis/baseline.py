@@ -26,6 +26,7 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import whole_minutes
+from stepline.queries.baselines import DECODE_APPROXIMATE, DECODE_EXACT
 from stepline.store.reads import Reads
 
 # prefill_interference and head_of_line_blocking
@@ -92,24 +93,6 @@ WEDGE_STEP_MULTIPLE = 10.0
 
 BASELINE_LOOKBACK = timedelta(hours=1)
 
-DECODE_ONLY = "num_ctx_tokens = 0 AND num_generation_requests > 0"
-
-_EXACT = f"""
-SELECT engine, quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY}),
-       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
-FROM steps
-WHERE engine IN {{engines:Array(String)}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
-GROUP BY engine
-"""
-_APPROXIMATE = f"""
-WITH toStartOfMinute(ts) AS bucket
-SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1],
-       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
-FROM steps
-WHERE engine IN {{engines:Array(String)}} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}
-GROUP BY engine
-"""
-
 
 @dataclass(frozen=True)
 class Baseline:
@@ -166,16 +149,16 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
     small = sorted(set(names) - set(big))
     figures: dict[str, tuple[float, Any, bool]] = {}
     if small:
-        for engine, step_ms, itl in Query(_EXACT, engines=small, start=window.start, end=window.end).rows(reader):
+        for engine, step_ms, itl in Query(DECODE_EXACT, engines=small, start=window.start, end=window.end).rows(reader):
             figures[str(engine)] = (number(step_ms), itl, False)
     if big and minutes is not None:
-        for engine, step_ms, itl in Query(_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
+        for engine, step_ms, itl in Query(DECODE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
             figures[str(engine)] = (number(step_ms), itl, True)
     # A window inside a long prefill has no decode-only step: the engine's figures from just before it.
     missing = sorted(e for e in names if figures.get(e, (0.0,))[0] <= 0)
     earlier: set[str] = set()
     if missing:
-        for engine, step_ms, itl in Query(_EXACT, engines=missing, start=window.start - BASELINE_LOOKBACK,
+        for engine, step_ms, itl in Query(DECODE_EXACT, engines=missing, start=window.start - BASELINE_LOOKBACK,
                                           end=window.start).rows(reader):
             if number(step_ms) > 0:
                 figures[str(engine)] = (number(step_ms), itl, False)

@@ -10,6 +10,9 @@ from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.queries.baselines import ALONE
+from stepline.queries.steps import of_engine
+from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 from stepline.store.reads import Reads
 
 Detector = Callable[[Reads, Window], list[Finding]]
@@ -56,8 +59,7 @@ def which_span(sql: str, spans: Sequence[tuple[str, datetime, datetime]]) -> tup
     Fills in INSIDE_ANY (a step of any span: an OR of engine-and-time ranges, which the steps' primary key
     prunes by, so a day's table is read only where the spans are), WHICH (multiIf cases giving a step's first
     span) and EVERY_SPAN (an array of every span a step lies in, for spans that overlap)."""
-    conditions = [f"engine = {{e{i}:String}} AND ts >= {{lo{i}:DateTime64(6)}} AND ts <= {{hi{i}:DateTime64(6)}}"
-                  for i in range(len(spans))]
+    conditions = [of_engine(f"e{i}", f"lo{i}", f"hi{i}") for i in range(len(spans))]
     params: dict[str, Any] = {}
     for i, (engine, lo, hi) in enumerate(spans):
         params.update({f"e{i}": engine, f"lo{i}": lo, f"hi{i}": hi})
@@ -65,22 +67,6 @@ def which_span(sql: str, spans: Sequence[tuple[str, datetime, datetime]]) -> tup
               .replace("EVERY_SPAN", ", ".join(f"if({c}, {i}, -1)" for i, c in enumerate(conditions)))
               .replace("INSIDE_ANY", " OR ".join(f"({c})" for c in conditions)))
     return filled, params
-
-
-# How the requests table merges a request's reports (schema.merged): the times by min, every other field by max.
-_MERGED_BY_MIN = ("ts", "arrival_ts")
-
-
-def merged_requests(where: str, columns: Sequence[str]) -> str:
-    """`requests` as FINAL reads it (one row per engine and request id, `columns` merged as the table merges
-    them), over the reports that match `where`: a table expression, without FINAL's merge of every row in range.
-
-    `where` must hold alike for every report of a request that knows the fields it reads (engine, times, prompt
-    tokens, queue time), never test a field only one report carries (cached tokens): a request whose reports it
-    splits would be merged from part of them. Filter on merged values outside."""
-    merged = ", ".join(f"{'min' if c in _MERGED_BY_MIN else 'max'}({c}) AS {c}" for c in columns)
-    return (f"(SELECT engine, request_id, {merged} FROM (SELECT engine, request_id, {', '.join(columns)} "
-            f"FROM requests WHERE {where}) GROUP BY engine, request_id)")
 
 
 def utc(moment: datetime) -> datetime:
@@ -116,10 +102,6 @@ class Memo:
         return self._results[key]
 
 
-# Every engine, or only the window's: the filter detectors put on queries that answer for all engines at once.
-EACH_ENGINE = "({engine:String} = '' OR engine = {engine:String})"
-
-
 def engines(reader: Reads, window: Window) -> list[str]:
     """The engines with steps, requests or engine samples in the window (or only the window's engine)."""
     if window.engine:
@@ -127,13 +109,11 @@ def engines(reader: Reads, window: Window) -> list[str]:
     steps, bounds = rolled([], "1", window.start, window.end)
     rows = Query(
         f"SELECT DISTINCT engine FROM ({steps} UNION ALL SELECT DISTINCT engine FROM requests WHERE "
-        "ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)} UNION ALL SELECT DISTINCT engine FROM "
-        "engine_samples WHERE ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}) WHERE engine != '' "
+        f"{IN_WINDOW} UNION ALL SELECT DISTINCT engine FROM engine_samples WHERE {IN_WINDOW}) WHERE engine != '' "
         "ORDER BY engine", start=window.start, end=window.end, **bounds).rows(reader)
     return [str(r[0]) for r in rows]
 
 
-ALONE = "num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elapsed_ms > 0"
 _SUMMARY = (
     Agg("steps", "count()", "sum({})"),
     Agg("alone_steps", f"countIf({ALONE})", "sum({})"),

@@ -7,9 +7,7 @@ from typing import Any
 
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
-    ALONE,
     APPROXIMATE,
-    EACH_ENGINE,
     EXACT_MAX_STEPS,
     Query,
     clip,
@@ -21,45 +19,29 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import whole_minutes
+from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT
+from stepline.queries.requests import MERGED, PROMPT_BAND
+from stepline.queries.steps import OF_ENGINE, OF_ENGINES
+from stepline.queries.window import EACH_ENGINE, ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
 
-_BAND = """multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, '8k-32k',
-               prompt_tokens < 100000, '32k-100k', '>= 100k') AS band"""
 _RATES = """min(prompt_tokens) AS lo, count() AS n,
        quantileExact(0.01)(1 / mean_tpot_seconds) AS rate_p1, quantileExact(0.5)(1 / mean_tpot_seconds) AS rate_p50"""
 _DECODED = "mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation_tokens > 1"
 _BANDS = f"""
-SELECT {_BAND},
+SELECT {PROMPT_BAND} AS band,
        {_RATES}
-FROM requests FINAL
-WHERE engine = {{engine:String}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
-  AND {_DECODED}
+FROM {MERGED}
+WHERE {ENGINE} AND {IN_WINDOW} AND {_DECODED}
 GROUP BY band ORDER BY lo
 """
 _BANDS_BY_ENGINE = f"""
-SELECT engine, {_BAND}, {_RATES}
-FROM requests FINAL
-WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}} AND {_DECODED}
+SELECT engine, {PROMPT_BAND} AS band, {_RATES}
+FROM {MERGED}
+WHERE {EACH_ENGINE} AND {IN_WINDOW} AND {_DECODED}
 GROUP BY engine, band ORDER BY engine, lo
-"""
-
-# Few decoders and no prefill (ALONE): what one request gets from this engine with nobody in its way.
-_ALONE_EXACT = f"""
-SELECT engine, quantilesExact(0.1, 0.5, 0.9)(1000 / elapsed_ms), quantileExact(0.5)(elapsed_ms)
-FROM steps
-WHERE engine IN {{engines:Array(String)}} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
-  AND {ALONE}
-GROUP BY engine
-"""
-# The same from the per-minute projection: step-time quantiles, inverted into rates (p10 of rate = p90 of time).
-_ALONE_APPROXIMATE = f"""
-WITH toStartOfMinute(ts) AS bucket
-SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE})
-FROM steps
-WHERE engine IN {{engines:Array(String)}} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}
-GROUP BY engine
 """
 
 
@@ -73,12 +55,12 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
     small = sorted(set(counts) - set(big))
     out: dict[str, tuple[int, tuple[float, float, float], float, bool]] = {}
     if small:
-        for engine, rate, step_ms in Query(_ALONE_EXACT, engines=small, start=window.start,
+        for engine, rate, step_ms in Query(ALONE_EXACT, engines=small, start=window.start,
                                            end=window.end).rows(reader):
             out[str(engine)] = (counts[engine][1], (number(rate[0]), number(rate[1]), number(rate[2])),
                                 number(step_ms), False)
     if big and minutes is not None:
-        for engine, ms in Query(_ALONE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
+        for engine, ms in Query(ALONE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
             p10, p50, p90 = (number(v) for v in ms)
             rates = tuple(1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
             out[str(engine)] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, True)
@@ -128,28 +110,27 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
     return findings
 
 
-_XID = """
+_XID = f"""
 SELECT e.ts, e.message, e.attributes['xid'] AS xid,
-       (SELECT count() FROM steps WHERE engine = {engine:String} AND elapsed_ms > {slow_ms:Float64}
-            AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}) AS slow_steps_in_window
+       (SELECT count() FROM steps WHERE {OF_ENGINE} AND elapsed_ms > {{slow_ms:Float64}}) AS slow_steps_in_window
 FROM events AS e
-WHERE e.kind = 'gpu_xid' AND (e.engine = {engine:String} OR e.engine = '')
-  AND e.ts >= {start:DateTime64(6)} AND e.ts <= {end:DateTime64(6)}
+WHERE e.kind = 'gpu_xid' AND (e.engine = {{engine:String}} OR e.engine = '')
+  AND {between(column="e.ts")}
 ORDER BY e.ts
 """
 
 
-_XID_EVENTS = """
+_XID_EVENTS = f"""
 SELECT engine, ts, message, attributes['xid'] AS xid
 FROM events
-WHERE kind = 'gpu_xid' AND ({engine:String} = '' OR engine = {engine:String} OR engine = '')
-  AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+WHERE kind = 'gpu_xid' AND ({EACH_ENGINE} OR engine = '') AND {IN_WINDOW}
 ORDER BY ts
 """
-_SLOW_STEPS = """
-SELECT engine, countIf(elapsed_ms > transform(toString(engine), {engines:Array(String)}, {slow_ms:Array(Float64)}, inf))
+_SLOW_STEPS = f"""
+SELECT engine,
+       countIf(elapsed_ms > transform(toString(engine), {{engines:Array(String)}}, {{slow_ms:Array(Float64)}}, inf))
 FROM steps
-WHERE engine IN {engines:Array(String)} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+WHERE {OF_ENGINES}
 GROUP BY engine
 """
 

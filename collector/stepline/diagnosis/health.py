@@ -20,19 +20,22 @@ from stepline.diagnosis.baseline import (
     WEDGE_UNKNOWN_LAG_S,
     baselines,
 )
-from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.common import Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.queries.requests import MERGED
+from stepline.queries.steps import OF_ENGINE
+from stepline.queries.window import EACH_ENGINE, ENGINE, IN_WINDOW
 from stepline.store.reads import Reads
 
 GPU_IDLE_PCT = 5.0  # a share of the GPU's time, the same on every GPU
 
-_BUCKETS = """
-SELECT toStartOfInterval(ts, toIntervalSecond({bucket_s:UInt32})) AS t,
+_BUCKETS = f"""
+SELECT toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t,
        sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries,
        sum(spec_num_accepted_tokens) AS accepted, sum(spec_num_draft_tokens) AS drafted, sum(spec_num_drafts) AS drafts
 FROM steps
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+WHERE {OF_ENGINE}
 GROUP BY t ORDER BY t
 """
 
@@ -64,9 +67,8 @@ _REQUEST_HITS = f"""
 SELECT engine, toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t, count() AS requests,
        avg(least(cached_tokens, prompt_tokens) / prompt_tokens) AS hit_share,
        sum(prompt_tokens) AS prompt_sum
-FROM requests FINAL
-WHERE {EACH_ENGINE} AND source = 'plugin' AND prompt_tokens > 0
-  AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+FROM {MERGED}
+WHERE {EACH_ENGINE} AND source = 'plugin' AND prompt_tokens > 0 AND {IN_WINDOW}
 GROUP BY engine, t ORDER BY engine, t
 """
 
@@ -134,11 +136,11 @@ def spec_decode_acceptance_shift(reader: Reads, window: Window) -> list[Finding]
     return findings
 
 
-_KV = """
+_KV = f"""
 SELECT max(kv_cache_usage) AS kv_max, sum(preempted) AS preempted, countIf(kv_cache_usage >= 0.95) AS steps_near_full,
        min(ts) AS first, max(ts) AS last
 FROM steps
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+WHERE {OF_ENGINE}
 """
 
 
@@ -170,21 +172,18 @@ _SLOWEST_LAST = ("arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupA
                  "{last_steps:UInt32})))")
 _SCRAPE_INTERVAL = "if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan)"
 _PROGRESS = f"""
-SELECT (SELECT max(ts) FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}}) AS last_step,
-       (SELECT argMax(waiting, ts) FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}})
-           AS waiting_step,
-       (SELECT argMax(value, ts) FROM engine_samples WHERE engine = {{engine:String}}
-            AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}} AND ts >= {{start:DateTime64(6)}})
-           AS waiting_scraped,
-       (SELECT {_SLOWEST_LAST} FROM steps WHERE engine = {{engine:String}} AND ts <= {{end:DateTime64(6)}}
+SELECT (SELECT max(ts) FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}) AS last_step,
+       (SELECT argMax(waiting, ts) FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}) AS waiting_step,
+       (SELECT argMax(value, ts) FROM engine_samples WHERE {ENGINE} AND metric = 'vllm:num_requests_waiting'
+            AND {IN_WINDOW}) AS waiting_scraped,
+       (SELECT {_SLOWEST_LAST} FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}
             AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
-       (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE engine = {{engine:String}}
+       (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE {ENGINE}
             AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE) AS recent_p50_ms,
-       (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE engine = {{engine:String}}
+       (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE {ENGINE}
             AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND) AS gpu_util_pct,
-       (SELECT {_SCRAPE_INTERVAL} FROM engine_samples
-            WHERE engine = {{engine:String}} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
-            AND ts >= {{start:DateTime64(6)}}) AS scrape_interval_s
+       (SELECT {_SCRAPE_INTERVAL} FROM engine_samples WHERE {ENGINE} AND metric = 'vllm:num_requests_waiting'
+            AND {IN_WINDOW}) AS scrape_interval_s
 """
 
 
@@ -201,8 +200,7 @@ GROUP BY engine
 _SCRAPED_WAITING = f"""
 SELECT engine, argMax(value, ts), {_SCRAPE_INTERVAL}
 FROM engine_samples
-WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND ts <= {{end:DateTime64(6)}}
-  AND ts >= {{start:DateTime64(6)}}
+WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND {IN_WINDOW}
 GROUP BY engine
 """
 _GPU_UTIL = f"""

@@ -23,13 +23,11 @@ from stepline.diagnosis.baseline import (
     times,
 )
 from stepline.diagnosis.common import (
-    EACH_ENGINE,
     Query,
     clip,
     config_int,
     engine_configs,
     engines,
-    merged_requests,
     number,
     utc,
     which_span,
@@ -37,6 +35,10 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.runs import PrefillRun, prefill_runs
+from stepline.queries.baselines import DECODE_STEP_P50, ITL_P50_P99
+from stepline.queries.requests import FIRST_TOKEN, MERGED, SCHEDULED, merged_matching
+from stepline.queries.steps import OF_ENGINE, of_engine
+from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, between
 from stepline.store.reads import Reads
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
@@ -44,10 +46,8 @@ from stepline.store.reads import Reads
 # Their span runs from the end of their queue time to their first token, then narrows to the steps (_CARRIED).
 _REQUEST_FIELDS = ("ts", "arrival_ts", "prompt_tokens", "cached_tokens", "queue_seconds", "ttft_seconds")
 _LONG_PREFILLS = f"""
-SELECT engine, request_id, prompt_tokens, cached_tokens,
-       arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6)) AS prefill_start,
-       arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)) AS prefill_end
-FROM {merged_requests(EACH_ENGINE + " AND ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)}"
+SELECT engine, request_id, prompt_tokens, cached_tokens, {SCHEDULED} AS prefill_start, {FIRST_TOKEN} AS prefill_end
+FROM {merged_matching(EACH_ENGINE + " AND ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)}"
                       " AND prompt_tokens >= {least_uncached:UInt64}", _REQUEST_FIELDS)}
 WHERE isFinite(queue_seconds) AND isFinite(ttft_seconds)
   AND prompt_tokens - least(cached_tokens, prompt_tokens) >= transform(toString(engine),
@@ -70,31 +70,28 @@ GROUP BY k
 # Steps inside the prefill interval against the window's decode-only steps (those carrying no prefill chunk, so
 # none of the prefill's), in the diagnosis window: what a finding shows. What runs reads the same figures in
 # fewer rows: _INSIDE, and the baselines once per engine.
-_INTERFERENCE = """
+_INTERFERENCE = f"""
 SELECT countIf(inside) AS steps_inside,
        quantileExactIf(0.5)(elapsed_ms, inside) AS step_p50_inside_ms,
-       quantileExactIf(0.5)(elapsed_ms, num_ctx_tokens = 0 AND num_generation_requests > 0)
-           AS step_p50_decode_only_outside_ms,
+       {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms,
        maxIf(num_ctx_tokens, inside) AS chunk_tokens,
        sumIf(length(itl_seconds), inside) AS itl_samples_inside,
        quantilesExactArrayIf(0.5, 0.99)(itl_seconds, inside) AS itl_inside_s,
-       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0) AS itl_outside_s,
+       {ITL_P50_P99} AS itl_outside_s,
        sumIf(elapsed_ms * num_generation_requests, inside) / 1000 AS delayed_request_s,
        maxIf(waiting, inside) AS waiting_max_inside,
        countIf(inside AND num_ctx_requests = 1) / countIf(inside) AS own_steps_share
-FROM (SELECT *, ts >= {prefill_start:DateTime64(6)} AND ts <= {prefill_end:DateTime64(6)} AS inside
-      FROM steps
-      WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)})
+FROM (SELECT *, {between("prefill_start", "prefill_end")} AS inside FROM steps WHERE {OF_ENGINE})
 """
 
 # Requests that arrived while the prefill ran and queued: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
-_QUEUED_BEHIND = """
+_QUEUED_BEHIND = f"""
 SELECT count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
-FROM requests FINAL
-WHERE engine = {engine:String} AND request_id != {request_id:String} AND queue_seconds > 0
-  AND queue_seconds >= {min_queue_s:Float64}
-  AND arrival_ts >= {prefill_start:DateTime64(6)} AND arrival_ts < {prefill_end:DateTime64(6)}
+FROM {MERGED}
+WHERE {ENGINE} AND request_id != {{request_id:String}} AND queue_seconds > 0
+  AND queue_seconds >= {{min_queue_s:Float64}}
+  AND arrival_ts >= {{prefill_start:DateTime64(6)}} AND arrival_ts < {{prefill_end:DateTime64(6)}}
 """
 
 # _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
@@ -114,8 +111,8 @@ GROUP BY k
 _QUEUED_BEHIND_EACH = f"""
 SELECT k, count(), sum(queue_seconds), max(queue_seconds),
        arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
-FROM {merged_requests("engine IN {engines:Array(String)} AND queue_seconds >= {least_queue_s:Float64}"
-                      " AND queue_seconds > 0 AND arrival_ts < {hi:DateTime64(6)} AND ts > {lo:DateTime64(6)}",
+FROM {merged_matching(ENGINES + " AND queue_seconds >= {least_queue_s:Float64} AND queue_seconds > 0"
+                      " AND arrival_ts < {hi:DateTime64(6)} AND ts > {lo:DateTime64(6)}",
                       ("ts", "arrival_ts", "queue_seconds"))}
 ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i] AND request_id != {{ids:Array(String)}}[i]
     AND queue_seconds >= {{min_queue_s:Array(Float64)}}[i]
@@ -128,14 +125,12 @@ GROUP BY k
 # run's engine, arrived before its first chunk, first token at or after its last, with at least the run's tokens
 # uncached; the largest such. A run no finished request explains is a prefill still running (or never finished).
 _RUN_REQUESTS = f"""
-SELECT k, argMax((request_id, prompt_tokens, cached_tokens,
-                  arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))), prompt_tokens)
-FROM {merged_requests("engine IN {engines:Array(String)} AND prompt_tokens >= {least_tokens:UInt64}"
+SELECT k, argMax((request_id, prompt_tokens, cached_tokens, {SCHEDULED}), prompt_tokens)
+FROM {merged_matching(ENGINES + " AND prompt_tokens >= {least_tokens:UInt64}"
                       " AND ts >= {lo:DateTime64(6)} AND arrival_ts <= {hi:DateTime64(6)}", _REQUEST_FIELDS)}
 ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i]
     AND arrival_ts <= fromUnixTimestamp64Micro({{starts:Array(Int64)}}[i], 'UTC')
-    AND arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6))
-        >= fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
+    AND {FIRST_TOKEN} >= fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
     AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {{tokens:Array(UInt64)}}[i],
     arrayEnumerate({{engines:Array(String)}})) AS k
 WHERE isFinite(ttft_seconds) AND isFinite(queue_seconds)
@@ -384,12 +379,13 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
 
 # The waiting queue just before a prefill, at its peak while the prefill ran, and at its lowest within one prefill's
 # length after it.
-_QUEUE_SHAPE = """
-SELECT argMaxIf(waiting, ts, ts < {began:DateTime64(6)}) AS waiting_before,
-       maxIf(waiting, ts >= {began:DateTime64(6)} AND ts <= {end:DateTime64(6)}) AS waiting_peak_inside,
-       minIf(waiting, ts > {end:DateTime64(6)}) AS waiting_min_after, countIf(ts > {end:DateTime64(6)}) AS steps_after
+_QUEUE_SHAPE = f"""
+SELECT argMaxIf(waiting, ts, ts < {{began:DateTime64(6)}}) AS waiting_before,
+       maxIf(waiting, {between("began", "end")}) AS waiting_peak_inside,
+       minIf(waiting, ts > {{end:DateTime64(6)}}) AS waiting_min_after,
+       countIf(ts > {{end:DateTime64(6)}}) AS steps_after
 FROM steps
-WHERE engine = {engine:String} AND ts >= {lo:DateTime64(6)} AND ts <= {hi:DateTime64(6)}
+WHERE {of_engine(start="lo", end="hi")}
 """
 
 
@@ -408,14 +404,14 @@ def _queue_shape(reader: Reads, engine: str, big: LongPrefill) -> dict[str, Any]
                           "one prefill's length after"}
 
 
-_OVER_THRESHOLD = """
-SELECT countIf(num_ctx_requests = 1 AND num_ctx_tokens > {threshold:UInt32}) AS over_threshold,
+_OVER_THRESHOLD = f"""
+SELECT countIf(num_ctx_requests = 1 AND num_ctx_tokens > {{threshold:UInt32}}) AS over_threshold,
        maxIf(num_ctx_tokens, num_ctx_requests = 1) AS max_single_prefill,
-       countIf(num_ctx_tokens + num_generation_tokens > {budget:UInt32}) AS over_budget,
+       countIf(num_ctx_tokens + num_generation_tokens > {{budget:UInt32}}) AS over_budget,
        max(num_ctx_tokens + num_generation_tokens) AS max_step_tokens,
        max(waiting) AS waiting_max, countIf(num_ctx_tokens > 0) AS prefill_steps
 FROM steps
-WHERE engine = {engine:String} AND ts >= {start:DateTime64(6)} AND ts <= {end:DateTime64(6)}
+WHERE {OF_ENGINE}
 """
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
 
 WIDTH = 1200
@@ -242,7 +243,7 @@ DEFAULT_TITLE = "stepline incident report"
 
 _BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
            " AND ts < fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
-           " AND ({engine:String} = '' OR engine = {engine:String})")
+           f" AND {EACH_ENGINE}")
 _BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
 # Per bucket over every engine in the window: the worst step, the prefill it carried, the ITL tails.
 _STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms), sum(num_ctx_tokens),"

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, LONG_PROMPT_CHUNKS, budgets
-from stepline.diagnosis.common import EACH_ENGINE, Query, config_int, engine_configs, number, utc, which_span
+from stepline.diagnosis.common import Query, config_int, engine_configs, number, utc, which_span
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
 
 # A chunk is long from LONG_CHUNK_SHARE of the engine's budget (of its long_prefill_token_threshold when that is

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from stepline.diagnosis.baseline import IDLE_SLOT_SHARE, LEAK_RECENT_SHARE, MIN_LEAK_STEPS, budgets
-from stepline.diagnosis.common import EACH_ENGINE, Query, clip, engines, number, utc
+from stepline.diagnosis.common import Query, clip, engines, number, utc
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.window import EACH_ENGINE, between
 from stepline.store.reads import Reads
 
 # Steps of the window's last LEAK_RECENT_SHARE with requests waiting and at least half the token budget unused.
@@ -24,7 +25,7 @@ SELECT engine, count() AS steps,
        argMax(toInt64(running) - num_generation_requests - num_ctx_requests, ts) AS idle_slots_last,
        min(ts) AS first, max(ts) AS last
 FROM steps
-WHERE {EACH_ENGINE} AND ts >= {{recent:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}} AND waiting > 0
+WHERE {EACH_ENGINE} AND {between("recent")} AND waiting > 0
   AND num_ctx_tokens + num_generation_tokens < transform(toString(engine), {{budget_engines:Array(String)}},
       {{half_budget:Array(UInt64)}}, 0)
 GROUP BY engine ORDER BY engine

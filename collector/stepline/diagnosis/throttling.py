@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from stepline.diagnosis.baseline import BUSY_GPU_PCT, CLOCK_DROP, THROTTLED_SHARE
-from stepline.diagnosis.common import EACH_ENGINE, EXACT_MAX_STEPS, Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.common import EXACT_MAX_STEPS, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.model.schema import timeline_sql
+from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 THROTTLE_FLAGS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
@@ -43,14 +44,13 @@ SELECT engine, any(gpu_name) AS gpu_name, max(sm_clock_mhz) AS sm_mhz_max_seen,
        minIf(ts, hasAny(clock_event_flags, {{flags:Array(String)}})) AS first_throttled,
        maxIf(ts, hasAny(clock_event_flags, {{flags:Array(String)}})) AS last_throttled
 FROM gpu_samples
-WHERE {EACH_ENGINE} AND ts >= {{start:DateTime64(6)}} AND ts <= {{end:DateTime64(6)}}
+WHERE {EACH_ENGINE} AND {IN_WINDOW}
 GROUP BY engine ORDER BY engine
 """
 
 _GPU_WINDOW = " AND ts >= {start:DateTime64(6)} - INTERVAL 10 SECOND AND ts <= {end:DateTime64(6)}"
 _TIMELINE = timeline_sql(
-    "", " AND s.engine = {engine:String} AND s.ts >= {start:DateTime64(6)} AND s.ts <= {end:DateTime64(6)}"
-    " AND s.step % {every:UInt64} = 0",
+    "", f" AND s.engine = {{engine:String}} AND {between(column='s.ts')} AND s.step % {{every:UInt64}} = 0",
     f"{_GPU_WINDOW} AND (host, gpu_index) IN (SELECT host, gpu_index FROM gpu_samples WHERE engine = {{engine:String}}"
     f"{_GPU_WINDOW})")
 # Decode-only steps by batch shape (decoding requests in steps of ~19%: round(4 * log2)), throttled or not, and

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
+from stepline.drills.scenarios import PowerCap, Scenario, ScenarioRun, run_engines
 from stepline.sim.config import EngineConfig, SpecDecode
 from stepline.sim.costmodel import CostModel
-from stepline.sim.scenarios import PowerCap, Scenario, ScenarioRun, run_engines
 from stepline.sim.traffic import (
     Mix,
     arrivals,

@@ -10,11 +10,11 @@ import time
 from dataclasses import replace
 
 from stepline.app.collector import Collector
+from stepline.drills.scenarios import GPU_INTERVAL_S, TICK_S, Scenario, power_cap_factor
 from stepline.ingest.runner import Scheduled
 from stepline.sim import vllm_server as sim_server
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
 from stepline.sim.gpu import SimulatedGpus, SimulatedGpuSource
-from stepline.sim.scenarios import GPU_INTERVAL_S, TICK_S, Scenario, power_cap_factor
 from stepline.sim.telemetry import LateBound, Telemetry
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver

@@ -168,11 +168,6 @@ def make_scenario(name: str) -> Scenario:
         raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIO_NAMES)}") from None
 
 
-def all_scenarios() -> list[Scenario]:
-    """Every scenario, in registry order."""
-    return [build() for build in _BUILDERS.values()]
-
-
 @dataclass
 class ScenarioRun:
     """What a replay produced: its stamped span, steps, and the GPUs' reading after each step."""

@@ -2,7 +2,7 @@
 
 One run serves a live case (`generator.live_case`) in real time beside a collector as `stepline collect` runs it
 (scrapes every 5 s, the plugin, OTLP, the GPU source over the simulated GPUs), with the generated alert rules in a
-real Prometheus and Alertmanager (`alerting.localstack`), and polls, every `poll_s`:
+real Prometheus and Alertmanager (`stepline.testing.alertstack`), and polls, every `poll_s`:
 - `diagnose` over the last 3 minutes, every engine (what `stepline diagnose --since 3m` prints), timed;
 - the collector's /metrics: the watchdog's state and top finding for the engine;
 and keeps every page Alertmanager sends. The result says, from the cause's onset: when the top finding first named
@@ -29,8 +29,9 @@ from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
-from stepline.sim.generator import live_case
-from stepline.sim.live import LiveEngine
+from stepline.drills.generator import live_case
+from stepline.drills.live import LiveEngine
+from stepline.queries.window import ENGINE
 from stepline.testing.alertstack import AlertStack, Webhook
 
 POLL_WINDOW = timedelta(minutes=3)
@@ -190,12 +191,13 @@ def run_live(cause: str, *, seed: int = 0, duration_s: float = 75.0, poll_s: flo
                 time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
             result.pages = hook.snapshot()
             store = collector.store
-            (finished,), = store.query("SELECT toFloat64(min(ts)) FROM requests WHERE engine = {e:String} AND "
+            # The earliest report's ts is the merged one (requests merge ts by min): no merged read needed.
+            (finished,), = store.query(f"SELECT toFloat64(min(ts)) FROM requests WHERE {ENGINE} AND "
                                        "(request_id LIKE '%-monster-%' OR request_id LIKE '%-long-%')",
-                                       parameters={"e": name}).result_rows
+                                       parameters={"engine": name}).result_rows
             result.request_finished = float(finished) if finished else None
-            (last,), = store.query("SELECT toFloat64(max(ts)) FROM steps WHERE engine = {e:String}",
-                                   parameters={"e": name}).result_rows
+            (last,), = store.query(f"SELECT toFloat64(max(ts)) FROM steps WHERE {ENGINE}",
+                                   parameters={"engine": name}).result_rows
             result.last_step = float(last) if last else None
             if cause == "wedge" and result.last_step is not None:
                 result.onset = result.last_step  # the wedge begins when progress stops: the engine's last step

@@ -14,21 +14,19 @@ Body: {"events": [{"ts": MICROSECONDS, "host": "...", "engine": "...", "source":
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import json
 import logging
 import re
 import secrets
-import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from stepline.clickhouse_http.protocol import BodyTooLarge, read_body
-from stepline.core.listener import Address, ServerThread, linger
+from stepline.clickhouse_http.body import BodyTooLarge, read_body
+from stepline.core.listener import BEARER_CHALLENGE, Address, HttpServer, ServerThread, bearer_authorized, linger
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.model.rows import Event
 
@@ -119,14 +117,6 @@ def _text(where: str, name: str, value: Any, limit: int) -> str:
     return value
 
 
-def _authorized(header: str, tokens: Sequence[bytes]) -> bool:
-    scheme, _, supplied = header.strip().partition(" ")
-    given = supplied.strip().encode()
-    # Every token is compared, whichever matches: the time taken does not say which one it was.
-    matches = [hmac.compare_digest(given, token) for token in tokens]
-    return scheme.lower() == "bearer" and any(matches)
-
-
 class EventsIngest(Address):
     """Serves POST /v1/events on a background thread and hands accepted events to `write`."""
 
@@ -155,7 +145,7 @@ class EventsIngest(Address):
     def start(self) -> None:
         """Bind and serve; OSError naming the address when it is taken."""
         try:
-            server = (_Server6 if ":" in self.host else _Server)((self.host, self._port), _Handler)
+            server = _Server((self.host, self._port), _Handler)
         except OSError as exc:
             raise OSError(exc.errno, f"events endpoint cannot listen on {self.host}:{self._port}: {exc.strerror}"
                           ) from exc
@@ -178,7 +168,7 @@ class EventsIngest(Address):
             return EventsRejected(404, f"no handler for {path[:100]!r}: events go to POST {EVENTS_PATH}")
         if method != "POST":
             return EventsRejected(405, f"{method} is not allowed: use POST")
-        if not _authorized(authorization, self._tokens):
+        if not bearer_authorized(authorization, self._tokens):
             return EventsRejected(401, "a valid 'Authorization: Bearer <token>' header is required (the token is "
                                        "in the collector's runtime file, or $STEPLINE_OTLP_TOKEN)")
         return None
@@ -200,13 +190,8 @@ class EventsIngest(Address):
                           rejected.status, rejected)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(HttpServer):
     ingest: EventsIngest
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -259,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             if status == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="stepline"')
+                self.send_header("WWW-Authenticate", BEARER_CHALLENGE)
             if close:
                 self.send_header("Connection", "close")
                 self.close_connection = True

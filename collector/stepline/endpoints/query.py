@@ -18,17 +18,21 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from clickhouse_connect.driver.client import Client
 
+from stepline.clickhouse_http import body as chbody
 from stepline.clickhouse_http import compression as chcompress
+from stepline.clickhouse_http import errors as cherrors
 from stepline.clickhouse_http import formats as chformats
-from stepline.clickhouse_http import protocol as chhttp
-from stepline.clickhouse_http.protocol import SqlRefused
-from stepline.core.listener import Address, ServerThread
+from stepline.clickhouse_http import guard as chguard
+from stepline.clickhouse_http import native as chnative
+from stepline.clickhouse_http import settings as chsettings
+from stepline.clickhouse_http.errors import SqlRefused
+from stepline.core.listener import Address, HttpServer, ServerThread
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
 
@@ -176,17 +180,17 @@ class QueryEndpoint(Address):
 
     def too_large(self, size: int) -> _Reply:
         """The reply to a body over max_body_bytes."""
-        ex = chhttp.too_large(size, self.max_body_bytes)
+        ex = chbody.too_large(size, self.max_body_bytes)
         logger.warning("query endpoint: refused: %s", ex)
         return self._error(ex.code, ex.name, str(ex))
 
     def _error(self, code: int, name: str, message: str, status: int | None = None) -> _Reply:
-        refused = code in (chhttp.READONLY, chhttp.AUTHENTICATION_FAILED, chhttp.QUERY_IS_TOO_LARGE)
+        refused = code in (cherrors.READONLY, cherrors.AUTHENTICATION_FAILED, cherrors.QUERY_IS_TOO_LARGE)
         headers = {"Content-Type": _TEXT, "X-ClickHouse-Exception-Code": str(code)}
-        status = status or chhttp.http_status(code)
+        status = status or cherrors.http_status(code)
         if status == 401:
             headers["WWW-Authenticate"] = 'Basic realm="stepline", charset="UTF-8"'
-        body = chhttp.exception_text(code, name, message).encode()
+        body = cherrors.exception_text(code, name, message).encode()
         return _Reply(status, body, "refused" if refused else "failed", headers)
 
     def _authenticate(self, headers: Message, params: Mapping[str, str]) -> None:
@@ -202,29 +206,29 @@ class QueryEndpoint(Address):
         supplied = params.get("password") if supplied is None else str(supplied)
         if supplied is None or not hmac.compare_digest(supplied.encode(), self._password):
             what = "required" if supplied is None else "failed: password is incorrect"
-            raise SqlRefused(f"default: Authentication {what}", chhttp.AUTHENTICATION_FAILED,
+            raise SqlRefused(f"default: Authentication {what}", cherrors.AUTHENTICATION_FAILED,
                              "AUTHENTICATION_FAILED", status=401 if supplied is None else 403)
 
     def _query(self, params: dict[str, str], headers: Message, body: bytes) -> _Reply:
-        body = chhttp.decompress(headers.get("Content-Encoding", "").strip().lower(), body, self.max_body_bytes)
+        body = chcompress.decode_content(headers.get("Content-Encoding", "").strip().lower(), body, self.max_body_bytes)
         if _flag(params, "decompress"):
             body = chcompress.decompress_blocks(body, self.max_body_bytes)
         content_type = headers.get("Content-Type", "")
         if content_type.lower().startswith("multipart/form-data"):
-            params.update(chhttp.form_fields(content_type, body))
+            params.update(chbody.form_fields(content_type, body))
             body = b""
         try:
             text, valid = body.decode(), True
         except UnicodeDecodeError:
             text, valid = body.decode(errors="replace"), False  # still guarded first: an INSERT's binary rows
-        statement = chhttp.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
+        statement = chguard.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
         if not valid:
             raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
-        if not chhttp.NAME.match(fmt):
+        if not chsettings.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
-        settings = chhttp.query_settings(params, self._base_settings, self._caps)
-        chhttp.check_statement_settings(statement, self._caps)
+        settings = chsettings.query_settings(params, self._base_settings, self._caps)
+        chsettings.check_statement_settings(statement.settings, self._caps)
         frame = None
         if _flag(params, "compress"):
             method = chcompress.method_byte(settings.get("network_compression_method", "lz4"))
@@ -240,7 +244,7 @@ class QueryEndpoint(Address):
         revision = params.get("client_protocol_version", "0")
         pieces = self._pieces(key, database, sql, fmt, binds, progress, statement.leading in ("SELECT", "WITH"))
         if fmt.lower() == "native" and _REVISION.match(revision) and int(revision):
-            pieces = (chhttp.native_for_revision(piece, int(revision)) for piece in pieces)
+            pieces = (chnative.native_for_revision(piece, int(revision)) for piece in pieces)
         if _flag(params, "wait_end_of_query"):
             first, rest = b"", _spooled(pieces)
         else:
@@ -249,7 +253,7 @@ class QueryEndpoint(Address):
                    "written_bytes": "0", "total_rows_to_read": str(progress.read_rows), "result_rows": "0",
                    "result_bytes": "0", "elapsed_ns": str(time.monotonic_ns() - started)}
         reply_headers = {
-            "Content-Type": chhttp.content_type(fmt), "X-ClickHouse-Format": fmt,
+            "Content-Type": chformats.content_type(fmt), "X-ClickHouse-Format": fmt,
             "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
         }
         if _flag(params, "send_progress_in_http_headers") or _flag(settings, "send_progress_in_http_headers"):
@@ -295,8 +299,7 @@ def _spooled(pieces: Iterator[bytes]) -> Iterator[bytes]:
     return replay()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(HttpServer):
     endpoint: QueryEndpoint
 
 
@@ -322,7 +325,7 @@ class _Handler(BaseHTTPRequestHandler):
         endpoint = self.server.endpoint
         try:
             body = self._read_body(endpoint.max_body_bytes)
-        except chhttp.BodyTooLarge as ex:
+        except chbody.BodyTooLarge as ex:
             self._send(endpoint.too_large(ex.size), head)
             self._discard(min(ex.declared, _DRAIN_CAP_BYTES))
             return
@@ -339,7 +342,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self, limit: int) -> bytes:
         """The request body; ValueError for broken framing, OSError when the client goes away mid-body."""
-        return chhttp.read_body(self.rfile, self.headers, limit, drain_cap=_DRAIN_CAP_BYTES)
+        return chbody.read_body(self.rfile, self.headers, limit, drain_cap=_DRAIN_CAP_BYTES)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The server's own refusals (a malformed request line or header, an unknown method) are counted too."""
@@ -407,7 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
             body.finish()
         except (EngineError, SqlRefused, ValueError) as ex:  # the engine failed after the result began
             code, name = (ex.code, ex.name) if isinstance(ex, EngineError | SqlRefused) else (1001, "STD_EXCEPTION")
-            text = chhttp.exception_text(code, name, str(ex))
+            text = cherrors.exception_text(code, name, str(ex))
             logger.warning("query endpoint: failed part way through a result for %s: %s", self.client_address[0],
                            text.strip()[:300])
             self.close_connection = True

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import chdb
 
-from stepline.clickhouse_http.protocol import SqlRefused
+from stepline.clickhouse_http.errors import SqlRefused
 
 Settings = tuple[tuple[str, str], ...]
 

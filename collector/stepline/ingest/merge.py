@@ -5,7 +5,7 @@ keep each field's largest value, see stepline.model.schema), whatever their orde
 (a collector restart, a replayed spool) and however often one is written. That alone makes the stored request
 right. What this module adds is economy: a report that carries no field the request's earlier reports left
 unknown (the span of a request the plugin already gave, a retry) is not written at all, so that most requests
-are one row from the start and FINAL has little to merge.
+are one row from the start and the merged read (stepline.queries.requests) has little to merge.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.store.store import StoreError
+from stepline.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 

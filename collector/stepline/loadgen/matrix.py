@@ -14,15 +14,13 @@ The runs are stored as `matrix_run` events: through the running collector that h
 endpoint, with the token from its runtime file), else straight into the store.
 
 For `--sweep NAME=v1,v2` alone the user restarts the engine with each value when asked, and the value only
-labels the runs. With `--launch COMMAND` the sweep starts the engine itself, once per value (sweep.py).
+labels the runs. With `--launch COMMAND` the sweep starts the engine itself, once per value (sweep.py). The
+options and the output of the command are cli/matrix.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
-import sys
 import threading
 import time
 import uuid
@@ -34,7 +32,6 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 from stepline.core.stats import percentile
 from stepline.endpoints.events import EventsRefused, post_events
 from stepline.loadgen.client import (
-    DEFAULT_LONG_PROMPT_TOKENS,
     LONG_MAX_TOKENS,
     Endpoint,
     MatrixError,
@@ -43,18 +40,17 @@ from stepline.loadgen.client import (
     prompt_text,
     size_long_prompt,
 )
-from stepline.loadgen.replay import add_replay_arguments, split_engine
 from stepline.model.rows import Event, micros
 from stepline.store.discovery import collector_for, locate_store, store_without_password
-from stepline.store.store import Store, StoreError, StoreLocked
-from stepline.store.url import StoreUrlError, parse_store_url
+from stepline.store.errors import StoreError
+from stepline.store.store import Store
+from stepline.store.url import parse_store_url
 
 RUNS = (("a", "decode-only"), ("b", "+ uncached long prompt"), ("c", "+ cached long prompt"))
 # Events closer than this came out of the server together (one write, one read), not from separate steps.
 BUNCHED_GAP_S = 0.001
 BUNCHED_SHARE_NOTED = 0.25
 NEW_STORE_RETENTION_DAYS = 30  # the collector's default, for a store the matrix is the first to open
-STOP_GRACE_S = 30.0  # a launched engine's time to stop on SIGINT before its process group is killed
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,113 +336,3 @@ def deliver(rows: Sequence[Event], store: str | None, collector: str | None) -> 
     taken = post_events(running.events_url, running.events_token, rows)
     return (f"handed {taken} {_kinds(rows)} events to the running collector (pid {running.pid}), which writes them "
             f"into {running.store}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `stepline matrix` options to `parser`."""
-    parser.add_argument("--engine", required=True, metavar="[NAME=]URL",
-                        help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (NAME labels the stored events; "
-                             "default host:port)")
-    parser.add_argument("--model", help="model to ask for (default: the first one /v1/models lists)")
-    parser.add_argument("--streams", type=int, default=8, help="decode-only streams per run (default: %(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=64,
-                        help="prompt of each decode stream, in tokens (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=256,
-                        help="tokens each decode stream generates (default: %(default)s)")
-    parser.add_argument("--long-prompt-tokens", type=int,
-                        help="the long prompt, in tokens: about one token per word of generated text (default: "
-                             f"{DEFAULT_LONG_PROMPT_TOKENS}; always cut to fit the model's max_model_len as "
-                             "/v1/models reports it, with room for its output)")
-    parser.add_argument("--repeat", type=int, default=3, help="times each run is repeated (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=300.0, dest="timeout_s", metavar="SECONDS",
-                        help="longest wait for any answer or token (default: %(default)s)")
-    parser.add_argument("--sweep", metavar="NAME=V1,V2",
-                        help="run once per value: with --launch, each value on an engine started for it; without, "
-                             "the value only labels the runs and you restart the engine with each when asked")
-    parser.add_argument("--store", help="store URL for the matrix_run events (default: $STEPLINE_STORE, else "
-                                        "./stepline-data when it exists, else the running collector's store); "
-                                        "when a running collector holds it, the events go through that collector")
-    parser.add_argument("--collector", metavar="URL",
-                        help="hand the events to the collector whose events endpoint is at URL (`stepline collect` "
-                             "logs it; the token is the collector's $STEPLINE_OTLP_TOKEN, read from the same "
-                             "variable here) instead of finding it through its runtime file")
-    parser.add_argument("--no-store", action="store_true", help="only print the results")
-    launch = parser.add_argument_group("launching the engine per --sweep value")
-    launch.add_argument("--launch", metavar="COMMAND",
-                        help="the engine's command line, with {NAME} (the --sweep name in braces) where each value "
-                             "goes, e.g. '... --max-num-batched-tokens {max_num_batched_tokens}'; it must serve at "
-                             "--engine; started in a process group of its own, stopped with SIGINT (SIGKILL after "
-                             f"{STOP_GRACE_S:g} s) once measured")
-    launch.add_argument("--launch-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="longest wait for the launched engine's /health and /v1/models (default: %(default)g)")
-    launch.add_argument("--replay", action="store_true",
-                        help="measure each value with a `stepline replay` of the recorded window (the options "
-                             "below; read from --store once) instead of the matrix")
-    add_replay_arguments(launch)
-
-
-def parse_sweep(spec: str) -> tuple[str, list[str]]:
-    """NAME=V1,V2,... as (NAME, [V1, V2, ...]); MatrixError otherwise."""
-    name, sep, values = spec.partition("=")
-    listed = [v.strip() for v in values.split(",") if v.strip()]
-    if not (name.strip() and sep and listed):
-        raise MatrixError(f"--sweep {spec!r} must be NAME=V1,V2,...")
-    return name.strip(), listed
-
-
-def _sweep_labels(spec: str | None) -> list[str | None]:
-    if spec is None:
-        return [None]
-    name, values = parse_sweep(spec)
-    return [f"{name}={value}" for value in values]
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the matrix, print it and store it; 0 on success, 2 when the engine or the store cannot be used."""
-    if args.launch or args.replay:
-        from stepline.loadgen import sweep
-
-        return sweep.run(args)
-    name, url = split_engine(args.engine)
-    try:
-        labels = _sweep_labels(args.sweep)
-        results: list[MatrixResult] = []
-        for i, label in enumerate(labels):
-            if label is not None:
-                if i and not _ask(f"restart the engine with {label}, then press Enter (Ctrl-D stops the sweep)"):
-                    break
-                print(f"stepline matrix: {label} (the engine must already run with it)", flush=True)
-            result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens,
-                                max_tokens=args.max_tokens, long_prompt_tokens=args.long_prompt_tokens,
-                                repeat=args.repeat, timeout_s=args.timeout_s, model=args.model, sweep=label)
-            print(render(result), flush=True)
-            results.append(result)
-    except MatrixError as exc:
-        print(f"stepline matrix: {exc}", file=sys.stderr)
-        return 2
-    if args.no_store or not results:
-        return 0
-    engine = name or Endpoint(url, 1.0).host_port
-    return store_events([row for result in results for row in events(result, engine, socket.gethostname())], args)
-
-
-def store_events(rows: Sequence[Event], args: argparse.Namespace) -> int:
-    """Deliver the events (deliver) and say where they went; 2 when they could not be stored."""
-    try:
-        print(f"stepline matrix: {deliver(rows, args.store, args.collector)}")
-    except StoreLocked:
-        print("stepline matrix: not stored: the embedded store is held by a running collector that announced no "
-              "events endpoint (no runtime file of it here, or an older stepline): --collector URL sends them "
-              "through it (the collector still records the timeline)", file=sys.stderr)
-    except (StoreError, StoreUrlError, EventsRefused) as exc:
-        print(f"stepline matrix: not stored: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _ask(prompt: str) -> bool:
-    print(prompt, flush=True)
-    try:
-        return bool(sys.stdin.readline())
-    except KeyboardInterrupt:
-        return False

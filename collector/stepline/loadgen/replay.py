@@ -1,6 +1,6 @@
 """`stepline replay`: send a recorded window's request shape to an OpenAI-compatible engine and say what it saw.
 
-It reads the window's finished requests from the store (`requests FINAL`) and sends one streamed
+It reads the window's finished requests from the store (merged: stepline.queries.requests) and sends one streamed
 `POST /v1/completions` per request, at the recorded arrival offsets divided by `--speed`, with the recorded
 prompt length (the prompt is a list of token ids, so the engine counts exactly that many) and output length
 (`max_tokens` = `min_tokens` = the recorded generation tokens, with `ignore_eos`). Requests that generated no
@@ -29,18 +29,16 @@ does).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepline.analysis.window import describe
 from stepline.core.stats import percentile
-from stepline.core.usage import UsageError
+from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import Endpoint, MatrixError, StreamResult
 from stepline.loadgen.replay_plan import (
     BLOCK_TOKENS,
@@ -50,27 +48,21 @@ from stepline.loadgen.replay_plan import (
     Planned,
     Recorded,
     ReplayError,
-    Window,
     corpus_tokens,
     load_window,
     plan,
     read_window,
     shared_prefix_tokens,
     suffix_tokens,
-    window_from,
 )
-from stepline.store.store import StoreError
-from stepline.store.url import StoreUrlError
 
 # The plan's names too: `stepline.loadgen.replay` is the one module its users import.
 __all__ = [
     "BLOCK_TOKENS", "DEFAULT_MAX_REQUESTS", "DEFAULT_VOCAB", "Plan", "Planned", "Recorded", "ReplayError",
-    "ReplayReport", "Sent", "Window", "add_arguments", "add_replay_arguments", "corpus_tokens", "load_window", "plan",
-    "read_window", "render", "replay", "replay_window", "run", "shared_prefix_tokens", "split_engine",
-    "suffix_tokens", "window_from",
+    "ReplayReport", "Sent", "corpus_tokens", "load_window", "plan", "read_window", "render", "replay",
+    "replay_window", "shared_prefix_tokens", "suffix_tokens",
 ]
 
-DEFAULT_SINCE = "30m"
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_TIMEOUT_S = 300.0
 MAX_IN_FLIGHT = 256  # one thread per stream in flight
@@ -314,72 +306,13 @@ def render(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
-def split_engine(text: str) -> tuple[str, str]:
-    """[NAME=]URL as (NAME or "", URL)."""
-    name, sep, url = text.partition("=")
-    if not sep or "://" in name:
-        return "", text
-    return name, url
-
-
-def add_replay_arguments(parser: argparse._ActionsContainer) -> None:
-    """The window and pacing options, shared by `stepline replay` and `stepline matrix --replay`."""
-    parser.add_argument("--since", default=DEFAULT_SINCE, metavar="DURATION",
-                        help=f"replay the requests that arrived this far back (90s, 30m, 2h, 1d; default "
-                             f"{DEFAULT_SINCE})")
-    parser.add_argument("--from", dest="from_", metavar="T",
-                        help="window start (ISO 8601, epoch, HH:MM[:SS] UTC)")
-    parser.add_argument("--to", metavar="T", help="window end (default now)")
-    parser.add_argument("--source-engine", default="", metavar="E",
-                        help="only the requests recorded on this engine (default: every engine)")
-    parser.add_argument("--speed", type=float, default=1.0,
-                        help="divide the recorded arrival offsets by this (2: twice as fast; default 1)")
-    parser.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS, metavar="N",
-                        help="send at most the first N requests (default %(default)s)")
-    parser.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS, metavar="S",
-                        help="stop after S seconds, abandoning streams still in flight (default %(default)g)")
-    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, metavar="N",
-                        help="prompt token ids are drawn from [0, N): at most the model's vocabulary "
-                             "(default %(default)s)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `stepline replay` options to `parser`."""
-    parser.add_argument("--engine", required=True, metavar="[NAME=]URL",
-                        help="OpenAI-compatible server to replay against, e.g. http://127.0.0.1:8000")
-    add_replay_arguments(parser)
-    parser.add_argument("--store", help="store URL the window is read from (default: $STEPLINE_STORE, else "
-                                        "./stepline-data when it exists, else the running collector's store)")
-    parser.add_argument("--model", help="model to ask for (default: the first one /v1/models lists)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, dest="timeout_s", metavar="SECONDS",
-                        help="longest wait for any answer or token of one request (default: %(default)g)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def replay_window(args: argparse.Namespace, url: str, recorded: Sequence[Recorded], window: Window,
-                  stop: threading.Event | None = None) -> ReplayReport:
-    """Replay `recorded` against `url` with the options of `args` (add_replay_arguments, --model, timeout_s)."""
-    the_plan = plan(recorded, speed=args.speed, vocab=args.vocab, max_requests=args.max_requests)
-    endpoint = Endpoint(url, args.timeout_s)
+def replay_window(url: str, recorded: Sequence[Recorded], window: Window, *, speed: float = 1.0,
+                  vocab: int = DEFAULT_VOCAB, max_requests: int = DEFAULT_MAX_REQUESTS,
+                  max_seconds: float = DEFAULT_MAX_SECONDS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  model: str | None = None, stop: threading.Event | None = None) -> ReplayReport:
+    """Replay `recorded` against `url`, asking for `model` (default: the first one /v1/models lists)."""
+    the_plan = plan(recorded, speed=speed, vocab=vocab, max_requests=max_requests)
+    endpoint = Endpoint(url, timeout_s)
     listed = endpoint.models()  # an engine that does not answer fails here, before anything is sent
-    model = args.model or next(iter(listed))
-    return replay(endpoint, the_plan, model=model, window=window.describe(), max_seconds=args.max_seconds,
-                  stop=stop)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Replay and print the report: 0 when every request completed, 1 when some failed, 130 on Ctrl-C, 2 when the
-    store, the window or the engine cannot be used."""
-    url = split_engine(args.engine)[1]
-    try:
-        Endpoint(url, 1.0)  # a malformed URL is refused before the store is read
-        window = window_from(args.since, args.from_, args.to, args.source_engine)
-        recorded = load_window(args.store, window)
-        report = replay_window(args, url, recorded, window)
-    except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
-        print(f"stepline replay: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report), flush=True)
-    if report.stopped_by == "interrupted":
-        return 130
-    return 1 if report.failed else 0
+    return replay(endpoint, the_plan, model=model or next(iter(listed)), window=describe(window),
+                  max_seconds=max_seconds, stop=stop)

@@ -7,13 +7,14 @@ import random
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from stepline.core.usage import UsageError
+from stepline.analysis.window import describe
+from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import MatrixError
+from stepline.queries.requests import merged
 
 DEFAULT_MAX_REQUESTS = 2000
 DEFAULT_VOCAB = 1000
@@ -36,19 +37,6 @@ class Recorded:
     cached_tokens: int
     generation_tokens: int
     finish_reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Window:
-    """The recorded window: UTC bounds, and the engine it was recorded on ("" for every engine)."""
-
-    start: datetime
-    end: datetime
-    engine: str = ""
-
-    def describe(self) -> str:
-        on = f" on engine {self.engine}" if self.engine else ""
-        return f"{self.start:%Y-%m-%d %H:%M:%S}..{self.end:%H:%M:%S} UTC{on}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,20 +70,6 @@ class Plan:
             self.nonce, planned.index, planned.prompt_tokens - planned.shared_tokens, self.vocab)
 
 
-def window_from(since: str, from_: str | None, to: str | None, engine: str = "",
-                now: datetime | None = None) -> Window:
-    """The window --since / --from / --to name (as `stepline diagnose` reads them); UsageError if inverted."""
-    from stepline.analysis.timeline import parse_moment
-    from stepline.core.timeparse import parse_duration
-
-    now = now or datetime.now(UTC)
-    end = parse_moment(to, now) if to else now
-    start = parse_moment(from_, now) if from_ else end - timedelta(seconds=parse_duration(since))
-    if start >= end:
-        raise UsageError(f"the window start {start:%Y-%m-%d %H:%M:%S} is not before its end {end:%H:%M:%S}")
-    return Window(start, end, engine)
-
-
 def read_window(client: Any, window: Window, database: str = "") -> list[Recorded]:
     """The window's finished requests, by arrival; `client` is a clickhouse-connect client, `database` the store's
     (a server store's client has none of its own)."""
@@ -107,7 +81,7 @@ def read_window(client: Any, window: Window, database: str = "") -> list[Recorde
         parameters["engine"] = window.engine
     table = f"`{database}`.requests" if database else "requests"
     sql = ("SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), prompt_tokens, cached_tokens, "
-           f"generation_tokens, finish_reason FROM {table} FINAL "
+           f"generation_tokens, finish_reason FROM {merged(table)} "
            "WHERE arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') "
            "AND arrival_ts <= fromUnixTimestamp64Micro({end:Int64}, 'UTC')"
            f"{engine_filter} ORDER BY arrival_ts, request_id")
@@ -130,7 +104,7 @@ def load_window(store: str | None, window: Window) -> list[Recorded]:
     finally:
         reader.close()
     if not recorded:
-        raise ReplayError(f"no finished request arrived in {window.describe()} ({reader.via}): nothing to replay "
+        raise ReplayError(f"no finished request arrived in {describe(window)} ({reader.via}): nothing to replay "
                           "(the plugin or OTLP fills `requests`; --since, --from/--to pick the window)")
     return recorded
 

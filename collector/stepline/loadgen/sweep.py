@@ -10,36 +10,38 @@ engine's counters beside what was sent: an engine that did not take a value show
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from stepline.core.usage import UsageError
 from stepline.loadgen import replay
 from stepline.loadgen.client import Endpoint, MatrixError
-from stepline.loadgen.matrix import STOP_GRACE_S, MatrixResult, parse_sweep, render, run_matrix, store_events
+from stepline.loadgen.matrix import MatrixResult
 from stepline.loadgen.matrix import events as matrix_events
 from stepline.model.rows import Event, micros
-from stepline.store.store import StoreError
-from stepline.store.url import StoreUrlError
 
 _POLL_S = 0.5
 _TAIL_LINES = 3
 _TAIL_CHARS = 400
 COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "generation_tokens": "vllm:generation_tokens_total",
             "prefix_cache_hits": "vllm:prefix_cache_hits_total", "requests": "vllm:request_success_total"}
+STOP_GRACE_S = 30.0  # a launched engine's time to stop on SIGINT before its process group is killed
+INTERRUPTED = "interrupted (Ctrl-C)"  # the error of the value the user stopped the sweep at: not a failure
+
+# How a value is measured once its engine answers (the matrix, or a replay of the recorded window): given the
+# value's label, it prints and returns what it measured.
+Measure = Callable[[str], tuple[MatrixResult | None, replay.ReplayReport | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,11 @@ class SweepValue:
     counters: EngineCounters | None = None
     error: str = ""
     finished_ts: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        """It was not measured, and not because the user stopped the sweep."""
+        return bool(self.error) and self.error != INTERRUPTED
 
 
 def launch_words(command: str, name: str, value: str) -> list[str]:
@@ -188,85 +195,45 @@ def engine_counters(url: str, timeout_s: float = 5.0) -> EngineCounters | None:
     return EngineCounters(*(round(totals[COUNTERS[field]]) for field in COUNTERS))
 
 
-def _measure(args: argparse.Namespace, url: str, label: str, recorded: list[replay.Recorded] | None,
-             window: replay.Window | None) -> tuple[MatrixResult | None, replay.ReplayReport | None]:
-    if recorded is not None and window is not None:
-        report = replay.replay_window(args, url, recorded, window)
-        print(f"{label}:\n{replay.render(report)}", flush=True)
-        return None, report
-    result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                        long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat, timeout_s=args.timeout_s,
-                        model=args.model, sweep=label)
-    print(render(result), flush=True)
-    return result, None
+def launch_each(command: str, name: str, values: Sequence[str], url: str, measure: Measure,
+                launch_timeout_s: float) -> Iterator[SweepValue]:
+    """Per value: launch `command` with it in place of `{name}`, measure the engine once it answers at `url`, stop it.
+
+    Yields each value as it is done, its error set where it could not be measured; stops after a Ctrl-C. Raises
+    MatrixError when no value could be: the command cannot start, or something else already answers at `url`."""
+    logs = Path(tempfile.mkdtemp(prefix="stepline-sweep-"))
+    for value in values:
+        label = f"{name}={value}"
+        log = logs / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.log"
+        try:
+            done = _one_value(launch_words(command, name, value), url, label, value, log, measure, launch_timeout_s)
+        except MatrixError as exc:
+            if str(exc).startswith(("something already answers", "cannot launch")):
+                raise  # every value would meet it
+            print(f"stepline matrix: {exc}", file=sys.stderr, flush=True)
+            done = SweepValue(label, value, log, error=str(exc))
+        except KeyboardInterrupt:
+            yield SweepValue(label, value, log, error=INTERRUPTED)
+            return
+        yield done
+        if done.replay is not None and done.replay.stopped_by == "interrupted":
+            return
 
 
-def _one_value(args: argparse.Namespace, words: list[str], url: str, label: str, value: str, log: Path,
-               recorded: list[replay.Recorded] | None, window: replay.Window | None) -> SweepValue:
+def _one_value(words: list[str], url: str, label: str, value: str, log: Path, measure: Measure,
+               launch_timeout_s: float) -> SweepValue:
     if Endpoint(url, 2.0).healthy():
         raise MatrixError(f"something already answers at {url}: stop it first (each --sweep value must be measured "
                           "on the engine launched for it)")
     print(f"stepline matrix: {label}: launching {shlex.join(words)[:300]}", flush=True)
     engine = LaunchedEngine(words, log)
     try:
-        engine.wait_healthy(Endpoint(url, 2.0), args.launch_timeout, label)
-        result, report = _measure(args, url, label, recorded, window)
+        engine.wait_healthy(Endpoint(url, 2.0), launch_timeout_s, label)
+        result, report = measure(label)
         return SweepValue(label, value, log, result, report, engine_counters(url), finished_ts=time.time())
     finally:
         code = engine.stop()
         print(f"stepline matrix: {label}: the engine stopped (exit code {code}); its log: {log}", flush=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    """The launched sweep: 0 when every value was measured, 2 when one could not be (or the results not stored)."""
-    url = replay.split_engine(args.engine)[1]
-    values: list[SweepValue] = []
-    failed = False
-    try:
-        if not args.launch:
-            raise MatrixError("--replay runs with --sweep NAME=V1,V2 --launch COMMAND; against an engine that "
-                              "already runs, use `stepline replay`")
-        if not args.sweep:
-            raise MatrixError("--launch needs --sweep NAME=V1,V2,...: the values to launch the engine with")
-        name, settings = parse_sweep(args.sweep)
-        launch_words(args.launch, name, settings[0])
-        Endpoint(url, 1.0)
-        recorded: list[replay.Recorded] | None = None
-        window: replay.Window | None = None
-        if args.replay:
-            window = replay.window_from(args.since, args.from_, args.to, args.source_engine)
-            recorded = replay.load_window(args.store, window)
-        logs = Path(tempfile.mkdtemp(prefix="stepline-sweep-"))
-        for value in settings:
-            label = f"{name}={value}"
-            log = logs / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.log"
-            try:
-                values.append(_one_value(args, launch_words(args.launch, name, value), url, label, value, log,
-                                         recorded, window))
-            except MatrixError as exc:
-                if str(exc).startswith(("something already answers", "cannot launch")):
-                    raise  # every value would meet it
-                print(f"stepline matrix: {exc}", file=sys.stderr, flush=True)
-                values.append(SweepValue(label, value, log, error=str(exc)))
-                failed = True
-            except KeyboardInterrupt:
-                values.append(SweepValue(label, value, log, error="interrupted (Ctrl-C)"))
-                break
-            if values[-1].replay is not None and values[-1].replay.stopped_by == "interrupted":
-                break
-    except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
-        print(f"stepline matrix: {exc}", file=sys.stderr)
-        if not values:
-            return 2
-        failed = True
-    if values:
-        print(render_sweep(values, args.sweep.partition("=")[0].strip()), flush=True)
-    measured = [v for v in values if not v.error]
-    if measured and not args.no_store:
-        engine = replay.split_engine(args.engine)[0] or Endpoint(url, 1.0).host_port
-        if store_events(sweep_events(measured, engine, socket.gethostname()), args):
-            failed = True
-    return 2 if failed else 0
 
 
 def sweep_events(values: list[SweepValue], engine: str, host: str) -> list[Event]:

@@ -207,16 +207,6 @@ def encode_step(step: StepRecord) -> bytes:
     ), samples)
 
 
-def encode_request(request: RequestRecord) -> bytes:
-    request_id = request.request_id.encode("utf-8", errors="replace")[:MAX_REQUEST_ID]
-    return pack_record(REQUEST_RECORD, REQUEST, (
-        request.ts, request.engine_index, request.e2e_seconds, request.queued_seconds, request.prefill_seconds,
-        request.inference_seconds, request.decode_seconds, request.mean_tpot_seconds, request.prompt_tokens,
-        request.generation_tokens, request.max_tokens, request.cached_tokens, request.preemptions,
-        FINISH_CODE.get(request.finish_reason, 0), len(request_id),
-    ), request_id)
-
-
 def encode_config(config: dict[str, Any]) -> bytes:
     payload = json.dumps(config, default=str, sort_keys=True).encode()[:MAX_DATAGRAM - 1024]
     return RECORD.pack(CONFIG_RECORD, len(payload)) + payload

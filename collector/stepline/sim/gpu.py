@@ -19,7 +19,7 @@ from stepline.core.clock import ManualClock
 from stepline.model.rows import GpuSample, Row
 from stepline.sim.records import StepRecord
 from stepline.sources.base import Emit, SourceContext
-from stepline.sources.gpu import GpuSource
+from stepline.sources.gpu.source import GpuSource
 from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
 
 BOOST_MHZ = 1980.0

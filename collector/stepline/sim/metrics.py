@@ -7,6 +7,8 @@ sorted, so samples render with labels in the fixture's order.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stepline.sim.config import EngineConfig
@@ -33,7 +35,6 @@ REQUEST_LATENCY_BUCKETS = (
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_TIERS = ("device", "host", "p2p", "disk", "external_unspecified")
-WAITING_REASONS = ("capacity", "deferred")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
@@ -52,6 +53,29 @@ _CACHED_BY_SOURCE_HELP = (
     "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits."
 )
 _MFU = "(for Model Flops Utilization calculations)."
+_Family = TypeVar("_Family", Counter, Gauge)
+
+
+class _Families:
+    """Makes one engine's families in a registry, each labelled with the engine and its model."""
+
+    def __init__(self, registry: CollectorRegistry, config: EngineConfig) -> None:
+        self.registry = registry
+        self.base = ("engine", "model_name")
+        self.values = {"engine": config.engine, "model_name": config.model}
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, self.base, registry=self.registry).labels(**self.values)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self.base, registry=self.registry).labels(**self.values)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, self.base, registry=self.registry, buckets=buckets).labels(**self.values)
+
+    def by(self, kind: type[_Family], name: str, doc: str, label: str) -> _Family:
+        """A family with one label more than the engine's, its children left to the caller."""
+        return kind(name, doc, (*self.base, label), registry=self.registry)
 
 
 class VllmMetrics:
@@ -59,79 +83,86 @@ class VllmMetrics:
 
     def __init__(self, config: EngineConfig) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        base = ("engine", "model_name")
-        values = {"engine": config.engine, "model_name": config.model}
-        reg = self.registry
+        # Families register in the order vLLM's exposition lists them: the groups below keep that order.
+        families = _Families(self.registry, config)
+        self._mfu(families)
+        self._scheduler(families)
+        self._caches(families)
+        self._tokens(families)
+        self._outcomes(families, config.model)
+        self._request_histograms(families)
+        self._phase_histograms(families)
+        self._spec_decode(families, config)
+        self._cache_config(config)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, base, registry=reg).labels(**values)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, base, registry=reg).labels(**values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, base, registry=reg, buckets=buckets).labels(**values)
-
+    def _mfu(self, f: _Families) -> None:
         for unit, what in (
             ("flops", "floating point operations"),
             ("read_bytes", "bytes read from memory"),
             ("write_bytes", "bytes written to memory"),
         ):
             # Filled only with --enable-mfu-metrics, which the simulator does not model.
-            counter(f"vllm:estimated_{unit}_per_gpu", f"Estimated number of {what} per GPU {_MFU}")
+            f.counter(f"vllm:estimated_{unit}_per_gpu", f"Estimated number of {what} per GPU {_MFU}")
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        by_reason = Gauge(
-            "vllm:num_requests_waiting_by_reason", _WAITING_BY_REASON_HELP, (*base, "reason"), registry=reg
-        )
+    def _scheduler(self, f: _Families) -> None:
+        values = f.values
+        self.running = f.gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = f.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = f.by(Gauge, "vllm:num_requests_waiting_by_reason", _WAITING_BY_REASON_HELP, "reason")
         self.waiting_capacity = by_reason.labels(reason="capacity", **values)
         by_reason.labels(reason="deferred", **values)
-        sleep = Gauge("vllm:engine_sleep_state", _SLEEP_HELP, (*base, "sleep_state"), registry=reg)
+        sleep = f.by(Gauge, "vllm:engine_sleep_state", _SLEEP_HELP, "sleep_state")
         for state in SLEEP_STATES:
             sleep.labels(sleep_state=state, **values).set(1 if state == "awake" else 0)
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_usage = f.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
 
-        self.prefix_queries = counter(
+    def _caches(self, f: _Families) -> None:
+        self.prefix_queries = f.counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_hits = f.counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         external = "External prefix cache {} from KV connector cross-instance cache sharing, in terms of number of {}."
-        counter("vllm:external_prefix_cache_queries", external.format("queries", "queried tokens"))
-        counter("vllm:external_prefix_cache_hits", external.format("hits", "cached tokens"))
-        counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
-        counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        f.counter("vllm:external_prefix_cache_queries", external.format("queries", "queried tokens"))
+        f.counter("vllm:external_prefix_cache_hits", external.format("hits", "cached tokens"))
+        f.counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
+        f.counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
+        self.preemptions = f.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", (*base, "source"), registry=reg
-        )
+    def _tokens(self, f: _Families) -> None:
+        values = f.values
+        self.prompt_tokens = f.counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = f.by(Counter, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source")
         self.prompt_computed, self.prompt_cache_hit, _ = (by_source.labels(source=s, **values) for s in PROMPT_SOURCES)
-        self.prompt_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
-        cached_by_source = Counter(
-            "vllm:prompt_tokens_cached_by_source", _CACHED_BY_SOURCE_HELP, (*base, "source"), registry=reg
+        self.prompt_cached = f.counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
+        cached_by_source = f.by(Counter, "vllm:prompt_tokens_cached_by_source", _CACHED_BY_SOURCE_HELP, "source")
         self.cached_device = cached_by_source.labels(source="device", **values)
         for tier in CACHE_TIERS[1:]:
             cached_by_source.labels(source=tier, **values)
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.generation_tokens = f.counter("vllm:generation_tokens", "Number of generation tokens processed.")
+
+    def _outcomes(self, f: _Families, model: str) -> None:
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             ("engine", "finished_reason", "model_name"),
-            registry=reg,
+            registry=f.registry,
         )
-        self.success = {reason: success.labels(finished_reason=reason, **values) for reason in FINISHED_REASONS}
+        self.success = {reason: success.labels(finished_reason=reason, **f.values) for reason in FINISHED_REASONS}
         rejections = Counter(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
             ("model_name", "reason"),
-            registry=reg,
+            registry=f.registry,
         )
         for reason in REJECTION_REASONS:
-            rejections.labels(model_name=config.model, reason=reason)
+            rejections.labels(model_name=model, reason=reason)
 
+    def _request_histograms(self, f: _Families) -> None:
+        histogram = f.histogram
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
         )
@@ -162,8 +193,9 @@ class VllmMetrics:
             TOKEN_LATENCY_BUCKETS,
         )
 
+    def _phase_histograms(self, f: _Families) -> None:
         def phase(name: str, doc: str) -> Histogram:
-            return histogram(name, doc, REQUEST_LATENCY_BUCKETS)
+            return f.histogram(name, doc, REQUEST_LATENCY_BUCKETS)
 
         self.e2e = phase("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
         self.queue = phase("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.")
@@ -174,29 +206,34 @@ class VllmMetrics:
             "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."
         )
         self.decode = phase("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.")
-        self.request_preemptions = histogram(
+        self.request_preemptions = f.histogram(
             "vllm:request_num_preemptions",
             "Histogram of the number of times a request was preempted.",
             PREEMPTION_BUCKETS,
         )
-        self.kv_computed = histogram(
+        self.kv_computed = f.histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             TOKEN_BUCKETS,
         )
+
+    def _spec_decode(self, f: _Families, config: EngineConfig) -> None:
         # vLLM registers the spec-decode families only when a speculative config is set.
         self.spec_drafts: Counter | None = None
         self.spec_draft_tokens: Counter | None = None
         self.spec_accepted: Counter | None = None
         self.spec_accepted_per_pos: list[Counter] = []
-        if config.speculative is not None:
-            self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-            self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-            self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                              (*base, "position"), registry=reg)
-            self.spec_accepted_per_pos = [per_pos.labels(position=str(i), **values)
-                                          for i in range(config.speculative.num_tokens)]
+        if config.speculative is None:
+            return
+        self.spec_drafts = f.counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = f.counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = f.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = f.by(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                       "position")
+        self.spec_accepted_per_pos = [per_pos.labels(position=str(i), **f.values)
+                                      for i in range(config.speculative.num_tokens)]
+
+    def _cache_config(self, config: EngineConfig) -> None:
         info = {
             "block_size": str(config.block_size),
             "cache_dtype": "auto",
@@ -205,7 +242,9 @@ class VllmMetrics:
             "gpu_memory_utilization": str(config.gpu_memory_utilization),
             "num_gpu_blocks": str(config.num_gpu_blocks),
         }
-        cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, registry=reg)
+        cache_info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, registry=self.registry
+        )
         cache_info.labels(**info).set(1)
 
     def observe_queue(self, running: int, waiting: int, kv_cache_usage: float) -> None:

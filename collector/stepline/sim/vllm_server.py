@@ -16,7 +16,6 @@ several tokens per SSE event (`tokens_per_event`, as an engine that batches its 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import socket
@@ -25,110 +24,25 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from stepline.core import listener
 from stepline.core.clock import Clock, SystemClock
+from stepline.sim.completions import ApiError, Completion, parse_completion, parse_tokenize, token_text, usage
 from stepline.sim.config import EngineConfig
 from stepline.sim.engine import Simulation, StepCallback, Token
 from stepline.sim.metrics import CONTENT_TYPE
 from stepline.sim.workloads import Workload
 
-CHARS_PER_TOKEN = 4
 PROMPT_CACHE_ENTRIES = 4096  # prompts remembered for prefix-cache hits
 MAX_BODY_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
-_TOKEN_TEXTS = (" the", " engine", " steps", " on", " one", " timeline", ".")
 _MIN_WAIT_S = 0.0002
 
 
 def idle_workload(duration_s: float = 60.0) -> Workload:
     """A workload with no arrivals: only HTTP clients' requests run."""
     return Workload("idle", duration_s, 0.0, ())
-
-
-class ApiError(Exception):
-    """A request the API refuses: HTTP status and vLLM's error type."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A parsed /v1/completions request."""
-
-    prompt_tokens: int
-    prompt_key: str
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    cached_prompt_tokens: int | None
-    continuous_usage: bool = False
-
-
-def parse_completion(body: bytes, model: str, max_model_len: int | None = None) -> Completion:
-    """Validate a /v1/completions body; raise ApiError naming what is wrong."""
-    raw = _parse_body(body, model)
-    tokens, key = _prompt(raw)
-    max_tokens = raw.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if type(max_tokens) is not int or max_tokens < 1:
-        raise ApiError(400, "BadRequestError", f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if max_model_len is not None and tokens + max_tokens > max_model_len:
-        raise ApiError(400, "BadRequestError",
-                       f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                       f"{tokens + max_tokens} tokens ({tokens} in the messages, {max_tokens} in the completion). "
-                       "Please reduce the length of the messages or completion.")
-    cached = raw.get("cached_prompt_tokens")
-    if cached is not None and (type(cached) is not int or cached < 0):
-        raise ApiError(400, "BadRequestError", f"cached_prompt_tokens must be a non-negative integer, got {cached!r}")
-    options = raw.get("stream_options")
-    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
-    return Completion(tokens, key, max_tokens, bool(raw.get("stream", False)), include_usage, cached, continuous)
-
-
-def parse_tokenize(body: bytes, model: str) -> int:
-    """The prompt's token count for a /tokenize body (the simulator's rule: ceil(characters / 4))."""
-    return _prompt(_parse_body(body, model))[0]
-
-
-def _parse_body(body: bytes, model: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, "BadRequestError", f"the body is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ApiError(400, "BadRequestError", "the body must be a JSON object")
-    if raw.get("model") not in (None, model):
-        raise ApiError(404, "NotFoundError", f"The model `{raw['model']}` does not exist.")
-    return raw
-
-
-def _prompt(raw: dict[str, Any]) -> tuple[int, str]:
-    prompt = raw.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        tokens = -(-len(prompt) // CHARS_PER_TOKEN)
-        key = hashlib.sha256(prompt.encode()).hexdigest()
-    elif isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        tokens = len(prompt)
-        key = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
-    else:
-        raise ApiError(400, "BadRequestError", "prompt must be a non-empty string or list of token ids")
-    return tokens, key
-
-
-class _HttpServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-
-class _HttpServer6(_HttpServer):
-    address_family = socket.AF_INET6
 
 
 class SimServer:
@@ -151,8 +65,7 @@ class SimServer:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._seen_prompts: OrderedDict[str, None] = OrderedDict()
-        server_class = _HttpServer6 if ":" in host else _HttpServer
-        self._httpd = server_class((host, port), _handler_for(self))
+        self._httpd = _HttpServer((host, port), self)
         self.host = host
         self.port: int = self._httpd.server_address[1]
         self._http_thread = threading.Thread(
@@ -164,9 +77,8 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. http://127.0.0.1:8000."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        """Base URL, e.g. http://127.0.0.1:8000 (http://[::1]:8000 on IPv6)."""
+        return listener.url(self.host, self.port)
 
     def metrics(self) -> bytes:
         """The exposition as of now."""
@@ -247,148 +159,167 @@ class SimServer:
         return min(self._tick_s, max(_MIN_WAIT_S, (end - now) / self._speed + _MIN_WAIT_S))
 
 
-def _handler_for(server: SimServer) -> type[BaseHTTPRequestHandler]:
-    model = server.simulation.config.model
-    models = {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": int(server.simulation.start_ts),
-                "owned_by": "vllm",
-                "root": model,
-                "parent": None,
-                "max_model_len": server.max_model_len,
-            }
-        ],
-    }
+class _HttpServer(listener.HttpServer):
+    """The HTTP side of one SimServer, IPv4 or IPv6 as its host says: its handlers reach it as `self.server.sim`."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE, server.metrics())
-            elif path == "/health":
-                self._reply(200, "text/plain; charset=utf-8", b"")
-            elif path == "/v1/models":
-                self._reply(200, "application/json", json.dumps(models).encode())
+    def __init__(self, address: tuple[str, int], sim: SimServer) -> None:
+        self.sim = sim
+        super().__init__(address, _Handler)
+
+
+
+_NOT_FOUND = b'{"detail":"Not Found"}'
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """vLLM's routes over one SimServer: GET /metrics, /health, /v1/models; POST /v1/completions, /tokenize."""
+
+    server: _HttpServer
+
+    def do_GET(self) -> None:
+        path = self._route()
+        if path == "/metrics":
+            self._reply(200, CONTENT_TYPE, self.server.sim.metrics())
+        elif path == "/health":
+            self._reply(200, "text/plain; charset=utf-8", b"")
+        elif path == "/v1/models":
+            self._reply(200, "application/json", json.dumps(self._models()).encode())
+        else:
+            self._reply(404, "application/json", _NOT_FOUND)
+
+    def do_POST(self) -> None:
+        path = self._route()
+        if path == "/v1/completions":
+            self._complete()
+        elif path == "/tokenize":
+            self._tokenize()
+        else:
+            self._reply(404, "application/json", _NOT_FOUND)
+
+    def _route(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/")
+
+    @property
+    def _model(self) -> str:
+        return self.server.sim.simulation.config.model
+
+    def _models(self) -> dict[str, Any]:
+        sim = self.server.sim
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self._model,
+                    "object": "model",
+                    "created": int(sim.simulation.start_ts),
+                    "owned_by": "vllm",
+                    "root": self._model,
+                    "parent": None,
+                    "max_model_len": sim.max_model_len,
+                }
+            ],
+        }
+
+    def _body(self) -> bytes:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise ApiError(411, "BadRequestError", "Content-Length is required") from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise ApiError(413, "BadRequestError", f"the body is over {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length)
+
+    def _tokenize(self) -> None:
+        try:
+            count = parse_tokenize(self._body(), self._model)
+        except ApiError as exc:
+            self._error(exc)
+            return
+        # Only the count: the simulator has no tokenizer, so it has no token ids to give.
+        self._reply(200, "application/json",
+                    json.dumps({"count": count, "max_model_len": self.server.sim.max_model_len}).encode())
+
+    def _complete(self) -> None:
+        sim = self.server.sim
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tokens: queue.Queue[Token] = queue.Queue()
+        try:
+            completion = parse_completion(self._body(), self._model, sim.max_model_len)
+            cached = sim.submit(request_id, completion, tokens)
+        except ApiError as exc:
+            self._error(exc)
+            return
+        try:
+            if completion.stream:
+                self._stream(request_id, completion, cached, tokens)
             else:
-                self._reply(404, "application/json", b'{"detail":"Not Found"}')
+                self._whole(request_id, completion, cached, tokens)
+        except OSError:
+            sim.forget(request_id)  # the client went away; the engine finishes the request unseen
 
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path not in ("/v1/completions", "/tokenize"):
-                self._reply(404, "application/json", b'{"detail":"Not Found"}')
-                return
+    def _tokens(self, tokens: queue.Queue[Token]) -> Iterator[Token]:
+        sim = self.server.sim
+        while not sim.stopping:
             try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._error(ApiError(411, "BadRequestError", "Content-Length is required"))
+                token = tokens.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            yield token
+            if token.finished:
                 return
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self._error(ApiError(413, "BadRequestError", f"the body is over {MAX_BODY_BYTES} bytes"))
-                return
-            if path == "/tokenize":
-                try:
-                    count = parse_tokenize(self.rfile.read(length), model)
-                except ApiError as exc:
-                    self._error(exc)
-                    return
-                # Only the count: the simulator has no tokenizer, so it has no token ids to give.
-                self._reply(200, "application/json",
-                            json.dumps({"count": count, "max_model_len": server.max_model_len}).encode())
-                return
-            request_id = f"cmpl-{uuid.uuid4().hex}"
-            tokens: queue.Queue[Token] = queue.Queue()
-            try:
-                completion = parse_completion(self.rfile.read(length), model, server.max_model_len)
-                cached = server.submit(request_id, completion, tokens)
-            except ApiError as exc:
-                self._error(exc)
-                return
-            try:
-                if completion.stream:
-                    self._stream(request_id, completion, cached, tokens)
-                else:
-                    self._whole(request_id, completion, cached, tokens)
-            except OSError:
-                server.forget(request_id)  # the client went away; the engine finishes the request unseen
 
-        def _tokens(self, tokens: queue.Queue[Token]) -> Iterator[Token]:
-            while not server.stopping:
-                try:
-                    token = tokens.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                yield token
-                if token.finished:
-                    return
+    def _stream(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        # Small writes must leave at once: Nagle plus delayed ACKs would add ~40 ms to inter-token gaps.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        created = int(time.time())
+        model, per_event = self._model, self.server.sim.tokens_per_event
+        held: list[Token] = []
+        for token in self._tokens(tokens):
+            held.append(token)
+            if len(held) < per_event and not token.finished:
+                continue  # an engine that batches its output sends several tokens in one event
+            choice = {"index": 0, "text": "".join(token_text(t.index) for t in held), "logprobs": None,
+                      "finish_reason": "length" if token.finished else None, "stop_reason": None}
+            chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                     "model": model, "choices": [choice]}
+            if completion.continuous_usage:
+                chunk["usage"] = usage(completion, cached, token.index)
+            self._event(chunk)
+            held = []
+            if token.finished:
+                if completion.include_usage:
+                    self._event({"id": request_id, "object": "text_completion", "created": created,
+                                 "model": model, "choices": [], "usage": usage(completion, cached)})
+                self.wfile.write(b"data: [DONE]\n\n")
 
-        def _stream(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()
-            # Small writes must leave at once: Nagle plus delayed ACKs would add ~40 ms to inter-token gaps.
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            created = int(time.time())
-            held: list[Token] = []
-            for token in self._tokens(tokens):
-                held.append(token)
-                if len(held) < server.tokens_per_event and not token.finished:
-                    continue  # an engine that batches its output sends several tokens in one event
-                choice = {"index": 0, "text": "".join(_token_text(t.index) for t in held), "logprobs": None,
-                          "finish_reason": "length" if token.finished else None, "stop_reason": None}
-                chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                                         "model": model, "choices": [choice]}
-                if completion.continuous_usage:
-                    chunk["usage"] = _usage(completion, cached, token.index)
-                self._event(chunk)
-                held = []
-                if token.finished:
-                    if completion.include_usage:
-                        self._event({"id": request_id, "object": "text_completion", "created": created,
-                                     "model": model, "choices": [], "usage": _usage(completion, cached)})
-                    self.wfile.write(b"data: [DONE]\n\n")
+    def _event(self, payload: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-        def _event(self, payload: dict[str, Any]) -> None:
-            self.wfile.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+    def _whole(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
+        text = "".join(token_text(token.index) for token in self._tokens(tokens))
+        body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self._model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                             "stop_reason": None}],
+                "usage": usage(completion, cached)}
+        self._reply(200, "application/json", json.dumps(body).encode())
 
-        def _whole(self, request_id: str, completion: Completion, cached: int, tokens: queue.Queue[Token]) -> None:
-            text = "".join(_token_text(token.index) for token in self._tokens(tokens))
-            body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                                 "stop_reason": None}],
-                    "usage": _usage(completion, cached)}
-            self._reply(200, "application/json", json.dumps(body).encode())
+    def _error(self, exc: ApiError) -> None:
+        body = {"object": "error", "message": str(exc), "type": exc.kind, "param": None, "code": exc.status}
+        self._reply(exc.status, "application/json", json.dumps(body).encode())
 
-        def _error(self, exc: ApiError) -> None:
-            body = {"object": "error", "message": str(exc), "type": exc.kind, "param": None, "code": exc.status}
-            self._reply(exc.status, "application/json", json.dumps(body).encode())
+    def _reply(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass  # a scrape every few seconds would flood stderr
-
-    return Handler
-
-
-def _token_text(index: int) -> str:
-    return _TOKEN_TEXTS[(index - 1) % len(_TOKEN_TEXTS)]
-
-
-def _usage(completion: Completion, cached: int, generated: int | None = None) -> dict[str, Any]:
-    done = completion.max_tokens if generated is None else generated
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": done,
-            "total_tokens": completion.prompt_tokens + done,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    def log_message(self, format: str, *args: object) -> None:
+        """Silent: a scrape every few seconds would flood stderr."""
 
 
 def serve(

@@ -5,22 +5,20 @@ OTLP/gRPC is not served (grpcio is a heavy dependency): run vLLM with OTEL_EXPOR
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
-import socket
 import threading
 from dataclasses import dataclass, field
 from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from stepline.core.listener import Address, ServerThread, linger
+from stepline.core.listener import BEARER_CHALLENGE, Address, HttpServer, ServerThread, bearer_authorized, linger
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.model.rows import Request
 from stepline.sources.base import Emit, SourceContext
@@ -102,7 +100,7 @@ class OtlpReceiver(Address):
         self._port = port
         self.max_body_bytes = max_body_bytes
         self.max_pending_rows = max_pending_rows
-        self._token = token.encode() if token is not None else None
+        self._tokens = [token.encode()] if token is not None else []  # none: no authentication
         self._pending: list[Request] = []
         self._counts = dict.fromkeys(STATS_KEYS, 0)
         self._lock = threading.Lock()
@@ -123,8 +121,7 @@ class OtlpReceiver(Address):
         if self._server is not None:
             raise RuntimeError("otlp receiver already started")
         try:
-            server_class = _Server6 if ":" in self.host else _Server  # the settings allow an IPv6 listen address
-            server = server_class((self.host, self._port), _Handler)
+            server = _Server((self.host, self._port), _Handler)
         except OSError as exc:
             raise OSError(exc.errno, f"otlp receiver cannot listen on {self.host}:{self._port}: {exc.strerror}"
                           ) from exc
@@ -132,7 +129,7 @@ class OtlpReceiver(Address):
         self._server = server
         self._serving = ServerThread(server, "stepline-otlp")
         logger.info("otlp receiver listening on %s%s (token %s)", self.url, TRACES_PATH,
-                    "on" if self._token else "off")
+                    "on" if self._tokens else "off")
 
     def stop(self) -> None:
         """Stop serving and release the port; rows received stay for the next poll."""
@@ -165,9 +162,9 @@ class OtlpReceiver(Address):
         if method != "POST":
             return self._refuse(405, f"{method} is not allowed: use POST", media_type, read=False,
                                 headers={"Allow": "POST"})
-        if self._token is not None and not _authorized(headers.get("Authorization", ""), self._token):
+        if self._tokens and not bearer_authorized(headers.get("Authorization", ""), self._tokens):
             return self._refuse(401, "a valid 'Authorization: Bearer <token>' header is required", media_type,
-                                read=False, headers={"WWW-Authenticate": 'Bearer realm="stepline"'})
+                                read=False, headers={"WWW-Authenticate": BEARER_CHALLENGE})
         if headers.get("Transfer-Encoding"):
             return self._refuse(411, "chunked bodies are not accepted: send Content-Length", media_type,
                                 read=False)
@@ -262,23 +259,12 @@ def _encode(response: ExportTraceServiceResponse, media_type: str) -> bytes:
     return bytes(response.SerializeToString())
 
 
-def _authorized(header: str, token: bytes) -> bool:
-    scheme, _, supplied = header.strip().partition(" ")
-    # compare_digest on bytes: constant time for the token's length, whatever the header holds.
-    return scheme.lower() == "bearer" and hmac.compare_digest(supplied.strip().encode(), token)
-
-
 def _media_type(headers: Message) -> str:
     return headers.get("Content-Type", "").split(";")[0].strip().lower()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(HttpServer):
     receiver: OtlpReceiver
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -22,7 +22,6 @@ MAX_PROBLEMS = 3  # reasons kept per payload for the partial_success message
 _MAX_NANOS = (1 << 63) - 1  # int64 nanoseconds (year 2262): what every OTLP SDK means; DateTime64(6) holds it
 _MIN_NANOS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
 _MAX_COUNT = (1 << 32) - 1  # token columns are UInt32
-_CHUNK = 64 << 10
 
 _LATENCIES = (
     ("queue_seconds", "gen_ai.latency.time_in_queue"),

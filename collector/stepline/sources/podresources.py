@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from stepline.sources.base import Emit, SourceContext, SourceError
-from stepline.sources.gpu_owners import PodGpus
+from stepline.sources.gpu.owners import PodGpus
 from stepline.sources.podresources_pb import LIST_METHOD, messages
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from stepline.config.settings import Settings, SettingsError
 from stepline.sources import vllm_metrics
 from stepline.sources.base import Source, SourceContext
-from stepline.sources.gpu import GpuSource
-from stepline.sources.gpu_owners import PodGpus
+from stepline.sources.gpu.nvml import Nvml
+from stepline.sources.gpu.owners import PodGpus
+from stepline.sources.gpu.source import GpuSource
 from stepline.sources.host import EngineTarget, HostSource, targets_from_engines
-from stepline.sources.nvml import Nvml
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.sources.podresources import PodResourcesSource

@@ -14,15 +14,10 @@ from clickhouse_connect.driver.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.model import schema
-from stepline.store.discovery import LocatedStore, locate_store
-from stepline.store.store import (
-    CollectorInfo,
-    Store,
-    StoreError,
-    StoreLocked,
-    embedded_store_locked,
-    read_collector_info,
-)
+from stepline.store.discovery import LocatedStore, RunningCollector, locate_store, read_beside_store
+from stepline.store.errors import StoreError, StoreLocked
+from stepline.store.locking import embedded_store_locked
+from stepline.store.store import Store
 from stepline.store.url import StoreUrl, parse_store_url
 
 
@@ -32,7 +27,7 @@ class TimelineReader:
 
     client: Client
     via: str
-    collector: CollectorInfo | None
+    collector: RunningCollector | None
     store: Store | None = None
     database: str = "stepline"
 
@@ -52,7 +47,7 @@ def open_reader(store_url: str) -> TimelineReader:
     if not os.path.isdir(url.path):
         raise StoreError(f"no store at {url.path}: run `stepline collect` or `stepline demo` first")
     if embedded_store_locked(url.path):
-        holder = read_collector_info(url.path)
+        holder = read_beside_store(url.path)
         if holder is None:
             raise StoreLocked(
                 f"the embedded store {url.path} is in use by a process that announced no query endpoint", None
@@ -86,7 +81,7 @@ def _has_timeline(store: Store) -> bool:
     return bool(rows[0][0])
 
 
-def _endpoint_client(holder: CollectorInfo, url: StoreUrl) -> Client:
+def _endpoint_client(holder: RunningCollector, url: StoreUrl) -> Client:
     parts = urlsplit(holder.query_url)
     password = os.environ.get("STEPLINE_QUERY_PASSWORD", "")
     if holder.password_required and not password:

@@ -36,7 +36,8 @@ class StoreUrl:
         if self.embedded:
             return f"chdb://{self.path}"
         user = f"{self.username}@" if self.username != "default" else ""
-        return f"{self.scheme}://{user}{self.host}:{self.port}/{self.database}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # urlsplit's hostname drops an IPv6 host's brackets
+        return f"{self.scheme}://{user}{host}:{self.port}/{self.database}"
 
 
 def default_store_url() -> str:

@@ -11,13 +11,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from stepline.alerting import yamlout
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.prometheus import alertmanager, rule_groups
+from stepline.core.listener import HttpServer, url
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -50,9 +51,9 @@ class Webhook:
             def log_message(self, *args: object) -> None:
                 return  # the test's output is for the test
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = HttpServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.url = url("127.0.0.1", self.server.server_port)
 
     def find(self, name: str, engine: str, status: str) -> dict[str, Any] | None:
         with self._lock:

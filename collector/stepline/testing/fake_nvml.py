@@ -7,7 +7,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from stepline.sources.nvml import (
+from stepline.sources.gpu.nvml import (
     FI_DEV_MEMORY_TEMP,
     FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
     FI_DEV_NVLINK_THROUGHPUT_DATA_TX,

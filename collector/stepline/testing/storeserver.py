@@ -14,14 +14,19 @@ import logging
 import re
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from stepline.clickhouse_http import protocol as chhttp
-from stepline.core.listener import ServerThread
+from stepline.clickhouse_http import body as chbody
+from stepline.clickhouse_http import compression as chcompress
+from stepline.clickhouse_http import errors as cherrors
+from stepline.clickhouse_http import formats as chformats
+from stepline.clickhouse_http import native as chnative
+from stepline.core.listener import HttpServer, ServerThread
+from stepline.core.listener import url as http_url
 from stepline.store.chdb import open_client
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,8 @@ class StoreServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self._port}"
+        """http://host:port, an IPv6 host in brackets."""
+        return http_url(self.host, self._port)
 
     def store_url(self, database: str) -> str:
         return f"{self.url}/{database}"
@@ -105,7 +111,7 @@ class StoreServer:
         if url.path in ("/ping", "/replicas_status") or (not params and not body):
             return 200, b"Ok.\n", {}
         try:
-            data = chhttp.decompress(encoding, body, self.max_body_bytes)
+            data = chcompress.decode_content(encoding, body, self.max_body_bytes)
             sql = params.get("query", "")
             if not sql:
                 sql, data = _split_statement(data)
@@ -123,11 +129,11 @@ class StoreServer:
                     out = self._client.raw_query(sql, parameters=binds or None, settings=settings)
                     revision = params.get("client_protocol_version", "0")
                     if fmt.lower() == "native" and revision.isascii() and revision.isdigit() and len(revision) < 10:
-                        out = chhttp.native_for_revision(out, int(revision))
-                    return 200, out, {"Content-Type": chhttp.content_type(fmt), "X-ClickHouse-Format": fmt}
+                        out = chnative.native_for_revision(out, int(revision))
+                    return 200, out, {"Content-Type": chformats.content_type(fmt), "X-ClickHouse-Format": fmt}
                 self._client.command(sql, parameters=binds or None, settings=settings)
                 return 200, b"", {}
-        except chhttp.SqlRefused as ex:
+        except cherrors.SqlRefused as ex:
             return _error(ex.code, ex.name, str(ex))
         except DatabaseError as ex:
             return _error(ex.code or 1000, ex.name or "UNKNOWN_EXCEPTION", str(ex))
@@ -153,13 +159,11 @@ def _split_statement(body: bytes) -> tuple[str, bytes]:
 
 
 def _error(code: int, name: str, message: str) -> tuple[int, bytes, dict[str, str]]:
-    text = chhttp.exception_text(code, name, message).encode()
-    return chhttp.http_status(code), text, {"X-ClickHouse-Exception-Code": str(code)}
+    text = cherrors.exception_text(code, name, message).encode()
+    return cherrors.http_status(code), text, {"X-ClickHouse-Exception-Code": str(code)}
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class _Server(HttpServer):
     store: StoreServer
 
 
@@ -189,8 +193,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         try:
-            body = chhttp.read_body(self.rfile, self.headers, self.server.store.max_body_bytes, drain_cap=0)
-        except (ValueError, OSError, chhttp.BodyTooLarge):
+            body = chbody.read_body(self.rfile, self.headers, self.server.store.max_body_bytes, drain_cap=0)
+        except (ValueError, OSError, chbody.BodyTooLarge):
             self.close_connection = True
             return
         status, data, headers = self.server.store.answer(self.path, self.headers.get("Content-Encoding", ""), body)

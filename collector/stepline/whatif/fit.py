@@ -27,7 +27,6 @@ from stepline.core.stats import nearest_rank
 from stepline.sim.costmodel import CostModel, attention_pairs
 from stepline.whatif.trace import EngineTrace, TracedRequest
 
-TERMS = ("overhead", "prefill_token", "attention_pair", "decode_request", "decode_context_token")
 EPS_S = 50e-6  # request times and step stamps are microseconds apart at worst: closer than this is the same moment
 HOLD_OUT_BLOCK = 50
 HOLD_OUT_EVERY = 5

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from stepline.diagnosis.common import EACH_ENGINE, Query, engine_configs, number
+from stepline.diagnosis.common import Query, engine_configs, number
 from stepline.diagnosis.findings import Window
+from stepline.queries.requests import MERGED
+from stepline.queries.steps import OF_EACH_ENGINE
+from stepline.queries.window import EACH_ENGINE, between
 from stepline.store.reads import Reads
 
 
@@ -69,13 +72,12 @@ class EngineTrace:
 _REQUESTS = (
     "SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), toUnixTimestamp64Micro(ts), queue_seconds, "
     "ttft_seconds, decode_seconds, prompt_tokens, cached_tokens, generation_tokens, finish_reason, max_tokens "
-    "FROM requests FINAL WHERE arrival_ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)} "
-    f"AND {EACH_ENGINE} ORDER BY engine, arrival_ts, request_id"
+    f"FROM {MERGED} WHERE {between(column='arrival_ts')} AND {EACH_ENGINE} ORDER BY engine, arrival_ts, request_id"
 )
 _STEPS = (
     "SELECT engine, toUnixTimestamp64Micro(ts), elapsed_ms, num_ctx_tokens, num_generation_requests, "
-    "num_generation_tokens, running + waiting, itl_seconds FROM steps WHERE ts >= {start:DateTime64(6)} AND "
-    f"ts <= {{end:DateTime64(6)}} AND NOT is_dummy AND {EACH_ENGINE} ORDER BY engine, ts, step"
+    f"num_generation_tokens, running + waiting, itl_seconds FROM steps WHERE {OF_EACH_ENGINE} AND NOT is_dummy "
+    "ORDER BY engine, ts, step"
 )
 
 

@@ -1,8 +1,10 @@
-"""GPUs tied to engines where NVML's PIDs are not visible (a sidecar in its own PID namespace, older drivers report
-host PIDs): by the GPUs each engine process's environment names (a fake /proc), then by STEPLINE_ENGINE_GPUS."""
+"""Which engine uses a GPU: NVML's PIDs resolved once each, in either PID namespace (a host /proc's NSpid), and
+where they are not visible (a sidecar in its own PID namespace, older drivers report host PIDs), the GPUs each engine
+process's environment names (a fake /proc), then STEPLINE_ENGINE_GPUS."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +15,22 @@ from stepline.config.settings import Settings, SettingsError
 from stepline.core.clock import ManualClock
 from stepline.model.rows import GpuSample, Row
 from stepline.sources.base import SourceContext
-from stepline.sources.gpu import GpuSource
-from stepline.sources.gpu_owners import Device, ProcPidView, used_gpus
+from stepline.sources.gpu.owners import Device, ProcPidView, used_gpus
+from stepline.sources.gpu.source import GpuSource
 from stepline.sources.registry import REGISTRY
 from stepline.testing.fake_nvml import FakeNvml
+from stepline.testing.fake_procfs import FakePidView
+from tests.sources.gpu.test_source import _run, _samples
 
 GIB = 1 << 30
 HOST_PIDS = (48012, 48013, 48014, 48015)  # what an older driver reports: host pids, not visible in the sidecar
+
+
+def _source(fake: FakeNvml, ctx: SourceContext | None = None, **kwargs: Any) -> tuple[GpuSource, ManualClock]:
+    ctx = ctx or SourceContext("gpu-node-1", ManualClock())
+    assert isinstance(ctx.clock, ManualClock)
+    return GpuSource(ctx, fake, **kwargs), ctx.clock
+
 
 
 class FakeProc:
@@ -171,6 +182,115 @@ def test_used_gpus_follows_the_runtime_and_cuda() -> None:
     assert used_gpus({"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb-2,GPU-aaaa-1", "CUDA_VISIBLE_DEVICES": "0"}, {},
                      both) == {a.uuid}  # the container's GPUs in NVML's order, whatever the list's
     assert used_gpus({"NVIDIA_VISIBLE_DEVICES": "0,7"}, {"NVIDIA_VISIBLE_DEVICES": "all"}, both) == frozenset()
+
+
+def test_unmatched_pids_are_looked_up_once_not_every_poll() -> None:
+    fake = FakeNvml(2)
+    fake.state(0).processes = {100: 1, 101: 1}
+    fake.state(1).processes = {200: 1}
+    asked: list[int] = []
+
+    def engine_of(pid: int) -> str:
+        asked.append(pid)
+        return ""
+
+    view = FakePidView({100: 7, 101: 7, 200: 7})
+    source, clock = _source(fake, engine_of_pid=engine_of, pid_view=view)
+    rows = _run(source, clock, 50)
+    assert sorted(asked) == [100, 101, 200]
+    assert all(r.engine == "" for r in _samples(rows))
+    assert view.reads == 3  # the same processes: no /proc read either
+    fake.state(0).processes = {100: 1}  # pid 101 exited ...
+    _run(source, clock, 8)  # processes are read once a second
+    fake.state(0).processes = {100: 1, 101: 1}
+    _run(source, clock, 8)  # processes are read once a second
+    assert sorted(asked) == [100, 101, 200]  # a set that changed reads start times, and they tell the same processes
+    fake.state(0).processes = {100: 1}
+    _run(source, clock, 8)  # processes are read once a second
+    view.started[101] = 8  # ... and its number was reused by another process
+    fake.state(0).processes = {100: 1, 101: 1}
+    _run(source, clock, 8)  # processes are read once a second
+    assert sorted(asked) == [100, 101, 101, 200]
+
+
+def test_at_most_a_few_lookups_a_poll() -> None:
+    fake = FakeNvml(8)
+    for i, state in enumerate(fake.devices):
+        state.processes = {1000 + 10 * i + k: 1 for k in range(3)}
+    asked: list[int] = []
+
+    def engine_of(pid: int) -> str:
+        asked.append(pid)
+        return "engine-a" if pid == 1072 else ""
+
+    source, clock = _source(fake, engine_of_pid=engine_of, pid_view=FakePidView())
+    per_poll = []
+    rows: list[Row] = []
+    for _ in range(8):
+        before = len(asked)
+        rows += _run(source, clock, 1)
+        per_poll.append(len(asked) - before)
+    assert max(per_poll) <= 4 and sum(per_poll) == 24
+    assert _samples(rows, 7)[-1].engine == "engine-a"
+
+
+def test_a_cached_nothing_is_forgotten_when_an_engine_process_is_found() -> None:
+    fake = FakeNvml(1)
+    fake.state(0).processes = {5: 1}
+    clock = ManualClock()
+    ctx = SourceContext("h", clock)
+    ctx.engine_processes.found("other", 77)
+    source = GpuSource(ctx, fake, pid_view=FakePidView({5: 1}))
+    assert _samples(_run(source, clock, 3))[-1].engine == ""
+    ctx.engine_processes.found("vllm-0", 5)
+    assert _samples(_run(source, clock, 1))[-1].engine == "vllm-0"
+
+
+def test_host_pids_of_an_older_driver_are_mapped_to_the_sidecars_namespace() -> None:
+    fake = FakeNvml(2)
+    fake.state(0).processes = {12: 70 << 30}  # what the sidecar sees: pid 12 in its namespace ...
+    fake.state(1).processes = {13: 70 << 30}
+    fake.host_pids = {12: 48012, 13: 48013}  # ... reported by an older driver as host pids
+    ctx = SourceContext("h", ManualClock())
+    ctx.engine_processes.found("vllm-0", 12)
+    ctx.engine_processes.found("vllm-1", 13)
+    row = _samples(_run(*_source(fake, ctx), 1))
+    assert [r.engine for r in row] == ["", ""]  # without a way through the namespaces: nothing, never a wrong engine
+    assert row[0].processes == {48012: 70 << 30}
+    # A host /proc mounted: NSpid maps host pids to the sidecar's.
+    view = FakePidView({12: 1, 13: 1}, local={48012: 12, 48013: 13})
+    rows = _run(*_source(fake, ctx, pid_view=view), 1)
+    assert [r.engine for r in _samples(rows)] == ["vllm-0", "vllm-1"]
+    # Not visible at all: the GPU-UUID hook (issue 16) decides.
+    by_uuid = {fake.state(1).uuid: "vllm-1"}
+    rows = _run(*_source(fake, ctx, pid_view=FakePidView(), engine_of_gpu=lambda uuid: by_uuid.get(uuid, "")), 1)
+    assert [r.engine for r in _samples(rows)] == ["", "vllm-1"]
+
+
+def test_newer_drivers_namespace_pids_match_directly() -> None:
+    fake = FakeNvml(1)
+    fake.state(0).processes = {12: 1}
+    ctx = SourceContext("h", ManualClock())
+    ctx.engine_processes.found("vllm-0", 12)
+    assert _samples(_run(*_source(fake, ctx, pid_view=FakePidView({12: 1})), 1))[0].engine == "vllm-0"
+
+
+def test_proc_pid_view_reads_start_times_and_nspid(tmp_path: Path) -> None:
+    me = os.getpid()
+    view = ProcPidView()
+    started = view.start_time(me)
+    assert isinstance(started, int) and started >= 0
+    assert view.start_time(2**22 + 12345) is None  # above pid_max: never visible
+    host = tmp_path / "host-proc"
+    for host_pid, start in ((48012, started), (48013, started + 1)):
+        (host / str(host_pid)).mkdir(parents=True)
+        (host / str(host_pid) / "stat").write_text(
+            f"{host_pid} (vllm (engine) x) S 1 " + " ".join(["0"] * 17) + f" {start} 0 0\n")
+        (host / str(host_pid) / "status").write_text(f"Name:\tpython\nNSpid:\t{host_pid}\t{me}\nPPid:\t1\n")
+    mapped = ProcPidView(host_proc=str(host))
+    assert mapped.local_pid(48012) == me
+    assert mapped.local_pid(48013) is None  # the pid number here belongs to another process
+    assert mapped.local_pid(48014) is None and view.local_pid(48012) is None
 
 
 @pytest.mark.parametrize(("value", "message"), [

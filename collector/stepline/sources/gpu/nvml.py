@@ -1,4 +1,5 @@
-"""Source: NVML, one `gpu_samples` row per GPU per poll, XID errors and lost GPUs into `events`."""
+"""The narrow `Nvml` protocol (the NVML calls the GPU source makes, in stepline's units), its errors and readings,
+NVML's ABI numbers, and `RealNvml`, the protocol over pynvml."""
 
 from __future__ import annotations
 

@@ -1,0 +1,173 @@
+"""The read-only guard: one statement, read-only, reaching nothing outside the store, split as ClickHouse's lexer
+splits it.
+
+Public: `read_only_statement` and the `Statement` it returns; `tokens`, the lexer it reads with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from stepline.clickhouse_http.errors import SYNTAX_ERROR, SqlRefused, read_only
+from stepline.clickhouse_http.settings import check_setting
+
+_ALLOWED_LEADING = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
+# Statements ClickHouse parses but a read-only user may not run (READONLY); any other first word is a syntax
+# error there (SYNTAX_ERROR, HTTP 400), and is answered as one here.
+_WRITING_LEADING = frozenset({
+    "INSERT", "CREATE", "ALTER", "DROP", "DETACH", "ATTACH", "RENAME", "EXCHANGE", "TRUNCATE", "OPTIMIZE", "SYSTEM",
+    "SET", "USE", "KILL", "GRANT", "REVOKE", "CHECK", "DELETE", "UPDATE", "UNDROP", "BACKUP", "RESTORE", "MOVE",
+    "WATCH", "BEGIN", "COMMIT", "ROLLBACK", "START", "EXECUTE", "REPLACE", "UPSERT", "COPY",
+})
+# Functions that reach files, the network or other processes. The sessions run with readonly=2, under which the
+# engine runs table functions, and it never refuses the scalar file() nor INTO OUTFILE: the guard stops those.
+_DENIED_FUNCTIONS = frozenset({
+    "file", "filecluster", "url", "urlcluster", "gcs", "oss", "cosn", "cluster", "clusterallreplicas",
+    "redis", "sqlite", "odbc", "jdbc", "input", "mongodb", "dictionary", "catboostevaluate",
+})
+_DENIED_PREFIXES = (
+    "s3", "hdfs", "azureblob", "iceberg", "deltalake", "hudi", "paimon", "remote", "mysql", "postgresql",
+    "executable", "ytsaurus", "arrowflight", "kafka", "bigquery",
+    # chDB's own: python() and arrowstream() read objects of the process that hosts the engine (the collector),
+    # filesystem() lists its files. The sessions run with readonly=2, which lets table functions run: only
+    # the guard stands between these and a client.
+    "python", "arrowstream", "filesystem", "eval",
+)
+
+
+@dataclass(frozen=True)
+class Token:
+    """One significant lexeme: kind is word, ident (quoted identifier), string, or punct; end is its offset."""
+
+    kind: str
+    text: str
+    end: int
+
+
+_QUOTED = r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"\\]|\\.|\"\")*\"|`(?:[^`\\]|\\.|``)*`"  # backslash escapes, doubled quote
+# ClickHouse's lexer, as far as the guard needs it: what is code, a literal, a quoted identifier or a comment.
+_LEXEME = re.compile(
+    r"(?P<skip>[ \t\n\r\f\v]+|[^\x00-\x7f]+|--[^\n]*|#[ !][^\n]*)"  # it skips Unicode spaces: `file\u200b(` calls
+    r"|(?P<open>/\*|\$[A-Za-z0-9_]*\$)"  # a block comment (they nest) or a heredoc: ends found by hand
+    rf"|(?P<quoted>{_QUOTED})|(?P<word>[A-Za-z0-9_$]+)|(?P<punct>.)",
+    re.S,
+)
+_COMMENT_MARK = re.compile(r"/\*|\*/")
+_WORD = re.compile(r"[A-Za-z0-9_$]+")
+_TAG = re.compile(r"(?=(\$[A-Za-z0-9_]*\$))")
+
+
+def tokens(sql: str) -> Iterator[Token]:
+    """Significant tokens of `sql`, split where ClickHouse's lexer splits comments, quotes and heredocs."""
+    pos, tags = 0, None if "$" in sql else dict[str, list[int]]()  # None: heredoc places not indexed yet
+    while (m := _LEXEME.match(sql, pos)) is not None:
+        kind, start, pos, text = m.lastgroup, m.start(), m.end(), m.group()
+        if text == "/*" and kind == "open":
+            depth = 1
+            while depth:
+                if (mark := _COMMENT_MARK.search(sql, pos)) is None:
+                    raise SqlRefused(f"unterminated comment at position {start}", SYNTAX_ERROR, "SYNTAX_ERROR")
+                depth, pos = depth + (1 if mark.group() == "/*" else -1), mark.end()
+        elif kind == "open":
+            if tags is None:  # where every $tag$ occurs, so that many unclosed tags cost one pass, not one each
+                tags = {}
+                for t in _TAG.finditer(sql):
+                    tags.setdefault(t.group(1), []).append(t.start())
+            places = tags[text]
+            if (k := bisect.bisect_left(places, pos)) < len(places):
+                pos = places[k] + len(text)
+                yield Token("string", sql[start:pos], pos)
+            else:  # no closing tag: not a heredoc, a bareword as ClickHouse reads it
+                word = _WORD.match(sql, start)
+                pos = word.end() if word else start + 1
+                yield Token("word", sql[start:pos], pos)
+        elif kind == "quoted":
+            yield Token("string" if text[0] == "'" else "ident", text, pos)
+        elif kind == "punct" and text in "'\"`":
+            raise SqlRefused(f"unterminated quoted literal at {start}", SYNTAX_ERROR, "SYNTAX_ERROR")
+        elif kind != "skip":
+            yield Token(str(kind), text, pos)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One read-only statement: its text without trailing `;`, its FORMAT clause if it has one, and every
+    `name = value` of its SETTINGS clauses (value as written)."""
+
+    sql: str
+    format: str | None
+    settings: tuple[tuple[str, str], ...] = ()
+    leading: str = "SELECT"  # its first keyword: SELECT, WITH, SHOW, DESCRIBE, DESC, EXISTS or EXPLAIN
+
+
+def _function_name(tok: Token) -> str | None:
+    if tok.kind == "word":
+        return tok.text.lower()
+    if tok.kind == "ident":
+        body = tok.text[1:-1]
+        if "\\" in body:  # escapes could spell a denied name; no real query needs them here
+            raise read_only("an escaped function name")
+        return body.replace(tok.text[0] * 2, tok.text[0]).lower()
+    return None
+
+
+def read_only_statement(sql: str) -> Statement:
+    """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise."""
+    toks: list[Token] = []
+    settings: list[tuple[str, str]] = []
+    leading: str | None = None
+    it = tokens(sql)
+    for tok in it:
+        if tok.kind == "punct" and tok.text == ";":
+            if any(not (rest.kind == "punct" and rest.text == ";") for rest in it):
+                raise read_only("a second statement")
+            break
+        if leading is None and not (tok.kind == "punct" and tok.text == "("):
+            leading = tok.text.upper() if tok.kind == "word" else "this statement"
+            if leading not in _ALLOWED_LEADING:
+                if leading in _WRITING_LEADING:
+                    raise read_only(leading)
+                raise SqlRefused(f"Syntax error: failed at position {tok.end - len(tok.text) + 1} ({tok.text[:40]}): "
+                                 f"{sql[tok.end - len(tok.text):][:60]}. Expected one of: "
+                                 f"{', '.join(sorted(_ALLOWED_LEADING))}", SYNTAX_ERROR, "SYNTAX_ERROR")
+        toks.append(tok)
+    if leading is None:
+        raise SqlRefused("Empty query", SYNTAX_ERROR, "SYNTAX_ERROR")
+    depth, fmt = 0, None
+    for k, tok in enumerate(toks):
+        nxt = toks[k + 1] if k + 1 < len(toks) else None
+        upper = tok.text.upper() if tok.kind == "word" else ""
+        if upper in ("OUTFILE", "INFILE"):
+            raise read_only(f"INTO {upper}" if upper == "OUTFILE" else "FROM INFILE")
+        if upper == "READONLY" and nxt is not None and nxt.text == "=":
+            raise read_only("changing readonly")
+        if nxt is not None and nxt.text == "(" and (name := _function_name(tok)) is not None and (
+            name in _DENIED_FUNCTIONS or name.startswith(_DENIED_PREFIXES)
+        ):
+            raise read_only(f"{name}()")
+        depth += {"(": 1, ")": -1}.get(tok.text, 0) if tok.kind == "punct" else 0
+        if upper == "FORMAT" and depth == 0 and nxt is not None and nxt.kind == "word":
+            after = toks[k + 2] if k + 2 < len(toks) else None
+            if after is None or (after.kind == "word" and after.text.upper() == "SETTINGS"):
+                fmt = nxt.text
+        if upper == "SETTINGS":
+            settings.extend(_settings_clause(toks, k + 1))
+    for key, value in settings:
+        check_setting(key, value)
+    return Statement(sql[: toks[-1].end], fmt, tuple(settings), leading)
+
+
+def _settings_clause(toks: list[Token], k: int) -> Iterator[tuple[str, str]]:
+    """`name = value, ...` from toks[k]: each value as written (a signed number, a string, a word)."""
+    while k + 2 < len(toks) and toks[k].kind == "word" and toks[k + 1].text == "=":
+        name, value, k = toks[k].text, toks[k + 2].text, k + 3
+        if value in ("-", "+") and k < len(toks):
+            value, k = value + toks[k].text, k + 1
+        yield name, value
+        if k >= len(toks) or toks[k].text != ",":
+            return
+        k += 1
+

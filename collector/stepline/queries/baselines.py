@@ -1,0 +1,56 @@
+"""An engine's own figures, read from its steps: what its detectors' limits are multiples of (STYLE rule 14).
+
+Each read answers per engine, for the engines bound as {engines:Array(String)}: exactly over [start, end], or
+from the steps' per-minute projection over whole minutes [lo, hi). The approximate reads write each aggregate as
+the projection holds it (stepline.model.schema.STEP_BASELINES: the same function over the same expressions, the
+quantile levels aside), or ClickHouse reads every step instead (it matches a projection's aggregates by
+expression: https://clickhouse.com/docs/data-modeling/projections).
+"""
+
+from __future__ import annotations
+
+from stepline.queries.steps import OF_ENGINES
+from stepline.queries.window import ENGINES
+
+# Decode-only steps: no prefill token, something decoding. Alone: no prefill and 1-4 decoding requests, what one
+# request gets from the engine with nobody in its way.
+DECODE_ONLY = "num_ctx_tokens = 0 AND num_generation_requests > 0"
+ALONE = "num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elapsed_ms > 0"
+# The decode-only step time p50 (ms), and ITL p50 and p99 (s) of the steps that carried no prefill token.
+DECODE_STEP_P50 = f"quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY})"
+ITL_P50_P99 = "quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)"
+_WHOLE_MINUTES = f"{ENGINES} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}"
+
+# engine, decode-only step p50, [ITL p50, ITL p99]
+DECODE_EXACT = f"""
+SELECT engine, {DECODE_STEP_P50},
+       {ITL_P50_P99}
+FROM steps
+WHERE {OF_ENGINES}
+GROUP BY engine
+"""
+DECODE_APPROXIMATE = f"""
+WITH toStartOfMinute(ts) AS bucket
+SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1],
+       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
+FROM steps
+WHERE {_WHOLE_MINUTES}
+GROUP BY engine
+"""
+# engine, [rate p10, p50, p90] of its steps alone (tokens/s per decoding request), their step p50 (ms)
+ALONE_EXACT = f"""
+SELECT engine, quantilesExact(0.1, 0.5, 0.9)(1000 / elapsed_ms), quantileExact(0.5)(elapsed_ms)
+FROM steps
+WHERE {OF_ENGINES}
+  AND {ALONE}
+GROUP BY engine
+"""
+# engine, [step time p10, p50, p90] (ms) of its steps alone: the caller inverts them into rates (p10 of rate = p90
+# of time)
+ALONE_APPROXIMATE = f"""
+WITH toStartOfMinute(ts) AS bucket
+SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE})
+FROM steps
+WHERE {_WHOLE_MINUTES}
+GROUP BY engine
+"""

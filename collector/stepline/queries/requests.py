@@ -1,0 +1,56 @@
+"""The merged read of `requests`: one row per request, however many of its reports the table holds yet.
+
+The plugin and OTLP each report a finished request; each report is a row of `requests`, an AggregatingMergeTree
+that merges the rows of one (host, engine, request_id) field by field in the background (stepline.model.schema).
+Until it has, a reader that counts or filters requests reads them merged: `merged()` merges every row of the table
+(filters apply to merged values), `merged_matching()` only the reports a condition picks (cheaper over a long
+table). A request's moments and its prompt band, which several reads compute, are here too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from stepline.model.schema import TABLE_BY_NAME
+
+_MERGE_FUNCTION = re.compile(r"SimpleAggregateFunction\((\w+),")
+
+
+def merged(table: str = "requests") -> str:
+    """`table` (the requests table; qualified with its database for a client that has none) merged, as a table
+    expression: one row per host, engine and request id, each field merged as the table merges it."""
+    # FINAL merges at read time what the background merges have not yet:
+    # https://clickhouse.com/docs/sql-reference/statements/select/from#final-modifier
+    return f"{table} FINAL"
+
+
+MERGED = merged()
+
+
+def _merge(column: str) -> str:
+    """The function the table merges `column`'s reports with: min for the times, max for every other field."""
+    found = _MERGE_FUNCTION.match(dict(TABLE_BY_NAME["requests"].columns)[column])
+    if found is None:
+        raise ValueError(f"requests.{column} is part of the key: it does not merge")
+    return found.group(1)
+
+
+def merged_matching(where: str, columns: Sequence[str]) -> str:
+    """The requests whose reports match `where`, merged: a table expression of one row per engine and request id,
+    `columns` merged as the table merges them, read from those reports only (`merged()` merges every row first).
+
+    `where` must hold alike for every report of a request that knows the fields it reads (engine, times, prompt
+    tokens, queue time), never test a field only one report carries (cached tokens): a request whose reports it
+    splits would be merged from part of them. Filter on merged values outside."""
+    merged_columns = ", ".join(f"{_merge(c)}({c}) AS {c}" for c in columns)
+    return (f"(SELECT engine, request_id, {merged_columns} FROM (SELECT engine, request_id, {', '.join(columns)} "
+            f"FROM requests WHERE {where}) GROUP BY engine, request_id)")
+
+
+# When a request was first scheduled (its prefill began: arrival plus queue time), and when its first token came.
+SCHEDULED = "arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))"
+FIRST_TOKEN = "arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6))"
+# Decode rates differ by workload class: reads report them per prompt-size band, never as one number.
+PROMPT_BAND = ("multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, "
+               "'8k-32k', prompt_tokens < 100000, '32k-100k', '>= 100k')")

@@ -1,0 +1,246 @@
+"""Schema creation and migration: a store's database brought to this stepline's schema, in place.
+
+Every step is idempotent and only adds or converts, so a start that stops part way is finished by the next one. A
+store of a newer schema is refused. On a cluster (`stepline schema --cluster` made Distributed tables) nothing is
+changed: what differs from today's schema is logged, for the operator to change ON CLUSTER.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from stepline.model import schema
+from stepline.store.errors import StoreError, one_line
+
+log = logging.getLogger(__name__)
+
+
+class Migration:
+    """The steps that bring one database, through one client, to today's schema."""
+
+    def __init__(self, client: Client, database: str) -> None:
+        self.client = client
+        self.database = database
+
+    def ensure(self, retention_days: int, store_name: str) -> None:
+        """Create database and tables if missing, upgrade older ones; raise StoreError naming `store_name` (the
+        store's URL without its password) for a store of a newer schema or a statement that fails."""
+        statements = schema.ddl(self.database, retention_days)
+        try:
+            self.client.command(statements[0])
+            self.client.command(statements[-1])  # schema_version first: check before touching tables
+            found = self.version()
+            if found > schema.SCHEMA_VERSION:
+                raise StoreError(
+                    f"the store at {store_name} holds schema version {found}, newer than this "
+                    f"stepline's {schema.SCHEMA_VERSION}: upgrade stepline"
+                )
+            if self.on_cluster():
+                # `stepline schema --cluster` made these tables: changing them is an ON CLUSTER job for an operator,
+                # not something one sidecar does to Distributed tables.
+                self._report_cluster_drift()
+                return
+            views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
+            for statement in statements[1:-1]:
+                if statement not in views:
+                    self.client.command(statement)
+            self._add_missing_columns()
+            self._make_nullable()
+            self._rebuild_outdated_engines(retention_days)
+            self._describe()
+            self._add_missing_projections()
+            for statement in views:  # over the tables as they now are
+                self.client.command(statement)
+            self._apply_retention(retention_days)
+            if found < schema.SCHEMA_VERSION:
+                self.client.insert(
+                    f"`{self.database}`.`schema_version`",
+                    [[schema.SCHEMA_VERSION, round(time.time() * 1_000_000)]],
+                    column_names=["version", "applied_at"],
+                )
+        except ClickHouseError as exc:
+            raise StoreError(f"cannot create the schema in {store_name}: {one_line(exc)}") from None
+
+    def version(self) -> int:
+        """The newest schema version recorded in the store (0 for a new store)."""
+        rows = self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`").result_rows
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+    def on_cluster(self) -> bool:
+        """Whether the timeline tables are Distributed tables over a cluster."""
+        rows = self.client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
+                                 "AND engine = 'Distributed'", parameters={"db": self.database}).result_rows
+        return bool(rows[0][0])
+
+    def _report_cluster_drift(self) -> None:
+        """Log what a cluster's tables lack of today's schema: the operator changes them ON CLUSTER."""
+        missing = self._missing_columns() + self._missing_projections(suffix="_local")
+        if missing:
+            log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
+                        "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
+        widened = self._widened_columns()
+        if widened:
+            log.warning("the cluster's tables hold %s as plain types where this stepline writes NULL for a "
+                        "failed reading: MODIFY COLUMN ... ON CLUSTER to today's types (`stepline schema "
+                        "--cluster`) before this collector writes to them",
+                        ", ".join(f"{t.name}.{c.name}" for t, c in widened))
+        for table in self._outdated_engines(suffix="_local"):
+            log.warning("the cluster's %s_local is not today's %s table: until it is rebuilt ON CLUSTER "
+                        "(see `stepline schema --cluster`), a request reported by the plugin and by OTLP "
+                        "may be two rows", table.name, table.engine)
+        undescribed = self._undescribed()
+        if undescribed:
+            log.warning("the cluster's tables lack today's comments on %d columns of %s: set them with ALTER "
+                        "TABLE ... ON CLUSTER ... COMMENT COLUMN (`stepline schema --cluster` has the words)",
+                        sum(map(len, undescribed.values())), ", ".join(undescribed))
+
+    def _missing_columns(self) -> list[str]:
+        """`table.column` for each column this stepline has and the store's tables lack, in schema order."""
+        rows = self.client.query("SELECT table, name FROM system.columns WHERE database = {db:String}",
+                                 parameters={"db": self.database}).result_rows
+        present: dict[str, set[str]] = {}
+        for table, name in rows:
+            present.setdefault(table, set()).add(name)
+        return [f"{t.name}.{name}" for t in schema.TABLES if t.name in present
+                for name, _ in t.columns if name not in present[t.name]]
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table since the store was created are added in place (additive changes only)."""
+        missing = set(self._missing_columns())
+        for table in schema.TABLES:
+            previous = None
+            for column in table.definition:
+                if f"{table.name}.{column.name}" in missing:
+                    after = f" AFTER `{previous}`" if previous else " FIRST"
+                    log.info("adding column %s.%s", table.name, column.name)
+                    self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
+                                        f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
+                previous = column.name
+
+    def _widened_columns(self) -> list[tuple[schema.Table, schema.Column]]:
+        """The columns this stepline declares Nullable that the store's tables hold as plain types (before schema 3)."""
+        types = {(str(t), str(n)): str(ty) for t, n, ty in self.client.query(
+            "SELECT table, name, type FROM system.columns WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        return [(table, column) for table in schema.TABLES for column in table.definition
+                if column.type.startswith("Nullable(")
+                and not types.get((table.name, column.name), "Nullable(").startswith("Nullable(")]
+
+    def _make_nullable(self) -> None:
+        """Columns that became Nullable (schema 3: cumulative counters whose failed reads are NULL) are converted in
+        place. ClickHouse cannot convert a projection's aggregate states, so the table's projections are dropped
+        first and built again by _add_missing_projections. Zeros that meant "read failed" (schema.ZERO_WAS_UNKNOWN)
+        become NULL by a background mutation; until it reaches a part, that part reads as before."""
+        widened = self._widened_columns()
+        for table in {t.name: t for t, _ in widened}.values():
+            for projection in table.projections:
+                self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
+                                    f"DROP PROJECTION IF EXISTS `{projection.name}`")
+        for table, column in widened:
+            log.info("making %s.%s Nullable", table.name, column.name)
+            target = f"`{self.database}`.`{table.name}`"
+            self.client.command(f"ALTER TABLE {target} MODIFY COLUMN {schema.column_sql(column)}")
+            if column.name in schema.ZERO_WAS_UNKNOWN.get(table.name, ()):
+                self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{column.name}` = 0")
+
+    def _engines(self) -> dict[str, str]:
+        """The engine of each table in the store's database."""
+        return {str(n): str(e) for n, e in self.client.query(
+            "SELECT name, engine FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+
+    def _outdated_engines(self, suffix: str = "") -> list[schema.Table]:
+        """The tables (`table` + suffix) whose engine is not this stepline's (Replicated or not)."""
+        engines = self._engines()
+        return [table for table in schema.TABLES
+                if engines.get(table.name + suffix, table.engine).removeprefix("Replicated") != table.engine]
+
+    def _rebuild_outdated_engines(self, retention_days: int) -> None:
+        """A table whose engine changed (version 1's MergeTree `requests`) is copied into today's, then swapped in.
+
+        The copy is made under `<table>_rebuild` and exchanged with the table in one atomic step, so a stop at
+        any point leaves either the old table whole (the next open starts over) or the new one whole (the next
+        open only drops the leftover). Rows merge as they are copied (two reports of one request become one).
+        """
+        for table in self._outdated_engines():
+            spare = f"`{self.database}`.`{table.name}_rebuild`"
+            rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
+            log.info("rebuilding %s as %s ordered by (%s): %d rows", table.name, table.engine,
+                     ", ".join(table.order_by), rows)
+            columns = ", ".join(f"`{name}`" for name in table.column_names)
+            self.client.command(f"DROP TABLE IF EXISTS {spare}")
+            self.client.command(schema.create_table_sql(self.database, table, retention_days,
+                                                        name=f"{table.name}_rebuild"))
+            self.client.command(f"INSERT INTO {spare} ({columns}) SELECT {columns} "
+                                f"FROM `{self.database}`.`{table.name}`")
+            self.client.command(f"EXCHANGE TABLES `{self.database}`.`{table.name}` AND {spare}")
+        engines = self._engines()
+        for table in schema.TABLES:  # the old table after an exchange (or what a stop right after one left)
+            if f"{table.name}_rebuild" in engines:
+                self.client.command(f"DROP TABLE `{self.database}`.`{table.name}_rebuild`")
+
+    def _undescribed(self) -> dict[str, list[str]]:
+        """Per table, its columns whose comment is not this stepline's: none yet (an older store), or older words."""
+        found = {(str(t), str(n)): str(c) for t, n, c in self.client.query(
+            "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        undescribed: dict[str, list[str]] = {}
+        for table in schema.STORE_TABLES:
+            names = [c.name for c in table.definition if found.get((table.name, c.name), c.comment) != c.comment]
+            if names:
+                undescribed[table.name] = names
+        return undescribed
+
+    def _describe(self) -> None:
+        """Give every column (and table) today's comment, so DESCRIBE and Grafana say what it holds: metadata only."""
+        undescribed = self._undescribed()
+        comments = {str(n): str(c) for n, c in self.client.query(
+            "SELECT name, comment FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        for table in schema.STORE_TABLES:
+            if table.name in undescribed:
+                log.info("commenting %d columns of %s", len(undescribed[table.name]), table.name)
+                self.client.command(schema.comment_columns_sql(self.database, table, undescribed[table.name]))
+            if comments.get(table.name, table.comment) != table.comment:
+                self.client.command(schema.comment_table_sql(self.database, table))
+
+    def _missing_projections(self, suffix: str = "") -> list[str]:
+        """`table.projection` for each projection this stepline has and the store's tables (`table` + suffix) lack."""
+        present = {(str(t), str(n)) for t, n in self.client.query(
+            "SELECT table, name FROM system.projections WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        return [f"{table.name}{suffix}.{projection.name}" for table in schema.TABLES for projection in table.projections
+                if (f"{table.name}{suffix}", projection.name) not in present]
+
+    def _add_missing_projections(self) -> None:
+        """Projections added since the store was created are added, then built for the parts already there."""
+        missing = set(self._missing_projections())
+        for table in schema.TABLES:
+            for projection in table.projections:
+                if f"{table.name}.{projection.name}" in missing:
+                    log.info("adding projection %s.%s", table.name, projection.name)
+                    for statement in schema.add_projection_sql(self.database, table, projection):
+                        self.client.command(statement)
+
+    def _apply_retention(self, retention_days: int) -> None:
+        """Each timeline table's TTL set to `retention_days` where it says otherwise."""
+        rows = self.client.query(
+            "SELECT name, engine_full FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database},
+        ).result_rows
+        for name, engine_full in rows:
+            if name not in schema.TABLE_BY_NAME:
+                continue
+            # The server shows the TTL as written or normalised to toIntervalDay(N), by version.
+            match = re.search(r"TTL .*?(?:toIntervalDay\((\d+)\)|INTERVAL (\d+) DAY)", engine_full)
+            if match and int(match.group(1) or match.group(2)) == retention_days:
+                continue
+            log.info("setting retention of %s to %d days", name, retention_days)
+            self.client.command(
+                f"ALTER TABLE `{self.database}`.`{name}` MODIFY TTL toDateTime(ts) + INTERVAL {retention_days} DAY"
+            )

@@ -1,0 +1,91 @@
+"""Long prefills: the decoders slowed beside them, the requests queued behind them, and chunk settings that the
+steps show are not in effect."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from stepline.diagnosis.prefill import (
+    LongPrefill,
+    config_not_in_effect,
+    head_of_line_blocking,
+    long_prefills,
+    prefill_interference,
+)
+from stepline.model.rows import Event
+from stepline.store.store import Store
+from tests.diagnosis.conftest import Timelines
+from tests.diagnosis.test_detectors import T0, WINDOW, _monster, config, insert, request, steady, step
+from tests.diagnosis.test_runs import chunks, decode_only
+
+
+@pytest.fixture(scope="module")
+def monster(timelines: Timelines) -> Store:
+    """test_detectors' monster prefill (on its engine e0) in the module's store."""
+    _monster(timelines.store)
+    return timelines.store
+
+
+def test_the_monsters_prefill_spans_the_steps_that_carried_it(monster: Store) -> None:
+    assert long_prefills(monster, WINDOW) == {"e0": [LongPrefill(
+        "monster", 250_000, 0, start=T0 + timedelta(seconds=100), end=T0 + timedelta(seconds=129),
+        queue_end=T0 + timedelta(seconds=100), min_uncached_tokens=4 * 8192,
+        first_chunk_ran=timedelta(milliseconds=1200))]}
+
+
+def test_interference_and_queueing_are_two_findings_of_one_prefill(monster: Store) -> None:
+    [slowed] = prefill_interference(monster, WINDOW)
+    assert (slowed.kind, slowed.severity, slowed.evidence["request_id"]) == ("prefill_interference", "critical",
+                                                                             "monster")
+    assert slowed.title == "monster (250k uncached) prefill: ITL p99 1.20s vs 10ms"
+    assert slowed.score == pytest.approx(4 * 1.2 * 30)  # request-seconds the four decoders were held
+    [queued] = head_of_line_blocking(monster, WINDOW)  # told apart here; causes.merge folds them
+    e = queued.evidence
+    assert (e["request_id"], e["queued_requests"], e["counted_from_queue_s"]) == ("monster", 20, 1.0)
+    assert (e["waiting_before"], e["waiting_peak_inside"], e["waiting_min_after"]) == (0, 30, 0)
+    assert e["longest_queued"][0] == "short0 30.0s"
+    assert monster.query(queued.sql).result_rows[0][0] == 20  # the SQL counts the same requests
+
+
+def test_a_queue_that_was_there_before_the_prefill_is_not_its_doing(store: Store) -> None:
+    _monster(store)  # a store of its own: the step added here would change the monster of the others
+    insert(store, [step(98.75, waiting=30, n=999)])  # just before its first chunk's step began (98.8 s)
+    assert head_of_line_blocking(store, WINDOW) == []
+    assert [f.kind for f in prefill_interference(store, WINDOW)] == ["prefill_interference"]
+
+
+def test_a_prefill_still_running_is_named_by_what_it_prefilled_so_far(timelines: Timelines) -> None:
+    window = timelines.add("in_flight", [config(), *decode_only(0, 500), *chunks(520, 6, 1000)])
+    [found] = prefill_interference(timelines.store, window)
+    assert found.title.startswith("a prefill of 49k tokens so far prefill: ITL p99 1.20s")
+    assert found.evidence["request_id"] == "" and found.evidence["prompt_tokens"] == 6 * 8192
+    assert found.evidence["in_flight"].startswith("no finished request in the window was this prefill")
+
+
+def test_a_long_prompt_served_from_the_prefix_cache_is_no_long_prefill(timelines: Timelines) -> None:
+    rows = [*steady(), request("cached-monster", 300.0, 0.0, 0.2, 5.0, 250_000, cached=249_000),
+            step(300.1, 15.0, prefill=1000, n=9000)]
+    window = timelines.add("cache_hit", rows)
+    assert long_prefills(timelines.store, window) == {}
+    assert prefill_interference(timelines.store, window) == []
+
+
+def test_a_budget_the_steps_exceed_is_not_in_effect(timelines: Timelines) -> None:
+    window = timelines.add("over_budget", [*steady(), step(300.0, 900.0, prefill=9000, n=9000)])
+    [found] = config_not_in_effect(timelines.store, window)
+    assert (found.severity, found.title) == ("warning", "max_num_batched_tokens=8192 but 1 steps carried up to 9002")
+    assert found.evidence == {"max_num_batched_tokens": 8192, "steps_over_budget": 1, "max_step_tokens": 9002}
+
+
+def test_a_budget_that_never_binds_while_requests_wait_is_told(timelines: Timelines) -> None:
+    window = timelines.add("never_binds", [*steady(), step(300.0, 15.0, prefill=512, waiting=3, n=9000)])
+    [found] = config_not_in_effect(timelines.store, window)
+    assert (found.severity, found.title) == ("info", "max_num_batched_tokens=8192 never binds: steps carry at most 514")
+    assert found.evidence["waiting_max"] == 3
+
+
+def test_without_configured_limits_there_is_nothing_to_check(timelines: Timelines) -> None:
+    rows = [r for r in steady() if not isinstance(r, Event)] + [step(300.0, 900.0, prefill=9000, n=9000)]
+    assert config_not_in_effect(timelines.store, timelines.add("unconfigured", rows)) == []

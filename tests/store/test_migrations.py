@@ -1,0 +1,203 @@
+"""Schema creation and migration: a new store, the version guard, retention, and older stores upgraded in place."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from stepline.model import schema
+from stepline.model.rows import Request, micros
+from stepline.store.errors import StoreError
+from stepline.store.migrations import Migration
+from stepline.store.store import Store
+from tests.store.test_store import request_report
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _tables(store: Store) -> set[str]:
+    rows = store.query("SELECT name FROM system.tables WHERE database = {db:String}",
+                       parameters={"db": store.database}).result_rows
+    return {r[0] for r in rows}
+
+
+def test_a_new_database_has_version_0_and_no_cluster(store_url: str) -> None:
+    new = Store.open(store_url)
+    try:
+        migration = Migration(new.client, new.database)
+        new.client.command(schema.ddl(new.database, 30)[-1])  # only the schema_version table
+        assert migration.version() == 0
+        assert not migration.on_cluster()
+        migration.ensure(30, new.url.redacted())
+        assert migration.version() == schema.SCHEMA_VERSION and not migration.on_cluster()
+    finally:
+        new.client.command(f"DROP DATABASE IF EXISTS `{new.database}`")
+        new.close()
+
+
+def test_a_failing_statement_is_one_line_naming_the_store(store: Store) -> None:
+    # A view where a table belongs: ClickHouse refuses to add today's columns to it.
+    store.client.command(f"DROP TABLE `{store.database}`.`steps`")
+    store.client.command(f"CREATE VIEW `{store.database}`.`steps` AS SELECT now64(6) AS ts")
+    with pytest.raises(StoreError) as info:
+        Migration(store.client, store.database).ensure(30, "chdb:///the/store")
+    assert str(info.value).startswith("cannot create the schema in chdb:///the/store: ")
+    assert "\n" not in str(info.value)
+
+
+def test_schema_creates_every_table_and_is_idempotent(store: Store) -> None:
+    expected = {t.name for t in schema.TABLES} | {"schema_version", "timeline"}
+    assert _tables(store) == expected
+    store.insert("events", [[micros(time.time()), "h", "e", "test", "k", "info", "m", {}]],
+                 schema.TABLE_BY_NAME["events"].column_names)
+    store.ensure_schema(30)
+    store.ensure_schema(30)
+    assert _tables(store) == expected
+    assert store.query("SELECT count() FROM schema_version").result_rows[0][0] == 1
+    assert store.query("SELECT count() FROM events").result_rows[0][0] == 1
+    assert store.schema_version() == schema.SCHEMA_VERSION
+
+
+def test_retention_change_rewrites_the_ttl(store: Store) -> None:
+    store.ensure_schema(7)
+    engine_full = store.query(
+        "SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = 'steps'",
+        parameters={"db": store.database}).result_rows[0][0]
+    assert "toIntervalDay(7)" in engine_full or "INTERVAL 7 DAY" in engine_full
+
+
+def test_a_store_of_a_newer_schema_is_refused(store: Store) -> None:
+    store.insert("schema_version", [[schema.SCHEMA_VERSION + 1, 0]], ["version", "applied_at"])
+    with pytest.raises(StoreError, match=rf"schema version {schema.SCHEMA_VERSION + 1}, newer .* upgrade stepline"):
+        store.ensure_schema(30)
+
+
+def test_columns_added_since_a_store_was_created_are_added_in_place(store: Store) -> None:
+    store.client.command(f"ALTER TABLE `{store.database}`.`gpu_samples` DROP COLUMN clock_event_flags")
+    store.client.command(f"ALTER TABLE `{store.database}`.`host_samples` DROP COLUMN mem_total_bytes")
+    store.ensure_schema(30)
+    columns = [r[0] for r in store.query(
+        "SELECT name FROM system.columns WHERE database = {db:String} AND table = 'gpu_samples' ORDER BY position",
+        parameters={"db": store.database}).result_rows]
+    assert columns == list(schema.TABLE_BY_NAME["gpu_samples"].column_names)
+    assert store.query("SELECT count() FROM timeline").result_rows == [(0,)]
+
+
+def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # chDB has no clusters to hold Distributed tables: the cluster check is stood in, the rest is real.
+    db = store.database
+    store.client.command(f"ALTER TABLE `{db}`.`events` DROP COLUMN attributes")
+    store.client.command(f"ALTER TABLE `{db}`.`steps` COMMENT COLUMN elapsed_ms '', COMMENT COLUMN step ''")
+    store.client.command(f"CREATE TABLE `{db}`.`requests_local` (ts DateTime64(6, 'UTC')) ENGINE = MergeTree "
+                         "ORDER BY ts")  # as version 1 made it
+    monkeypatch.setattr(Migration, "on_cluster", lambda self: True)
+    with caplog.at_level("WARNING"):
+        store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
+    assert "requests_local is not today's AggregatingMergeTree table" in caplog.text
+    assert "lack events.attributes" in caplog.text
+    assert "comments on 2 columns of steps" in caplog.text
+    assert _comments(store)[("steps", "elapsed_ms")] == ""
+    assert "steps_local.steps_per_second" in caplog.text  # projections are added ON CLUSTER to the shards' tables
+    columns = {r[0] for r in store.query("SELECT name FROM system.columns WHERE database = {db:String} "
+                                         "AND table = 'events'", parameters={"db": db}).result_rows}
+    assert "attributes" not in columns
+    assert "toIntervalDay(30)" in store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} "
+                                              "AND name = 'steps'", parameters={"db": db}).result_rows[0][0]
+
+
+def _comments(store: Store) -> dict[tuple[str, str], str]:
+    return {(str(t), str(n)): str(c) for t, n, c in store.query(
+        "SELECT table, name, comment FROM system.columns WHERE database = {db:String}",
+        parameters={"db": store.database}).result_rows}
+
+
+def _assert_every_column_described(store: Store) -> None:
+    comments = _comments(store)
+    for table in schema.STORE_TABLES:
+        for column in table.definition:
+            assert comments[(table.name, column.name)] == column.comment, f"{table.name}.{column.name}"
+            assert column.comment.strip(), f"{table.name}.{column.name} has no comment"
+
+
+def test_every_column_of_a_new_store_says_what_it_holds(store: Store) -> None:
+    _assert_every_column_described(store)
+    described = store.query("DESCRIBE TABLE steps")  # what Grafana's query builder reads
+    comment_at = described.column_names.index("comment")
+    assert [row[comment_at] for row in described.result_rows] == [c.comment for c in schema.TABLES[0].definition]
+
+
+def test_a_store_made_before_column_comments_gets_them_when_opened(store_url: str) -> None:
+    old = Store.open(store_url)
+    db = old.database
+    try:
+        ddl = (FIXTURES / "schema-v1-without-comments.sql").read_text().replace("`DB`", f"`{db}`")
+        for statement in ddl.split(";\n\n"):
+            old.client.command(statement.strip().rstrip(";"))
+        old.insert("schema_version", [[1, 0]], ["version", "applied_at"])
+        old.insert("events", [[micros(time.time()), "h", "e", "test", "k", "info", "m", {}]],
+                   schema.TABLE_BY_NAME["events"].column_names)
+        assert set(_comments(old).values()) == {""}  # the fixture is what it says
+        old.ensure_schema(30)
+        _assert_every_column_described(old)
+        assert old.query("SELECT count() FROM events").result_rows == [(1,)]
+        assert old.schema_version() == schema.SCHEMA_VERSION
+        tables = {str(n): str(c) for n, c in old.query(
+            "SELECT name, comment FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
+        assert tables["schema_version"] == schema.SCHEMA_VERSION_TABLE.comment
+    finally:
+        old.client.command(f"DROP DATABASE IF EXISTS `{db}`")
+        old.close()
+
+
+def test_a_reworded_comment_reaches_an_existing_store(store: Store) -> None:
+    store.client.command(f"ALTER TABLE `{store.database}`.`gpu_samples` COMMENT COLUMN power_w 'watts, once'")
+    store.ensure_schema(30)
+    assert _comments(store)[("gpu_samples", "power_w")] == schema.TABLE_BY_NAME["gpu_samples"].column_comments[
+        "power_w"]
+
+
+def _v1_store(store_url: str) -> Store:
+    """A store as stepline's schema version 1 made it (before column comments), with no rows."""
+    old = Store.open(store_url)
+    ddl = (FIXTURES / "schema-v1-without-comments.sql").read_text().replace("`DB`", f"`{old.database}`")
+    for statement in ddl.split(";\n\n"):
+        old.client.command(statement.strip().rstrip(";"))
+    old.insert("schema_version", [[1, 0]], ["version", "applied_at"])
+    return old
+
+
+def test_a_version_1_store_gets_requests_that_merge_in_place(store_url: str) -> None:
+    old = _v1_store(store_url)
+    db = old.database
+    try:
+        t = time.time() - 60
+        # Version 1 wrote the first report only: "a" came from OTLP (no cached tokens), "b" from the plugin.
+        old.insert("requests", [request_report("a", "otlp", t), request_report("b", "plugin", t)], Request._fields)
+        old.client.command(f"CREATE TABLE `{db}`.`requests_rebuild` (x UInt8) ENGINE = Memory")  # a stop mid-way
+        old.ensure_schema(30)
+        assert old.schema_version() == schema.SCHEMA_VERSION == 3
+        engines = {str(n): str(e) for n, e in old.query(
+            "SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
+        assert engines["requests"] == "AggregatingMergeTree" and "requests_rebuild" not in engines
+        assert old.query("SELECT request_id, source, cached_tokens FROM requests FINAL ORDER BY request_id"
+                         ).result_rows == [("a", "otlp", 0), ("b", "plugin", 4096)]
+        _assert_every_column_described(old)
+        # The plugin's report of "a", written after the upgrade, completes it; "b"'s span changes nothing.
+        old.insert("requests", [request_report("a", "plugin", t), request_report("b", "otlp", t)], Request._fields)
+        assert old.query("SELECT request_id, source, finish_reason, cached_tokens, preemptions, engine_index "
+                         "FROM requests FINAL ORDER BY request_id").result_rows == [
+            ("a", "plugin", "stop", 4096, 1, 1), ("b", "plugin", "stop", 4096, 1, 1)]
+        old.ensure_schema(30)  # the next open finds nothing to rebuild
+        assert old.query("SELECT count() FROM requests FINAL").result_rows == [(2,)]
+    finally:
+        old.client.command(f"DROP DATABASE IF EXISTS `{db}`")
+        old.close()
+
+
+def test_a_store_stopped_after_the_exchange_drops_the_old_table_at_the_next_open(store: Store) -> None:
+    store.client.command(f"CREATE TABLE `{store.database}`.`requests_rebuild` AS `{store.database}`.`events`")
+    store.ensure_schema(30)
+    assert "requests_rebuild" not in _tables(store)

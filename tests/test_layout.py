@@ -166,15 +166,16 @@ def test_every_module_is_imported_by_a_test() -> None:
 
 
 def test_tests_mirror_the_tree() -> None:
-    """`tests/X/test_Y.py` (or `test_Y_<aspect>.py`) tests `stepline/X/Y.py` or the package `stepline/X/Y/`; the
-    real-engine, client, end-to-end, fuzz, docs and deploy tests keep folders of their own."""
+    """`tests/X/test_Y.py` (or `test_Y_<aspect>.py`) tests `stepline/X/Y.py` or the package `stepline/X/Y/`, and
+    `tests/benchmarks/test_Y.py` the script `benchmarks/Y.py`; the real-engine, client, end-to-end, fuzz, docs and
+    deploy tests keep folders of their own."""
     own_folders = {"realvllm", "clients", "e2e", "fuzz", "docs", "deploy"}
     strays = []
     for path in (ROOT / "tests").rglob("test_*.py"):
         folder = path.parent.relative_to(ROOT / "tests")
         if folder.parts and folder.parts[0] in own_folders:
             continue
-        package = PACKAGE.joinpath(*folder.parts)
+        package = (ROOT if folder.parts[:1] == ("benchmarks",) else PACKAGE).joinpath(*folder.parts)
         stem = path.stem.removeprefix("test_")
         modules = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if p.is_dir()}
         if not folder.parts:

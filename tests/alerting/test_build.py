@@ -316,6 +316,21 @@ def scenarios() -> list[dict[str, object]]:
                 ]},
             ],
         },
+        {   # A GPU lost at 1m stays out for 20 minutes, long past the window of its one loss: the page holds until it
+            # is sampled again (stepline_gpu_gone goes absent at 21m; 5 minutes later Prometheus sees it stale).
+            "name": "gpu lost stays firing while it is out",
+            "input_series": [
+                series("stepline_gpu_lost_total", 'engine="e1",gpu="3"', "0 0 1x60"),
+                series("stepline_gpu_gone", 'engine="e1",gpu="3"', "_ _ 1x40 _x20"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "18m", "alertname": "GpuLost", "exp_alerts": [{
+                    "exp_labels": labels(engine="e1", gpu="3", severity="critical"),
+                    "exp_annotations": expected("GpuLost", "critical", engine="e1", gpu="3"),
+                }]},
+                {"eval_time": "28m", "alertname": "GpuLost", "exp_alerts": []},
+            ],
+        },
         {
             "name": "watchdog always fires",
             "input_series": [],

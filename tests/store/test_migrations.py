@@ -178,7 +178,7 @@ def test_a_version_1_store_gets_requests_that_merge_in_place(store_url: str) -> 
         old.insert("requests", [request_report("a", "otlp", t), request_report("b", "plugin", t)], Request._fields)
         old.client.command(f"CREATE TABLE `{db}`.`requests_rebuild` (x UInt8) ENGINE = Memory")  # a stop mid-way
         old.ensure_schema(30)
-        assert old.schema_version() == schema.SCHEMA_VERSION == 3
+        assert old.schema_version() == schema.SCHEMA_VERSION
         engines = {str(n): str(e) for n, e in old.query(
             "SELECT name, engine FROM system.tables WHERE database = {db:String}", parameters={"db": db}).result_rows}
         assert engines["requests"] == "AggregatingMergeTree" and "requests_rebuild" not in engines
@@ -201,3 +201,40 @@ def test_a_store_stopped_after_the_exchange_drops_the_old_table_at_the_next_open
     store.client.command(f"CREATE TABLE `{store.database}`.`requests_rebuild` AS `{store.database}`.`events`")
     store.ensure_schema(30)
     assert "requests_rebuild" not in _tables(store)
+
+
+def test_a_version_3_store_gets_nullable_gpu_memory_in_place(store: Store) -> None:
+    db = store.database
+    table = schema.TABLE_BY_NAME["gpu_samples"]
+    for projection in table.projections:
+        store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP PROJECTION `{projection.name}`")
+    for name, after in (("mem_used_bytes", "util_mem_copy_pct"), ("mem_total_bytes", "mem_used_bytes")):  # as v3
+        store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP COLUMN `{name}`")
+        store.client.command(f"ALTER TABLE `{db}`.gpu_samples ADD COLUMN `{name}` UInt64 CODEC(Delta, ZSTD(1)) "
+                             f"AFTER `{after}`")
+    for projection in table.projections:
+        for statement in schema.add_projection_sql(db, table, projection):
+            store.client.command(statement)
+    # Version 3 wrote a failed memory read as 0 used of 0 in all.
+    store.client.command(f"INSERT INTO `{db}`.gpu_samples (ts, host, gpu_index, mem_used_bytes, mem_total_bytes) "
+                         f"VALUES (now64(6), 'h', 0, {70 << 30}, {141 << 30}), (now64(6), 'h', 0, 0, 0), "
+                         f"(now64(6), 'h', 1, 0, {141 << 30})")
+    store.ensure_schema(30)
+    types = {str(n): str(t) for n, t in store.query("SELECT name, type FROM system.columns WHERE "
+                                                     "database = {db:String} AND table = 'gpu_samples'",
+                                                     parameters={"db": db}).result_rows}
+    assert types["mem_used_bytes"] == types["mem_total_bytes"] == "Nullable(UInt64)"
+    projections = [r[0] for r in store.query("SELECT name FROM system.projections WHERE database = {db:String} "
+                                             "AND table = 'gpu_samples'", parameters={"db": db}).result_rows]
+    assert projections == [p.name for p in table.projections]
+    query = ("SELECT gpu_index, mem_used_bytes, mem_total_bytes FROM gpu_samples "
+             "ORDER BY gpu_index, mem_total_bytes NULLS FIRST")
+    want = [(0, None, None), (0, 70 << 30, 141 << 30), (1, 0, 141 << 30)]  # a used of 0 beside a total is real
+    for _ in range(100):  # the zero-to-NULL mutations run in the background
+        got = store.query(query).result_rows
+        if got == want:
+            break
+        time.sleep(0.05)
+    assert got == want
+    assert store.query("SELECT max(mem_total_bytes) FROM gpu_samples").result_rows == [(141 << 30,)]
+    assert store.schema_version() == schema.SCHEMA_VERSION

@@ -302,6 +302,24 @@ def test_window_figures_and_gpu_metrics() -> None:
     assert h.metrics.registry.get_sample_value("stepline_gpu_present") == 0
 
 
+def test_a_lost_gpu_stays_gone_until_it_is_sampled_again() -> None:
+    h = Harness()
+    h.gpu(60.0, index=1)
+    h.event("gpu_lost", gpu="1")
+    h.tick(0.1)
+    assert h.value("stepline_gpu_gone", engine=E, gpu="1") == 1  # GpuLost holds on it
+    h.gpu(70.0, index=0)
+    h.tick(600.0)  # long after the loss, while the source samples only the others
+    assert h.value("stepline_gpu_gone", engine=E, gpu="1") == 1
+    assert h.value("stepline_gpu_lost_total", engine=E, gpu="1") == 1
+    h.gpu(60.0, index=1, engine="e2")  # back in rotation (rediscovered), now serving another engine
+    h.tick(0.1)
+    assert h.value("stepline_gpu_gone", engine=E, gpu="1") is None
+    h.event("gpu_lost", engine="e2", gpu="1")  # lost again: gone again, under the engine it served
+    assert h.value("stepline_gpu_gone", engine="e2", gpu="1") == 1
+    assert h.value("stepline_gpu_lost_total", engine="e2", gpu="1") == 1
+
+
 def test_the_top_finding_is_refreshed_while_work_is_in_flight_and_kept_after_recovery() -> None:
     answers: list[tuple[str, str, str] | None] = [None, ("prefill_interference", "critical", "monster prefill"),
                                                   ("wedged_engine", "critical", "4 waiting, no step for 9s")]

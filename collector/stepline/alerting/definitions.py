@@ -250,11 +250,13 @@ def _gpu_faults(cfg: AlertConfig) -> list[Alert]:
         Alert(
             "GpuLost", "critical",
             f"increase(stepline_gpu_lost_total{s()}[{cfg.xid_window}]) > 0\n"
-            f"  or (stepline_gpu_lost_total{s()} > 0 unless stepline_gpu_lost_total{s()} offset {cfg.xid_window})",
+            f"  or (stepline_gpu_lost_total{s()} > 0 unless stepline_gpu_lost_total{s()} offset {cfg.xid_window})\n"
+            f"  or stepline_gpu_gone{s()} == 1",
             "0m",
             "GPU [gpu] of [engine] is lost.",
             "NVML reports GPU [gpu] of engine [engine] lost (fell off the bus, or a reset is required): it is out "
-            "of rotation until the node is drained and the GPU reset or replaced. " + diag,
+            "of rotation until the node is drained and the GPU reset or replaced. The alert holds while it is out "
+            "(stepline_gpu_gone) and resolves once the collector samples it again. " + diag,
         ),
         Alert(
             "GpuRowRemap", "warning",

@@ -125,6 +125,8 @@ class SelfMetrics:
                                   "gpu source that never reached NVML is then no machine without GPUs.", registry=r)
         self.gpu_lost = Counter("stepline_gpu_lost", "GPUs NVML reported lost (fell off the bus, reset required).",
                                 ["engine", "gpu"], registry=r)
+        self.gpu_gone = Gauge("stepline_gpu_gone", "1 while a GPU NVML reported lost has not been sampled again; "
+                              "absent once it answers (GpuLost fires while it is out).", ["engine", "gpu"], registry=r)
         self.gpu_row_remap = Gauge(
             "stepline_gpu_row_remap", "1 while the GPU's latest row-remapping reading has the state: pending (a "
             "remap waits for a GPU reset) or failed (no spare rows left); NVML nvmlDeviceGetRemappedRows.",

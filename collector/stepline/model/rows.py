@@ -114,8 +114,8 @@ class GpuSample(NamedTuple):
     temp_mem_c: float
     util_gpu_pct: float
     util_mem_copy_pct: float
-    mem_used_bytes: int
-    mem_total_bytes: int
+    mem_used_bytes: int | None  # None when the read failed, never 0
+    mem_total_bytes: int | None
     pcie_tx_bytes_per_s: float
     pcie_rx_bytes_per_s: float
     pcie_replay_total: int | None  # cumulative: None when the read failed, never 0

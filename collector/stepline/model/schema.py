@@ -13,13 +13,17 @@ from typing import NamedTuple
 # 3: `gpu_samples`' cumulative counters (energy_mj, pcie_replay_total) became Nullable: a failed read is NULL, which
 # min/max (and so max - min) pass over, where it was a 0 that made one minute's energy everything since the driver
 # loaded (`Store` converts them in place, and turns version 2's zero energy readings, which were failures, to NULL).
-SCHEMA_VERSION = 3
+# 4: `gpu_samples`' memory (mem_used_bytes, mem_total_bytes) became Nullable: a failed read is NULL, where it was a 0
+# that read as an empty GPU (`Store` converts them in place, and turns version 3's failed reads, a total of 0, to NULL).
+SCHEMA_VERSION = 4
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
 COUNTER = "UInt64 CODEC(Delta, ZSTD(1))"
 # A cumulative counter read from a device: NULL when the read failed, so that max - min over a window ignores it.
 MAYBE_COUNTER = "Nullable(UInt64) CODEC(Delta, ZSTD(1))"
+# A byte count read from a device: NULL when the read failed, never a 0 that reads as real.
+MAYBE_BYTES = "Nullable(UInt64) CODEC(Delta, ZSTD(1))"
 MAYBE_COUNT = "Nullable(UInt32) CODEC(T64, ZSTD(1))"
 GAUGE = "Float64 CODEC(Gorilla, ZSTD(1))"
 SMALL_GAUGE = "Float32 CODEC(Gorilla, ZSTD(1))"
@@ -343,11 +347,12 @@ TABLES: tuple[Table, ...] = (
                    "% 0-100 (nvmlDeviceGetUtilizationRates .gpu); NaN when unsupported."),
             Column("util_mem_copy_pct", SMALL_GAUGE, "Share of the driver's last sample period in which memory was "
                    "read or written, % 0-100 (nvmlDeviceGetUtilizationRates .memory); NaN when unsupported."),
-            Column("mem_used_bytes", COUNTER, "GPU memory in use, bytes: total - free of nvmlDeviceGetMemoryInfo_v2 "
-                   "(the driver's reservation included, as nvmlDeviceGetMemoryInfo's .used), read once a second and "
-                   "carried forward in between; 0 when unsupported."),
-            Column("mem_total_bytes", COUNTER, "GPU memory in all, bytes (nvmlDeviceGetMemoryInfo .total); 0 when "
-                   "unsupported."),
+            Column("mem_used_bytes", MAYBE_BYTES, "GPU memory in use, bytes: total - free of "
+                   "nvmlDeviceGetMemoryInfo_v2 (the driver's reservation included, as nvmlDeviceGetMemoryInfo's "
+                   ".used), read once a second and carried forward in between; NULL when unsupported or the read "
+                   "failed."),
+            Column("mem_total_bytes", MAYBE_BYTES, "GPU memory in all, bytes (nvmlDeviceGetMemoryInfo .total); NULL "
+                   "when unsupported or the read failed."),
             Column("pcie_tx_bytes_per_s", GAUGE, "PCIe transmit rate, bytes/s: the change of field "
                    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES (cumulative bytes, wrapping) between two samples over the change "
                    "of the field's own timestamp; where a GPU lacks the field, GPM PCIE_TX_PER_SEC (MiB/s, over the "
@@ -478,9 +483,12 @@ SCHEMA_VERSION_TABLE = Table(
 )
 
 TABLE_BY_NAME = {table.name: table for table in TABLES}
-# Columns whose 0 meant "the read failed" before they became Nullable: the migration turns those zeros to NULL
-# (an energy counter since the driver loaded is never 0 on a GPU that ran; a PCIe replay count of 0 is real).
-ZERO_WAS_UNKNOWN = {"gpu_samples": ("energy_mj",)}
+# Columns whose 0 meant "the read failed" before they became Nullable, each with the column whose 0 marks that
+# failure: the migration turns those values to NULL. An energy counter since the driver loaded is never 0 on a GPU
+# that ran; a PCIe replay count of 0 is real; a failed memory read wrote 0 for used and total alike, and no GPU has
+# 0 bytes in all, so total's 0 marks both.
+ZERO_WAS_UNKNOWN = {"gpu_samples": {"energy_mj": "energy_mj", "mem_used_bytes": "mem_total_bytes",
+                                    "mem_total_bytes": "mem_total_bytes"}}
 # Every table stepline creates (the timeline view aside): what carries a comment on every column.
 STORE_TABLES = (*TABLES, SCHEMA_VERSION_TABLE)
 

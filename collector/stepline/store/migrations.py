@@ -132,10 +132,11 @@ class Migration:
                 and not types.get((table.name, column.name), "Nullable(").startswith("Nullable(")]
 
     def _make_nullable(self) -> None:
-        """Columns that became Nullable (schema 3: cumulative counters whose failed reads are NULL) are converted in
-        place. ClickHouse cannot convert a projection's aggregate states, so the table's projections are dropped
-        first and built again by _add_missing_projections. Zeros that meant "read failed" (schema.ZERO_WAS_UNKNOWN)
-        become NULL by a background mutation; until it reaches a part, that part reads as before."""
+        """Columns that became Nullable (schema 3: cumulative counters, schema 4: GPU memory, whose failed reads are
+        NULL) are converted in place. ClickHouse cannot convert a projection's aggregate states, so the table's
+        projections are dropped first and built again by _add_missing_projections. Values whose marker column's 0
+        meant "read failed" (schema.ZERO_WAS_UNKNOWN) become NULL by a background mutation, queued after the
+        conversion of that marker column is; until it reaches a part, that part reads as before."""
         widened = self._widened_columns()
         for table in {t.name: t for t, _ in widened}.values():
             for projection in table.projections:
@@ -145,8 +146,9 @@ class Migration:
             log.info("making %s.%s Nullable", table.name, column.name)
             target = f"`{self.database}`.`{table.name}`"
             self.client.command(f"ALTER TABLE {target} MODIFY COLUMN {schema.column_sql(column)}")
-            if column.name in schema.ZERO_WAS_UNKNOWN.get(table.name, ()):
-                self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{column.name}` = 0")
+            marker = schema.ZERO_WAS_UNKNOWN.get(table.name, {}).get(column.name)
+            if marker is not None:
+                self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{marker}` = 0")
 
     def _engines(self) -> dict[str, str]:
         """The engine of each table in the store's database."""

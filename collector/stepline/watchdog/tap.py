@@ -78,6 +78,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._engines: dict[str, EngineModel] = {}
         self._gpus: dict[tuple[str, int], GpuSample] = {}
+        self._gone: dict[str, str] = {}  # GPU index -> the engine its "still gone" series names
         self._last_gpu_ts = 0.0
         self._states: dict[str, tuple[str, float]] = {}  # engine -> (state, since)
         # engine -> (when diagnosed, the state it was in then, its top finding)
@@ -118,6 +119,8 @@ class Watchdog:
 
     def _gpu(self, g: GpuSample) -> None:
         self._gpus[(g.engine, g.gpu_index)] = g
+        if self._gone:
+            self._back(str(g.gpu_index))
         self._last_gpu_ts = max(self._last_gpu_ts, g.ts / 1e6)
         if g.engine:
             self._model(g.engine, g.ts).gpu(g)
@@ -127,9 +130,20 @@ class Watchdog:
             a = e.attributes
             self._metrics.gpu_xid_errors.labels(e.engine, a.get("gpu", ""), a.get("xid", "")).inc()
         elif e.kind == "gpu_lost":
-            self._metrics.gpu_lost.labels(e.engine, e.attributes.get("gpu", "")).inc()
+            gpu = e.attributes.get("gpu", "")
+            self._metrics.gpu_lost.labels(e.engine, gpu).inc()
+            self._back(gpu)  # one series per GPU, under the engine the latest loss named
+            self._gone[gpu] = e.engine
+            self._metrics.gpu_gone.labels(e.engine, gpu).set(1)
         elif e.engine and e.kind in ("engine_down", "engine_up", "engine_restart"):
             self._model(e.engine, e.ts).event(e)
+
+    def _back(self, gpu: str) -> None:
+        """Drop the GPU's "still gone" series: it was sampled again (the source samples only GPUs in rotation), or is
+        lost anew, perhaps under another engine."""
+        engine = self._gone.pop(gpu, None)
+        if engine is not None:
+            self._metrics.gpu_gone.remove(engine, gpu)
 
     # --- the timer ---
 

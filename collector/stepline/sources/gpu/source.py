@@ -18,7 +18,6 @@ from stepline.sources.gpu.nvml import (
     GPM_SM_OCCUPANCY,
     GPM_SM_UTIL,
     INIT_RETRY_S,
-    MemoryInfo,
     Nvml,
     NvmlError,
     NvmlGone,
@@ -153,7 +152,7 @@ class GpuSource:
         reasons = v(gpu, "clock_events", 0)
         reader.slow(gpu, now)
         reader.gpm(gpu, now)
-        memory = gpu.memory or MemoryInfo(0, 0, None)
+        memory = gpu.memory
         remap = gpu.remap
         engine = self._engine(gpu, gpu.procs)
         gpm = gpu.gpm.get
@@ -163,12 +162,14 @@ class GpuSource:
             float(v(gpu, "sm_clock", nan)), gpu.mem_clock,
             reader.field(gpu, fields, "power", nan) / 1000, reader.counter(gpu, fields, "energy"),
             float(v(gpu, "temp_gpu", nan)), reader.field(gpu, fields, "temp_mem", nan),
-            float(util[0]), float(util[1]), memory.used, memory.total, *reader.pcie(gpu, fields),
+            float(util[0]), float(util[1]), None if memory is None else memory.used,
+            None if memory is None else memory.total, *reader.pcie(gpu, fields),
             reader.counter(gpu, fields, "pcie_replay"),
             reader.rate(gpu, fields, "nvlink_tx", 1024.0), reader.rate(gpu, fields, "nvlink_rx", 1024.0),
             reasons, clock_event_flags(reasons),
             gpm(GPM_DRAM_BW_UTIL, nan), gpm(GPM_ANY_TENSOR_UTIL, nan), gpm(GPM_SM_OCCUPANCY, nan), dict(gpu.procs),
-            self._driver_version(), reader.field(gpu, fields, "power_instant", nan) / 1000, memory.reserved,
+            self._driver_version(), reader.field(gpu, fields, "power_instant", nan) / 1000,
+            None if memory is None else memory.reserved,
             gpm(GPM_SM_UTIL, nan), gpm(GPM_GRAPHICS_UTIL, nan),
             None if remap is None else remap.correctable, None if remap is None else remap.uncorrectable,
             None if remap is None else remap.pending, None if remap is None else remap.failure,

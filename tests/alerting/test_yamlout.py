@@ -47,15 +47,11 @@ def test_numbers_and_empty_documents() -> None:
     assert dump([]) == "[]\n" and dump({}) == "{}\n"
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="yamlout bug: an empty dict or list inside another is "
-                   "handed to _scalar, which refuses it")
 def test_an_empty_collection_inside_another() -> None:
     data: dict[str, object] = {"none": {}, "nothing": [], "nested": [[]]}
     assert yaml.safe_load(dump(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="yamlout bug: _PLAIN ends in $, which matches before a final newline, so "
-                   "'trailing\\n' is written plain and read back without its newline")
 def test_a_string_ending_in_a_newline() -> None:
     assert yaml.safe_load(dump({"v": "trailing\n"})) == {"v": "trailing\n"}
 

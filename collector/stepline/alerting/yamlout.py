@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
-_PLAIN = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./-]*$")
+_PLAIN = re.compile(r"[A-Za-z_/][A-Za-z0-9_./-]*")  # fullmatch: `$` would pass a final newline
 _RESERVED = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"}
 
 
@@ -25,7 +25,7 @@ def _scalar(v: object) -> str:
     if isinstance(v, int | float):
         return json.dumps(v)
     if isinstance(v, str):
-        if _PLAIN.match(v) and v.lower() not in _RESERVED:
+        if _PLAIN.fullmatch(v) and v.lower() not in _RESERVED:
             return v
         return json.dumps(v, ensure_ascii=False)
     raise TypeError(f"cannot write {type(v).__name__} as YAML")
@@ -64,6 +64,6 @@ def _entry(prefix: str, v: object, indent: int) -> list[str]:
     if _is_block(v):
         assert isinstance(v, str)
         return [prefix + " |-", *(" " * (indent + 2) + line if line else "" for line in v.split("\n"))]
-    if isinstance(v, Mapping | list) and v:
-        return [prefix, *_node(v, indent + 2)]
+    if isinstance(v, Mapping | list):
+        return [prefix, *_node(v, indent + 2)] if v else [prefix + (" {}" if isinstance(v, Mapping) else " []")]
     return [prefix + " " + _scalar(v)]

@@ -203,38 +203,60 @@ def test_a_store_stopped_after_the_exchange_drops_the_old_table_at_the_next_open
     assert "requests_rebuild" not in _tables(store)
 
 
-def test_a_version_3_store_gets_nullable_gpu_memory_in_place(store: Store) -> None:
+def _gpu_columns_as_uint64(store: Store, columns: tuple[tuple[str, str], ...]) -> None:
+    """`gpu_samples` with `columns` (name, the column before it) plain UInt64, as an older schema made them."""
     db = store.database
     table = schema.TABLE_BY_NAME["gpu_samples"]
     for projection in table.projections:
         store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP PROJECTION `{projection.name}`")
-    for name, after in (("mem_used_bytes", "util_mem_copy_pct"), ("mem_total_bytes", "mem_used_bytes")):  # as v3
+    for name, after in columns:
         store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP COLUMN `{name}`")
         store.client.command(f"ALTER TABLE `{db}`.gpu_samples ADD COLUMN `{name}` UInt64 CODEC(Delta, ZSTD(1)) "
                              f"AFTER `{after}`")
     for projection in table.projections:
         for statement in schema.add_projection_sql(db, table, projection):
             store.client.command(statement)
-    # Version 3 wrote a failed memory read as 0 used of 0 in all.
-    store.client.command(f"INSERT INTO `{db}`.gpu_samples (ts, host, gpu_index, mem_used_bytes, mem_total_bytes) "
-                         f"VALUES (now64(6), 'h', 0, {70 << 30}, {141 << 30}), (now64(6), 'h', 0, 0, 0), "
-                         f"(now64(6), 'h', 1, 0, {141 << 30})")
+
+
+def _converted(store: Store, columns: tuple[str, ...], query: str, want: list[tuple[object, ...]]) -> None:
+    """After ensure_schema: `columns` are Nullable, the projections are back, and `query` reads `want` once the
+    background zero-to-NULL mutations have reached every part."""
     store.ensure_schema(30)
+    db = store.database
     types = {str(n): str(t) for n, t in store.query("SELECT name, type FROM system.columns WHERE "
                                                      "database = {db:String} AND table = 'gpu_samples'",
                                                      parameters={"db": db}).result_rows}
-    assert types["mem_used_bytes"] == types["mem_total_bytes"] == "Nullable(UInt64)"
+    assert {types[c] for c in columns} == {"Nullable(UInt64)"}
     projections = [r[0] for r in store.query("SELECT name FROM system.projections WHERE database = {db:String} "
                                              "AND table = 'gpu_samples'", parameters={"db": db}).result_rows]
-    assert projections == [p.name for p in table.projections]
-    query = ("SELECT gpu_index, mem_used_bytes, mem_total_bytes FROM gpu_samples "
-             "ORDER BY gpu_index, mem_total_bytes NULLS FIRST")
-    want = [(0, None, None), (0, 70 << 30, 141 << 30), (1, 0, 141 << 30)]  # a used of 0 beside a total is real
-    for _ in range(100):  # the zero-to-NULL mutations run in the background
+    assert projections == [p.name for p in schema.TABLE_BY_NAME["gpu_samples"].projections]
+    for _ in range(100):
         got = store.query(query).result_rows
         if got == want:
             break
         time.sleep(0.05)
     assert got == want
-    assert store.query("SELECT max(mem_total_bytes) FROM gpu_samples").result_rows == [(141 << 30,)]
     assert store.schema_version() == schema.SCHEMA_VERSION
+
+
+def test_a_version_2_store_gets_nullable_counters_in_place(store: Store) -> None:
+    _gpu_columns_as_uint64(store, (("energy_mj", "power_w"), ("pcie_replay_total", "pcie_rx_bytes_per_s")))
+    store.client.command(f"INSERT INTO `{store.database}`.gpu_samples (ts, host, gpu_index, energy_mj, "
+                         "pcie_replay_total) VALUES (now64(6), 'h', 0, 9000, 0), (now64(6), 'h', 0, 0, 0), "
+                         "(now64(6), 'h', 0, 12000, 1)")
+    # The version-2 zero was a failed read: passed over, not 12 J since load.
+    _converted(store, ("energy_mj", "pcie_replay_total"), "SELECT max(energy_mj) - min(energy_mj), "
+               "max(pcie_replay_total) - min(pcie_replay_total) FROM gpu_samples", [(3000, 1)])
+
+
+def test_a_version_3_store_gets_nullable_gpu_memory_in_place(store: Store) -> None:
+    _gpu_columns_as_uint64(store, (("mem_used_bytes", "util_mem_copy_pct"), ("mem_total_bytes", "mem_used_bytes")))
+    # Version 3 wrote a failed memory read as 0 used of 0 in all.
+    store.client.command(f"INSERT INTO `{store.database}`.gpu_samples (ts, host, gpu_index, mem_used_bytes, "
+                         f"mem_total_bytes) VALUES (now64(6), 'h', 0, {70 << 30}, {141 << 30}), "
+                         f"(now64(6), 'h', 0, 0, 0), (now64(6), 'h', 1, 0, {141 << 30})")
+    _converted(store, ("mem_used_bytes", "mem_total_bytes"),
+               "SELECT gpu_index, mem_used_bytes, mem_total_bytes FROM gpu_samples "
+               "ORDER BY gpu_index, mem_total_bytes NULLS FIRST",
+               [(0, None, None), (0, 70 << 30, 141 << 30), (1, 0, 141 << 30)])  # a used of 0 beside a total is real
+    assert store.query("SELECT max(mem_total_bytes) FROM gpu_samples").result_rows == [(141 << 30,)]

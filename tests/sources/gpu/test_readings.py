@@ -9,7 +9,6 @@ import math
 import time
 
 from stepline.core.clock import ManualClock
-from stepline.model import schema
 from stepline.model.rows import GpuSample, Row
 from stepline.sources.gpu import nvml
 from stepline.sources.gpu.events import GpuEvents
@@ -219,38 +218,6 @@ def test_counter_rollups_pass_over_a_failed_read(store: Store) -> None:
     got = store.query("SELECT (max(energy_mj) - min(energy_mj)) / 1000, countIf(energy_mj IS NULL) "
                       "FROM gpu_samples").result_rows
     assert got == [(78 * 15.0, 1)]  # from the second reading to the 80th; with a 0 it was 5,001,185 J
-
-
-def test_a_version_2_store_gets_nullable_counters_in_place(store: Store) -> None:
-    db = store.database
-    table = schema.TABLE_BY_NAME["gpu_samples"]
-    for projection in table.projections:
-        store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP PROJECTION `{projection.name}`")
-    for name, after in (("energy_mj", "power_w"), ("pcie_replay_total", "pcie_rx_bytes_per_s")):  # as version 2
-        store.client.command(f"ALTER TABLE `{db}`.gpu_samples DROP COLUMN `{name}`")
-        store.client.command(f"ALTER TABLE `{db}`.gpu_samples ADD COLUMN `{name}` UInt64 CODEC(Delta, ZSTD(1)) "
-                             f"AFTER `{after}`")
-    for projection in table.projections:
-        for statement in schema.add_projection_sql(db, table, projection):
-            store.client.command(statement)
-    store.client.command(f"INSERT INTO `{db}`.gpu_samples (ts, host, gpu_index, energy_mj, pcie_replay_total) "
-                         "VALUES (now64(6), 'h', 0, 9000, 0), (now64(6), 'h', 0, 0, 0), (now64(6), 'h', 0, 12000, 1)")
-    store.ensure_schema(30)
-    types = {str(n): str(t) for n, t in store.query("SELECT name, type FROM system.columns WHERE "
-                                                     "database = {db:String} AND table = 'gpu_samples'",
-                                                     parameters={"db": db}).result_rows}
-    assert types["energy_mj"] == types["pcie_replay_total"] == "Nullable(UInt64)"
-    projections = [r[0] for r in store.query("SELECT name FROM system.projections WHERE database = {db:String} "
-                                             "AND table = 'gpu_samples'", parameters={"db": db}).result_rows]
-    assert projections == [p.name for p in table.projections]
-    for _ in range(100):  # the zero-to-NULL mutation runs in the background
-        got = store.query("SELECT max(energy_mj) - min(energy_mj), max(pcie_replay_total) - min(pcie_replay_total) "
-                          "FROM gpu_samples").result_rows
-        if got == [(3000, 1)]:
-            break
-        time.sleep(0.05)
-    assert got == [(3000, 1)]  # the version-2 zero was a failed read: passed over, not 12 J since load
-    assert store.schema_version() == schema.SCHEMA_VERSION
 
 
 def test_power_average_and_instant_are_both_kept() -> None:

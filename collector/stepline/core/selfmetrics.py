@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import gzip
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
-from urllib.parse import parse_qs, unquote
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from stepline.core.listener import HttpServer, ServerThread, url
 
@@ -142,8 +138,8 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self.host = host
-        self._server = _Server((host, port), _MetricsHandler)
-        self._server.registry = registry
+        self._server = _Server((host, port), _QuietHandler)
+        self._server.set_app(make_wsgi_app(registry))
         self._serving: ServerThread | None = None
 
     @property
@@ -165,57 +161,11 @@ class MetricsServer:
             self._server.server_close()
 
 
-class _Server(HttpServer):
-    registry: CollectorRegistry
+class _Server(HttpServer, WSGIServer):
+    """The listener's binding (IPv4, or IPv6 for an IPv6 literal) serving prometheus_client's own WSGI app through
+    wsgiref, so /metrics answers as make_wsgi_app does: content negotiation, gzip, name[], 405s."""
 
 
-class _MetricsHandler(BaseHTTPRequestHandler):
-    """Answers byte for byte as prometheus_client's make_wsgi_app did under wsgiref (prometheus_client/exposition.py,
-    0.26), bar the Server header: any path but /favicon.ico is the exposition, negotiated by Accept (choose_encoder),
-    gzipped when Accept-Encoding asks (gzip_accepted), restricted by name[] parameters; OPTIONS is 200; every other
-    method is 405. HTTP/1.0: one request a connection."""
-
-    server: _Server
-
-    def __getattr__(self, name: str) -> Callable[[], None]:
-        # BaseHTTPRequestHandler answers a method whose do_<METHOD> it does not find with 501; the app answered 405.
-        if name.startswith("do_"):
-            return self._serve
-        raise AttributeError(name)
-
+class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes are routine; they are not logged."""
-
-    def _serve(self) -> None:
-        allow = [("Allow", "OPTIONS,GET")]
-        path, _, query = self.path.partition("?")  # wsgiref's PATH_INFO and QUERY_STRING
-        if self.command == "OPTIONS":
-            self._send(200, allow, b"")
-        elif self.command != "GET":
-            self._send(405, allow, f"# HTTP 405 Method Not Allowed: {self.command}; use OPTIONS or GET\n".encode())
-        elif unquote(path, "iso-8859-1") == "/favicon.ico":  # browsers ask for it: an empty answer
-            self._send(200, [], b"")
-        else:
-            self._send(200, *self._exposition(parse_qs(query)))
-
-    def _exposition(self, params: dict[str, list[str]]) -> tuple[list[tuple[str, str]], bytes]:
-        encoder, content_type = choose_encoder(self._header("Accept"))
-        registry = self.server.registry
-        output = encoder(registry.restricted_registry(params["name[]"]) if "name[]" in params else registry)
-        headers = [("Content-Type", content_type)]
-        if gzip_accepted(self._header("Accept-Encoding")):
-            output = gzip.compress(output)
-            headers.append(("Content-Encoding", "gzip"))
-        return headers, output
-
-    def _header(self, name: str) -> str:
-        """A request header as wsgiref's environ held it: repeated values stripped and joined with commas."""
-        return ",".join(value.strip() for value in self.headers.get_all(name, []))
-
-    def _send(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-        self.send_response(status)
-        for key, value in headers:
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)

@@ -95,7 +95,7 @@ def sweep_labels(spec: str | None) -> list[str | None]:
 def run(args: argparse.Namespace) -> int:
     """Run the matrix, print it and store it; 0 on success, 2 when the engine or the store cannot be used."""
     from stepline.loadgen.client import Endpoint, MatrixError
-    from stepline.loadgen.matrix import events, render, run_matrix
+    from stepline.loadgen.matrix import events
 
     if args.launch or args.replay:
         return _launched(args)
@@ -108,11 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 if i and not _ask(f"restart the engine with {label}, then press Enter (Ctrl-D stops the sweep)"):
                     break
                 print(f"stepline matrix: {label} (the engine must already run with it)", flush=True)
-            result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens,
-                                max_tokens=args.max_tokens, long_prompt_tokens=args.long_prompt_tokens,
-                                repeat=args.repeat, timeout_s=args.timeout_s, model=args.model, sweep=label)
-            print(render(result), flush=True)
-            results.append(result)
+            results.append(_matrix(args, url, label))
     except MatrixError as exc:
         print(f"stepline matrix: {exc}", file=sys.stderr)
         return 2
@@ -165,15 +161,20 @@ def _launched(args: argparse.Namespace) -> int:
     return 2 if failed or any(v.failed for v in values) else 0
 
 
-def _matrix_measure(args: argparse.Namespace, url: str) -> Measure:
+def _matrix(args: argparse.Namespace, url: str, label: str | None) -> MatrixResult:
+    """One matrix run as the options say, printed; `label` names the --sweep value it measures."""
     from stepline.loadgen.matrix import render, run_matrix
 
+    result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                        long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat, timeout_s=args.timeout_s,
+                        model=args.model, sweep=label)
+    print(render(result), flush=True)
+    return result
+
+
+def _matrix_measure(args: argparse.Namespace, url: str) -> Measure:
     def measure(label: str) -> tuple[MatrixResult | None, ReplayReport | None]:
-        result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                            long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat, timeout_s=args.timeout_s,
-                            model=args.model, sweep=label)
-        print(render(result), flush=True)
-        return result, None
+        return _matrix(args, url, label), None
 
     return measure
 

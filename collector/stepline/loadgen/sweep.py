@@ -44,6 +44,10 @@ INTERRUPTED = "interrupted (Ctrl-C)"  # the error of the value the user stopped 
 Measure = Callable[[str], tuple[MatrixResult | None, replay.ReplayReport | None]]
 
 
+class LaunchRefused(MatrixError):
+    """What every value of the sweep would meet: the command cannot start, or something else answers at --engine."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
     """The launched engine's own totals from its /metrics, summed over labels, read before it is stopped."""
@@ -98,7 +102,7 @@ class LaunchedEngine:
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             self._out.close()
-            raise MatrixError(f"cannot launch {shlex.join(words)[:200]}: {exc.strerror or exc}") from None
+            raise LaunchRefused(f"cannot launch {shlex.join(words)[:200]}: {exc.strerror or exc}") from None
 
     def wait_healthy(self, endpoint: Endpoint, timeout_s: float, label: str) -> None:
         """Until /health and /v1/models answer; MatrixError when it exits first or takes over `timeout_s`."""
@@ -200,16 +204,16 @@ def launch_each(command: str, name: str, values: Sequence[str], url: str, measur
     """Per value: launch `command` with it in place of `{name}`, measure the engine once it answers at `url`, stop it.
 
     Yields each value as it is done, its error set where it could not be measured; stops after a Ctrl-C. Raises
-    MatrixError when no value could be: the command cannot start, or something else already answers at `url`."""
+    LaunchRefused when no value could be: the command cannot start, or something else already answers at `url`."""
     logs = Path(tempfile.mkdtemp(prefix="stepline-sweep-"))
     for value in values:
         label = f"{name}={value}"
         log = logs / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.log"
         try:
             done = _one_value(launch_words(command, name, value), url, label, value, log, measure, launch_timeout_s)
+        except LaunchRefused:
+            raise  # every value would meet it
         except MatrixError as exc:
-            if str(exc).startswith(("something already answers", "cannot launch")):
-                raise  # every value would meet it
             print(f"stepline matrix: {exc}", file=sys.stderr, flush=True)
             done = SweepValue(label, value, log, error=str(exc))
         except KeyboardInterrupt:
@@ -223,7 +227,7 @@ def launch_each(command: str, name: str, values: Sequence[str], url: str, measur
 def _one_value(words: list[str], url: str, label: str, value: str, log: Path, measure: Measure,
                launch_timeout_s: float) -> SweepValue:
     if Endpoint(url, 2.0).healthy():
-        raise MatrixError(f"something already answers at {url}: stop it first (each --sweep value must be measured "
+        raise LaunchRefused(f"something already answers at {url}: stop it first (each --sweep value must be measured "
                           "on the engine launched for it)")
     print(f"stepline matrix: {label}: launching {shlex.join(words)[:300]}", flush=True)
     engine = LaunchedEngine(words, log)

@@ -51,7 +51,7 @@ from stepline.plugin import wire
 from stepline.plugin.core import PluginCore
 from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import EMIT_BATCH_ROWS, PluginReceiver
-from stepline.store import batches as native
+from stepline.store import batches
 from stepline.store.store import Store
 
 HOST = "bench"
@@ -143,7 +143,7 @@ class NullSink:
 
     def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
                       dedup_token: str | None = None) -> None:
-        self.rows += native.first_block_rows(data)
+        self.rows += batches.first_block_rows(data)
 
 
 def decoded(bodies: Sequence[bytes], engines: Sequence[str]) -> Iterator[list[Row]]:

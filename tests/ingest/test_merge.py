@@ -20,7 +20,7 @@ from stepline.ingest.writer import Writers
 from stepline.model.rows import Request, micros
 from stepline.sources.otlp_decode import PROTOBUF, decode
 from stepline.sources.registry import REGISTRY
-from stepline.store import batches as native
+from stepline.store import batches
 from stepline.store.store import Store
 from stepline.testing.sink import wait_until
 
@@ -140,7 +140,7 @@ def test_the_same_report_twice(store: Store, writers: Writers) -> None:
 
 def test_a_batch_inserted_again_counts_once(store: Store) -> None:
     # A replayed spool segment whose deduplication token the table no longer holds (or a copy sent by hand).
-    batch = native.encode("requests", [_otlp("a"), _plugin("a"), _plugin("b")])
+    batch = batches.encode("requests", [_otlp("a"), _plugin("a"), _plugin("b")])
     for token in ("one", "two", None):
         store.insert_native("requests", Request._fields, batch, token)
     _assert_merged(store, ["a", "b"])

@@ -13,7 +13,7 @@ from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.spool import Spool, SpoolError
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, Request
-from stepline.store import batches as native
+from stepline.store import batches
 from stepline.store.store import Store
 from stepline.testing.sink import MemorySink, wait_until
 
@@ -62,9 +62,9 @@ def test_a_segment_replayed_after_it_was_written_is_stored_once(store: Store, tm
     dropped: list[tuple[str, int, str]] = []
     spool = Spool(lambda *d: dropped.append(d), max_bytes=1 << 20, directory=spool_dir)
     columns = Event._fields
-    first = spool.append("events", columns, native.encode("events", _events(40)), 40)
-    second = spool.append("events", columns, native.encode("events", _events(60, start=40)), 60)
-    store.insert_native("events", columns, native.encode("events", _events(40)), first.token)  # then kill -9
+    first = spool.append("events", columns, batches.encode("events", _events(40)), 40)
+    second = spool.append("events", columns, batches.encode("events", _events(60, start=40)), 60)
+    store.insert_native("events", columns, batches.encode("events", _events(40)), first.token)  # then kill -9
 
     writers = Writers(store, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
     assert writers.spool.pending("events")[0].token == first.token and writers.spool.rows("events") == 100
@@ -99,8 +99,8 @@ def test_an_insert_whose_reply_was_lost_is_retried_and_stored_once(store: Store)
 def test_damaged_segments_are_counted_and_torn_ones_removed(tmp_path: Path) -> None:
     spool_dir = tmp_path / "spool"
     spool = Spool(lambda *d: None, max_bytes=1 << 20, directory=str(spool_dir))
-    good = spool.append("events", Event._fields, native.encode("events", _events(5)), 5)
-    bad = spool.append("events", Event._fields, native.encode("events", _events(7)), 7)
+    good = spool.append("events", Event._fields, batches.encode("events", _events(5)), 5)
+    bad = spool.append("events", Event._fields, batches.encode("events", _events(7)), 7)
     path = spool_dir / f"{bad.seq:016d}.events.seg"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF  # a flipped bit in the rows (the checksum catches it)

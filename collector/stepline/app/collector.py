@@ -24,7 +24,7 @@ from stepline.model.rows import Event, micros
 from stepline.sources import registry as source_registry
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
-from stepline.store import discovery as runtimefile
+from stepline.store import discovery
 from stepline.store.errors import StoreUnreachable
 from stepline.store.store import LazyStore, Store
 from stepline.store.url import StoreUrl, parse_store_url
@@ -40,7 +40,7 @@ class Collector:
                  extra: Callable[[SourceContext], list[Scheduled]] | None = None,
                  runtime_dir: Path | None = None) -> None:
         """`extra` adds sources the registry does not make (the demo's simulated GPUs); the runtime file, by which
-        the CLI finds this collector from any directory, goes into `runtime_dir` (default runtimefile.runtime_dir())."""
+        the CLI finds this collector from any directory, goes into `runtime_dir` (default discovery.runtime_dir())."""
         self.settings = settings
         self._runtime_dir = runtime_dir
         self.runtime_file: Path | None = None
@@ -104,7 +104,7 @@ class Collector:
                                                     password=s.query_password, database=sink.database,
                                                     metrics=self.metrics)
                 self.query_endpoint.start()
-                runtimefile.announce_beside_store(url.path, self.query_endpoint.url, metrics_url,
+                discovery.announce_beside_store(url.path, self.query_endpoint.url, metrics_url,
                                                   s.query_password is not None)
         except BaseException:
             self._close()
@@ -123,13 +123,13 @@ class Collector:
     def _announce(self, url: StoreUrl, metrics_url: str) -> None:
         try:
             ingest = self.events_ingest
-            self.runtime_file = runtimefile.announce(
-                runtimefile.store_without_password(url), self.query_endpoint.url if self.query_endpoint else "",
+            self.runtime_file = discovery.announce(
+                discovery.store_without_password(url), self.query_endpoint.url if self.query_endpoint else "",
                 metrics_url, self._runtime_dir, events_url=ingest.url if ingest else "",
                 events_token=ingest.token if ingest else "")
         except OSError as exc:  # a convenience for the CLI: collecting goes on without it
             log.warning("cannot write the runtime file in %s (`stepline query` and `status` find this collector "
-                        "only with --store): %s", self._runtime_dir or runtimefile.runtime_dir(), exc)
+                        "only with --store): %s", self._runtime_dir or discovery.runtime_dir(), exc)
 
     def _store_opened(self, store: Store) -> None:
         """The store answered (at start, or later for a store that was down): remember what it holds."""
@@ -187,11 +187,11 @@ class Collector:
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.runtime_file is not None:
-            runtimefile.withdraw(self.runtime_file)
+            discovery.withdraw(self.runtime_file)
             self.runtime_file = None
         if self.store is not None:
             if self.store.url.embedded:
-                runtimefile.withdraw_beside_store(self.store.url.path)
+                discovery.withdraw_beside_store(self.store.url.path)
             self.store.close()
 
     def run_until_signalled(self) -> None:

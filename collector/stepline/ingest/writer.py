@@ -17,7 +17,7 @@ from stepline.ingest.merge import RecentRequests
 from stepline.ingest.spool import Segment, Spool
 from stepline.model import schema
 from stepline.model.rows import TABLE_OF, Request, Row
-from stepline.store import batches as native
+from stepline.store import batches
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class TableWriter:
     def _spool_rows(self, rows: list[Sequence[Any]]) -> None:
         for start in range(0, len(rows), self._batch_rows):
             chunk = rows[start:start + self._batch_rows]
-            data, kept, error = native.encode_valid(self.table, chunk)
+            data, kept, error = batches.encode_valid(self.table, chunk)
             if kept < len(chunk):
                 self.drop(len(chunk) - kept, "rejected")
                 self._drop_log.warning(f"{self.table}:rejected", "%d %s rows do not fit the table: %s",
@@ -284,7 +284,7 @@ class Writers:
             data = self.spool.load(segment)
             if data is None:
                 continue  # unreadable: the spool dropped and counted it
-            names, rows = native.decode(data)
+            names, rows = batches.decode(data)
             if names == Request._fields:
                 newest.append([Request._make(row) for row in rows])
                 count += len(rows)

@@ -91,7 +91,7 @@ def read_window(client: Any, window: Window, database: str = "") -> list[Recorde
 
 
 def load_window(store: str | None, window: Window) -> list[Recorded]:
-    """The window's requests from the store --store names, else the one the CLI finds (runtimefile.locate_store).
+    """The window's requests from the store --store names, else the one the CLI finds (discovery.locate_store).
 
     Raises StoreError (StoreLocked among them), StoreUrlError, or ReplayError for a window with no request."""
     from stepline.store.reader import open_located

@@ -64,7 +64,7 @@ def open_reader(store_url: str) -> TimelineReader:
 
 def open_located(store: str | None) -> tuple[TimelineReader, LocatedStore]:
     """A reader of the store `store` names, else the one the environment, the current directory or the running
-    collector's runtime file does (runtimefile.locate_store); a StoreError says where it looked."""
+    collector's runtime file does (discovery.locate_store); a StoreError says where it looked."""
     located = locate_store(store)
     try:
         return open_reader(located.url), located

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stepline.model.rows import TABLE_OF
-from stepline.store import batches as native
+from stepline.store.batches import decode
 
 
 class MemorySink:
@@ -27,7 +27,7 @@ class MemorySink:
 
     def insert_native(self, table: str, column_names: Sequence[str], data: bytes,
                       dedup_token: str | None = None) -> None:
-        _, rows = native.decode(data)
+        _, rows = decode(data)
         self.insert(table, rows, column_names, dedup_token)
 
     def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str],

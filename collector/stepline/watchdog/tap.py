@@ -1,6 +1,6 @@
 """The progress watchdog: taps the rows flowing to the writers, judges each engine every second.
 
-The model (budgets and states) is in `watchdog_model`. Here: the tap (`observe`, on the ingest
+The model (budgets and states) is in `budget`. Here: the tap (`observe`, on the ingest
 path, so it only files rows), the timer thread that assesses each engine, exports the figures on
 the collector's /metrics, puts an `engine_state` event on the timeline at each change, and keeps
 each engine's top finding (the diagnosis of its last few minutes) fresh: at once when its state

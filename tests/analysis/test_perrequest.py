@@ -1,16 +1,12 @@
-"""Per-request figures from joining requests with steps, and one row per request across sources."""
+"""Per-request figures from joining requests with steps."""
 
 from __future__ import annotations
 
-import math
 import time
 
 from stepline.analysis import perrequest
-from stepline.core.selfmetrics import SelfMetrics
-from stepline.ingest.merge import RecentRequests, known_fields
 from stepline.model.rows import Event, Request, Step, micros
 from stepline.store.store import Store
-from stepline.testing.sink import MemorySink
 
 T0 = time.time() - 600
 
@@ -71,46 +67,6 @@ def test_bands_and_the_largest_prefill(store: Store) -> None:
     around = perrequest.around_largest_prefill(store, "e", T0 - 60)
     assert "monster, 359000 prompt tokens" in around
     assert "400ms" in around
-
-
-def test_a_request_reported_by_the_plugin_and_by_otlp_is_written_once() -> None:
-    from stepline.ingest.writer import Writers
-
-    metrics = SelfMetrics()
-    sink = MemorySink()
-    writers = Writers(sink, metrics, flush_interval_s=0.01)
-    writers.start()
-    plugin = _request("r1", T0, 0.1, 0.2, 1.0)
-    otlp = plugin._replace(source="otlp", ts=plugin.ts + 3000)
-    assert writers.write([plugin, otlp, _request("r1", T0, 0.1, 0.2, 1.0, engine="other")]) == 2
-    writers.stop()
-    assert [(r.engine, r.source) for r in sink.rows("requests")] == [("e", "plugin"), ("other", "plugin")]
-    assert metrics.registry.get_sample_value("stepline_requests_deduplicated_total", {"source": "otlp"}) == 1
-
-
-def test_the_dedup_memory_is_bounded_in_time_and_count() -> None:
-    now = [0.0]
-    recent = RecentRequests(window_s=60, max_entries=3, monotonic=lambda: now[0])
-    a = _request("a", T0, 0.1, 0.2, 1.0)
-    assert recent.adds_fields(a) and not recent.adds_fields(a)
-    for rid in "bcd":
-        assert recent.adds_fields(a._replace(request_id=rid))
-    assert len(recent) == 3 and recent.adds_fields(a)  # "a" was pushed out by count
-    now[0] = 61.0
-    assert recent.adds_fields(a._replace(request_id="b"))  # and "b" by age
-
-
-def test_a_report_is_written_again_only_for_a_field_the_earlier_ones_lacked() -> None:
-    recent = RecentRequests()
-    span = _request("a", T0, 0.1, 0.2, 1.0, source="otlp")._replace(finish_reason="", cached_tokens=0,
-                                                                     mean_tpot_seconds=math.nan)
-    assert recent.adds_fields(span)
-    plugin = _request("a", T0, 0.1, 0.2, 1.0)._replace(cached_tokens=900)
-    assert recent.adds_fields(plugin)  # finish reason, cached tokens, TPOT: new
-    assert not recent.adds_fields(span) and not recent.adds_fields(plugin)
-    assert recent.adds_fields(span._replace(preemptions=1))  # a count nobody gave yet
-    assert known_fields(span) & ~known_fields(plugin) == 0
-    assert known_fields(plugin._replace(cached_tokens=0, model_name="")) < known_fields(plugin)
 
 
 def test_a_long_chunk_is_long_for_the_engines_own_budget(store: Store) -> None:

@@ -4,6 +4,7 @@ collector restart, a retry and a replayed batch (against the embedded ClickHouse
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -16,13 +17,15 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.merge import RecentRequests, arrival_tolerance_us, known_fields
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Request, micros
 from stepline.sources.otlp_decode import PROTOBUF, decode
 from stepline.sources.registry import REGISTRY
 from stepline.store import batches
+from stepline.store.errors import StoreUnreachable
 from stepline.store.store import Store
-from stepline.testing.sink import wait_until
+from stepline.testing.sink import MemorySink, wait_until
 
 HOST = "h"
 NOW = time.time() - 30  # set again before each test: the collector remembers only the last ten minutes' requests
@@ -188,3 +191,173 @@ def test_a_run_like_the_real_engines_sums_every_cached_token(store: Store, write
         writers.write([second])
     writers.stop()
     _assert_merged(store, ids)
+
+
+# Identity: which request a report is of (stepline.ingest.merge). Reports built by hand, at an instant of their own.
+T0 = 1_780_000_000.0
+
+
+def _report(rid: str, source: str, arrival: float, e2e: float = 2.0, prompt: int = 1000, generated: int = 10,
+            cached: int = 0) -> Request:
+    """A report of a request that arrived at `arrival`: the plugin's with its fields, the span's without them."""
+    plugin = source == "plugin"
+    return Request(micros(arrival + e2e), HOST, "eng", 1 if plugin else 0, "m", rid, source,
+                   "stop" if plugin else "", micros(arrival), 0.1, 0.2, e2e - 0.3, e2e - 0.1, e2e, 0.3,
+                   (e2e - 0.3) / 9 if plugin else math.nan, prompt, cached if plugin else 0, generated, 16,
+                   0)
+
+
+def test_a_reused_id_later_is_another_request() -> None:
+    recent = RecentRequests()
+    first = _report("cmpl-x-0", "plugin", T0, prompt=18_105, cached=0)._replace(model_name="")
+    again = _report("cmpl-x-0", "plugin", T0 + 120, prompt=18_105, cached=18_048)._replace(model_name="")
+    assert recent.place(first) == first and recent.place(again) == again
+    # Each one's span, 1 µs off its plugin arrival (nanoseconds against float seconds), joins its own request.
+    for plugin in (first, again):
+        span = _report("cmpl-x-0", "otlp", plugin.arrival_ts / 1e6 + 1e-6, prompt=18_105)
+        placed = recent.place(span._replace(model_name="served"))  # a field the plugin lacked: written
+        assert placed is not None and placed.arrival_ts == plugin.arrival_ts
+        assert recent.place(span) is None  # the same span again adds nothing
+
+
+def test_two_requests_side_by_side_under_one_id_stay_two_in_any_order() -> None:
+    # Sent together with one X-Request-Id: the same prompt, the same output, arrivals 300 µs apart. In the first
+    # order the second's span comes before its plugin report and after the first's: it must not join the first.
+    # (The plugin reports lack the model, the spans name it: every report adds a field, so every one is written.)
+    pairs = {name: (_report("dup", "plugin", at)._replace(model_name=""),
+                    _report("dup", "otlp", at + 1e-6)._replace(model_name="served"))
+             for name, at in (("a", T0), ("b", T0 + 0.0003))}
+    a_plugin, a_span = pairs["a"]
+    b_plugin, b_span = pairs["b"]
+    for order in ([a_plugin, b_span, b_plugin, a_span], [a_span, b_span, a_plugin, b_plugin],
+                  [b_plugin, a_plugin, a_span, b_span], [b_span, a_plugin, a_span, b_plugin]):
+        recent = RecentRequests()
+        keys = {}
+        for report in order:
+            placed = recent.place(report)
+            assert placed is not None
+            keys[report] = placed.arrival_ts
+        assert keys[a_plugin] == keys[a_span] != keys[b_plugin] == keys[b_span], order
+
+
+def test_a_second_report_of_one_source_is_another_request_unless_it_is_the_same_report() -> None:
+    recent = RecentRequests()
+    plugin = _report("r", "plugin", T0)
+    assert recent.place(plugin) == plugin
+    assert recent.place(plugin) is None  # a retried batch, a replayed spool: the same report
+    twin = _report("r", "plugin", T0 + 1e-6)  # a plugin report 1 µs off: another request, however close
+    assert recent.place(twin) == twin
+
+
+def test_token_counts_that_differ_are_different_requests() -> None:
+    recent = RecentRequests()
+    recent.place(_report("r", "plugin", T0, prompt=1000)._replace(model_name=""))
+    span = _report("r", "otlp", T0, prompt=999)
+    placed = recent.place(span)
+    assert placed == span  # its own request: written with its own arrival
+    assert recent.place(_report("r", "otlp", T0, generated=10, prompt=1000)._replace(model_name="x")) is not None
+
+
+def test_the_arrival_tolerance_is_the_wire_s_float32_e2e() -> None:
+    # A 20-minute request: float32 keeps e2e to about 60 µs, so the plugin's arrival can lie that far from the span's.
+    e2e = 1200.0
+    off = e2e + 3.3e-5 - struct.unpack("<f", struct.pack("<f", e2e + 3.3e-5))[0]  # float32's rounding of it
+    assert abs(off) > 2e-6
+    report = _report("long", "otlp", T0, e2e=e2e)
+    assert arrival_tolerance_us(report) >= abs(off) * 1e6 and arrival_tolerance_us(report) < 1000
+    recent = RecentRequests()
+    recent.place(_report("long", "plugin", T0 + 3.3e-5, e2e=e2e)._replace(model_name=""))
+    placed = recent.place(report._replace(model_name="served"))
+    assert placed is not None and placed.arrival_ts == micros(T0 + 3.3e-5)
+    # A short request's two reports must agree to within microseconds.
+    assert arrival_tolerance_us(_report("short", "otlp", T0, e2e=0.5)) <= 3
+
+
+def test_requests_sharing_an_id_are_rows_of_their_own_in_the_store(store: Store, writers: Writers) -> None:
+    # The issue's case, as the real engine reports it: an uncached 18k prompt, then the same prompt again under the
+    # same X-Request-Id, now served from the prefix cache; each reported by the plugin and by a span.
+    first = _report("cmpl-retry-0", "plugin", NOW - 200, prompt=18_105, cached=0)._replace(model_name="")
+    again = _report("cmpl-retry-0", "plugin", NOW - 100, prompt=18_105, cached=18_048)._replace(model_name="")
+    spans = [_report("cmpl-retry-0", "otlp", r.arrival_ts / 1e6, prompt=18_105)._replace(model_name="served")
+             for r in (first, again)]
+    writers.write([first, spans[1]])
+    writers.write([spans[0], again])
+    writers.stop()
+    assert store.query("SELECT count(), sum(prompt_tokens), sum(cached_tokens), groupArray(model_name) "
+                       "FROM requests FINAL").result_rows == [(2, 36_210, 18_048, ["served", "served"])]
+
+
+def test_the_dedup_memory_is_bounded_in_time_and_count() -> None:
+    now = [0.0]
+    recent = RecentRequests(window_s=60, max_entries=3, monotonic=lambda: now[0])
+    a = _report("a", "plugin", T0)
+    assert recent.place(a) == a and recent.place(a) is None
+    for rid in "bcd":
+        assert recent.place(a._replace(request_id=rid))
+    assert len(recent) == 3 and recent.place(a) == a  # "a" was pushed out by count
+    now[0] = 61.0
+    assert recent.place(a._replace(request_id="b"))  # and "b" by age
+
+
+def test_a_report_is_written_again_only_for_a_field_the_earlier_ones_lacked() -> None:
+    recent = RecentRequests()
+    span = _report("a", "otlp", T0)
+    assert recent.place(span) == span
+    plugin = _report("a", "plugin", T0, cached=900)
+    assert recent.place(plugin) == plugin  # finish reason, cached tokens, TPOT: new
+    assert recent.place(span) is None and recent.place(plugin) is None
+    assert recent.place(span._replace(preemptions=1))  # a count nobody gave yet
+    assert known_fields(span) & ~known_fields(plugin) == 0
+    assert known_fields(plugin._replace(cached_tokens=0, model_name="")) < known_fields(plugin)
+
+
+def test_a_request_reported_by_the_plugin_and_by_otlp_is_written_once() -> None:
+    metrics = SelfMetrics()
+    sink = MemorySink()
+    writers = Writers(sink, metrics, flush_interval_s=0.01)
+    writers.start()
+    plugin = _report("r1", "plugin", T0)
+    otlp = _report("r1", "otlp", T0)
+    assert writers.write([plugin, otlp, plugin._replace(engine="other")]) == 2
+    writers.stop()
+    assert [(r.engine, r.source) for r in sink.rows("requests")] == [("eng", "plugin"), ("other", "plugin")]
+    assert metrics.registry.get_sample_value("stepline_requests_deduplicated_total", {"source": "otlp"}) == 1
+
+
+def test_a_report_older_than_the_memory_is_looked_up_in_the_store(store: Store, store_url: str) -> None:
+    # A 25-minute request whose span was written, then the collector restarted; the plugin's report comes from its
+    # backlog. The new collector remembers only the last ten minutes' requests: it asks the store for this one.
+    old = NOW - 1500
+    span = _report("slow", "otlp", old, e2e=5.0)._replace(model_name="served")
+    plugin = _report("slow", "plugin", old + 2e-6, e2e=5.0, cached=512)
+    before = _collector(store_url)
+    try:
+        assert before.writers is not None
+        before.writers.write([span])
+    finally:
+        before.stop()
+    after = _collector(store_url)
+    try:
+        assert after.writers is not None
+        assert after.writers.write([plugin]) == 1
+    finally:
+        after.stop()
+    assert store.query("SELECT count(), sum(cached_tokens), any(model_name), any(source) FROM requests FINAL"
+                       ).result_rows == [(1, 512, "served", "plugin")]
+    assert after.metrics.registry.get_sample_value("stepline_requests_unresolved_total") == 0
+
+
+def test_a_lookup_that_fails_is_counted_and_the_report_kept(caplog: pytest.LogCaptureFixture) -> None:
+    def down(keys: Sequence[tuple[str, str]]) -> list[Request]:
+        raise StoreUnreachable(f"the store at chdb://x does not answer (asked for {len(keys)} ids)")
+
+    metrics = SelfMetrics()
+    sink = MemorySink()
+    writers = Writers(sink, metrics, flush_interval_s=0.01, lookup=down)
+    writers.start()
+    report = _report("old", "plugin", time.time() - 3600)
+    assert writers.write([report]) == 1
+    writers.stop()
+    assert [(r.request_id, r.arrival_ts) for r in sink.rows("requests")] == [("old", report.arrival_ts)]
+    assert metrics.registry.get_sample_value("stepline_requests_unresolved_total") == 1
+    assert "does not answer (asked for 1 ids)" in caplog.text

@@ -202,12 +202,13 @@ def engine_metrics(setup: Setup) -> dict[str, float]:
 # ---- the load ---------------------------------------------------------------------------------------------
 
 
-def _complete(setup: Setup, prompt: str, max_tokens: int, stream: bool) -> int:
-    """One completion; the number of streamed events, or (not streamed) its prompt's tokens as vLLM counted them."""
+def _complete(setup: Setup, prompt: str, max_tokens: int, stream: bool, request_id: str | None = None) -> int:
+    """One completion (sent with `request_id` as its X-Request-Id, when given); the number of streamed events, or
+    (not streamed) its prompt's tokens as vLLM counted them."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                        "temperature": 0, "stream": stream}).encode()
-    request = urllib.request.Request(f"{setup.engine_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"X-Request-Id": request_id} if request_id else {})
+    request = urllib.request.Request(f"{setup.engine_url}/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=300) as response:
         if not stream:
             return int(json.loads(response.read())["usage"]["prompt_tokens"])
@@ -242,6 +243,21 @@ def drive(setup: Setup, long_words: int) -> int:
     tokens = streams_beside(setup, prompt, 8, 400, 0.3)
     streams_beside(setup, prompt, 8, 400, 0.3)
     return tokens
+
+
+def reuse_request_ids(setup: Setup, tag: str, long_words: int) -> None:
+    """Requests that share an X-Request-Id, as clients' retries do: an uncached long prompt, then the same prompt
+    again under the same id (now a prefix-cache hit); then two requests of one short prompt sent side by side under
+    another shared id. vLLM reports each under the id it builds from the header (cmpl-<id>-0)."""
+    prompt = long_prompt(f"{tag}-long", long_words)
+    for _ in range(2):
+        _complete(setup, prompt, 8, False, request_id=f"{tag}-sequential")
+    together = [threading.Thread(target=_complete, args=(setup, f"{tag} side by side, the same prompt twice", 24,
+                                                         True, f"{tag}-overlapping")) for _ in range(2)]
+    for t in together:
+        t.start()
+    for t in together:
+        t.join()
 
 
 def stepline(setup: Setup, *args: str, timeout_s: float = 300,

@@ -19,6 +19,12 @@ import pytest
 from tests.realvllm import harness
 
 LONG_WORDS = 6000  # ~17k tokens with the tiny model's tokenizer: 17 chunks of the 1,024-token budget
+REUSED = "reused"  # the X-Request-Id prefix of the requests that share ids
+REUSED_WORDS = 1500  # ~4k tokens: long enough that its second run is mostly a prefix-cache hit
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
 @dataclass
@@ -31,6 +37,7 @@ class Run:
     diagnose_rc: int
     long_prompt_tokens: int
     long_request_ids: list[str]  # the long prompt's two requests: uncached, then cached
+    reuse: dict[str, float]  # vLLM's counters' increase over the requests that reused an X-Request-Id
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     with harness.collector(setup):
         with harness.engine(setup):
             long_tokens = harness.drive(setup, LONG_WORDS)  # as vLLM counted them (the matrix's differs)
+            before_reuse = harness.engine_metrics(setup)
+            harness.reuse_request_ids(setup, REUSED, REUSED_WORDS)
+            reuse = _delta(before_reuse, harness.engine_metrics(setup))
             matrix = harness.stepline(setup, "matrix", "--engine", f"{harness.SERVED_NAME}={setup.engine_url}",
                                       "--streams", "4", "--max-tokens", "48", "--prompt-tokens", "32",
                                       "--repeat", "1", "--timeout", "120")
@@ -50,7 +60,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     long_ids = [r[0] for r in harness.query(setup, (
         f"SELECT request_id FROM requests FINAL WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
     result = Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
-                 long_tokens, long_ids)
+                 long_tokens, long_ids, reuse)
     figures = comparison(result)
     (setup.work / "figures.txt").write_text(figures)
     print(f"\n{figures}")  # shown with -s; also kept beside the run's logs
@@ -88,6 +98,22 @@ def test_requests_and_tokens_match_vllms_counters(run: Run) -> None:
     hits = run.metrics["vllm:prefix_cache_hits_total"]
     assert hits > harness.BUDGET_TOKENS  # the long prompt's second run was served from the cache
     assert abs(cached - hits) <= 0.01 * hits, (cached, hits)
+
+
+def test_requests_that_share_an_id_are_each_a_row(run: Run) -> None:
+    # Four requests under two X-Request-Ids: one long prompt sent twice in turn (uncached, then a cache hit), one
+    # short prompt sent twice at once. Each is its own row, counted as vLLM counted them.
+    rows = harness.query(run.setup, (
+        "SELECT request_id, prompt_tokens, cached_tokens, source FROM requests FINAL "
+        f"WHERE request_id LIKE '%{REUSED}-%' ORDER BY arrival_ts"))
+    assert len(rows) == run.reuse["vllm:request_success_total"] == 4, rows
+    assert [r[0].split(f"{REUSED}-")[1].split("-")[0] for r in rows] == [
+        "sequential", "sequential", "overlapping", "overlapping"], rows
+    assert sum(int(r[1]) for r in rows) == run.reuse["vllm:prompt_tokens_total"], rows
+    assert sum(int(r[2]) for r in rows) == run.reuse["vllm:prefix_cache_hits_total"], rows
+    (_, first_prompt, first_cached, _), (_, second_prompt, second_cached, _) = rows[:2]
+    assert first_prompt == second_prompt and int(first_cached) == 0 < int(second_cached), rows  # not merged
+    assert all(r[3] == "plugin" for r in rows), rows
 
 
 def test_every_request_has_its_plugin_fields(run: Run) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -260,3 +261,31 @@ def test_a_version_3_store_gets_nullable_gpu_memory_in_place(store: Store) -> No
                "ORDER BY gpu_index, mem_total_bytes NULLS FIRST",
                [(0, None, None), (0, 70 << 30, 141 << 30), (1, 0, 141 << 30)])  # a used of 0 beside a total is real
     assert store.query("SELECT max(mem_total_bytes) FROM gpu_samples").result_rows == [(141 << 30,)]
+
+
+def test_a_version_4_store_gets_requests_keyed_by_arrival_in_place(store: Store) -> None:
+    # Version 4 keyed requests by (host, engine, request_id) and merged arrival_ts with min.
+    db, table = store.database, schema.TABLE_BY_NAME["requests"]
+    v4 = dataclasses.replace(table, order_by=("host", "engine", "request_id"), definition=tuple(
+        c._replace(type=schema.merged(schema.TIME, "min")) if c.name == "arrival_ts" else c
+        for c in table.definition))
+    store.client.command(f"DROP TABLE `{db}`.`requests`")
+    store.client.command(schema.create_table_sql(db, v4, 30))
+    t = time.time() - 60
+    # "a"'s two reports not merged yet, the span's arrival a microsecond off the plugin's; "b" the plugin's only.
+    span = request_report("a", "otlp", t)
+    store.insert("requests", [span._replace(arrival_ts=span.arrival_ts + 1, model_name="served"),
+                              request_report("a", "plugin", t)._replace(model_name=""),
+                              request_report("b", "plugin", t)], Request._fields)
+    store.ensure_schema(30)
+    key = store.query("SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = 'requests'",
+                      parameters={"db": db}).result_rows
+    assert key == [("host, engine, request_id, arrival_ts",)]
+    assert store.query("SELECT request_id, model_name, cached_tokens, toUnixTimestamp64Micro(arrival_ts) "
+                       "FROM requests FINAL ORDER BY request_id").result_rows == [
+        ("a", "served", 4096, micros(t - 2)), ("b", "m", 4096, micros(t - 2))]
+    # From now on, "a" again (a retry under the same id, a minute later) is a request of its own.
+    store.insert("requests", [request_report("a", "plugin", t + 60)], Request._fields)
+    assert store.query("SELECT count(), sum(prompt_tokens) FROM requests FINAL").result_rows == [(3, 15_000)]
+    store.ensure_schema(30)  # and nothing is rebuilt twice
+    assert "requests_rebuild" not in _tables(store)

@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -20,7 +20,7 @@ from stepline.endpoints.query import QueryEndpoint
 from stepline.ingest.merge import RecentRequests
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import MEMORY_SPOOL_BYTES, Writers
-from stepline.model.rows import Event, micros
+from stepline.model.rows import Event, Request, micros
 from stepline.sources import registry as source_registry
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
@@ -85,7 +85,7 @@ class Collector:
             self.writers = Writers(sink, self.metrics, spool_dir=spool_dir,
                                    spool_max_bytes=s.spool_max_bytes or MEMORY_SPOOL_BYTES,
                                    max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
-                                   flush_interval_s=s.flush_interval_s)
+                                   flush_interval_s=s.flush_interval_s, lookup=self._look_up_requests)
             if self.store is not None:
                 self._remember_written_requests(self.store)
                 self._remember_engine_models(self.store)
@@ -138,11 +138,18 @@ class Collector:
             self._remember_written_requests(store)
         self._remember_engine_models(store)
 
+    def _look_up_requests(self, keys: Sequence[tuple[str, str]]) -> list[Request]:
+        if self.store is None:
+            raise StoreUnreachable("the store has not answered since this collector started")
+        return self.store.requests_of(self.settings.host_name, keys)
+
     def _remember_written_requests(self, store: Store) -> None:
-        # A request written before a restart must not be written again when its other report arrives.
+        # A report whose request was written before a restart joins it (stepline.ingest.merge).
         assert self.writers is not None
         try:
-            self.writers.remember_requests(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S))
+            since = round((time.time() - RecentRequests.WINDOW_S) * 1_000_000)
+            self.writers.remember_requests(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S),
+                                           since_us=since)
         except ClickHouseError as exc:
             log.warning("cannot read the requests written before this start (a restart may write some twice): %s",
                         " ".join(str(exc).split())[:200])

@@ -69,6 +69,11 @@ class SelfMetrics:
             "stepline_requests_deduplicated", "Request reports not written because they added no field to what "
             "earlier reports of the same request gave, by the source of the skipped report.", ["source"], registry=r,
         )
+        self.requests_unresolved = Counter(
+            "stepline_requests_unresolved", "Request reports older than the collector's memory of requests that "
+            "could not be looked up in the store (it was down): each was written as a request of its own, so a "
+            "request reported before and after a restart may be two rows.", registry=r,
+        )
         self.queries = Counter(
             "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],
             registry=r,

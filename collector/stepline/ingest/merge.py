@@ -1,11 +1,34 @@
-"""One row per request with every field the plugin and OTLP know: which reports are worth writing.
+"""Which request a report is of, and which reports are worth writing.
 
-The store merges the reports of a request field by field (`requests` is an AggregatingMergeTree whose columns
-keep each field's largest value, see stepline.model.schema), whatever their order, however late the second comes
-(a collector restart, a replayed spool) and however often one is written. That alone makes the stored request
-right. What this module adds is economy: a report that carries no field the request's earlier reports left
-unknown (the span of a request the plugin already gave, a retry) is not written at all, so that most requests
-are one row from the start and the merged read (stepline.queries.requests) has little to merge.
+A request's identity. vLLM reports a finished request under the id the client or gateway chose
+(`X-Request-Id`; it adds random characters only to its internal id, which neither report carries:
+vllm/v1/engine/input_processor.py assign_request_id, output_processor.py passes `external_req_id` to both), and
+retries reuse that header: two requests minutes apart, or running side by side, can share an id on one engine. The
+store keys `requests` by (host, engine, request_id, arrival_ts) (stepline.model.schema), so what makes two reports
+one row is the arrival this module gives them.
+
+Both reports carry vLLM's one `arrival_time` of the request: the span starts at it (`int(arrival_time * 1e9)`,
+output_processor.py do_tracing), and the plugin's arrival is its finishing step's `iteration_timestamp` less
+`e2e_latency`, which vLLM computes as that same timestamp less `arrival_time` (vllm/v1/metrics/stats.py
+update_from_finished_request) and the plugin's wire carries as float32. So the two arrivals of one request agree to
+within microseconds: rounding to microseconds on each side, plus float32's rounding of e2e (`arrival_tolerance_us`).
+Two requests that share an id differ by at least the time one HTTP request takes to be accepted, far more. The
+prompt and output token counts, which both report, must also agree; and a request has at most one report of each
+source, so a second plugin report (or span) under a known id is another request, unless it is the same report again
+(same source, same arrival to the microsecond: a retried batch, a replayed spool).
+
+The first report of a request fixes its arrival; later reports of it are written with that arrival, so that they
+share its key and the store merges them field by field (each column keeps its largest value), whatever their
+order. This memory is what lets a later report find its request; it is rebuilt after a restart from what the store
+and the spool hold (stepline.ingest.writer.Writers.remember_requests): a collector that restarts, or replays its
+spool, places every report it sees again exactly as the first process did, because a replayed report matches its own
+arrival and the other source's report matches within the tolerance. A report too old for the memory to be sure of
+(it finished before what the memory covers: forgotten by age or count, or before the store was read) is looked up in
+the store first (`needs_lookup`). A report that matches nothing starts a request of its own.
+
+What this module adds beyond identity is economy: a report that carries no field its request's earlier reports left
+unknown (the span of a request the plugin already gave, a retry) is not written at all, so that most requests are
+one row from the start and the merged read (stepline.queries.requests) has little to merge.
 """
 
 from __future__ import annotations
@@ -14,14 +37,21 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from stepline.model.rows import Request
 
-# The fields that merge: all but the key (host, engine, request_id) and the times, which both reports carry.
+# The fields that merge: all but the key (host, engine, request_id, arrival_ts) and the finish time, which both
+# reports carry.
 _MERGED = tuple(i for i, name in enumerate(Request._fields)
                 if name not in ("ts", "host", "engine", "request_id", "arrival_ts"))
 _SOURCE = Request._fields.index("source")
+# Both sides round to the microsecond; vLLM's span start truncates to the nanosecond first.
+_ROUNDING_US = 2
+# float32 (the plugin wire's e2e) keeps 24 significant bits: its rounding of e2e is at most e2e * 2^-24; twice that,
+# for room.
+_FLOAT32_SLACK = 2.0 ** -23
 
 
 def known_fields(request: Request) -> int:
@@ -44,55 +74,140 @@ def known_fields(request: Request) -> int:
     return mask
 
 
+def arrival_tolerance_us(request: Request) -> int:
+    """How far, in microseconds, the other report's arrival of this request can lie from this one's."""
+    e2e = request.e2e_seconds
+    if not 0 <= e2e < math.inf:  # NaN (a span without gen_ai.latency.e2e): what its times say
+        e2e = max(0.0, (request.ts - request.arrival_ts) / 1e6)
+    return _ROUNDING_US + math.ceil(e2e * _FLOAT32_SLACK * 1e6)
+
+
+@dataclass
+class Known:
+    """One request as its reports so far told it: the arrival that keys it, and each source's own arrival."""
+
+    arrival_ts: int
+    prompt_tokens: int
+    generation_tokens: int
+    ts: int  # the latest finish time a report gave
+    reports: dict[str, int] = field(default_factory=dict)  # source -> that report's arrival_ts
+    mask: int = 0
+
+    def takes(self, report: Request) -> bool:
+        """Whether `report` is of this request (the rule the module's docstring states)."""
+        own = self.reports.get(report.source)
+        if own is not None:
+            return own == report.arrival_ts  # the same report again; any other is another request's
+        return (abs(report.arrival_ts - self.arrival_ts) <= arrival_tolerance_us(report)
+                and _agree(self.prompt_tokens, report.prompt_tokens)
+                and _agree(self.generation_tokens, report.generation_tokens))
+
+    def add(self, report: Request) -> None:
+        self.reports.setdefault(report.source, report.arrival_ts)
+        self.prompt_tokens = self.prompt_tokens or report.prompt_tokens
+        self.generation_tokens = self.generation_tokens or report.generation_tokens
+        self.ts = max(self.ts, report.ts)
+        self.mask |= known_fields(report)
+
+
+def _agree(known: int, reported: int) -> bool:
+    return not known or not reported or known == reported
+
+
+def closest(candidates: Iterable[Known], report: Request) -> Known | None:
+    """The known request `report` is of: of those that take it, the one whose arrival is closest."""
+    best: Known | None = None
+    for known in candidates:
+        if known.takes(report) and (best is None or abs(known.arrival_ts - report.arrival_ts)
+                                    < abs(best.arrival_ts - report.arrival_ts)):
+            best = known
+    return best
+
+
 class RecentRequests:
-    """Remembers, per (engine, request id) seen within a window, which fields its reports gave; bounded in count.
+    """Remembers the requests of each (engine, request id) reported within a window; bounded in count.
 
     The plugin reports a request when its last step ends; OTLP exporters batch spans for a few seconds. A
-    ten-minute window covers that gap with room to spare; past it (or past `max_entries`) the oldest are
-    forgotten, so memory stays bounded whatever the traffic. A report of a forgotten request is written: the
-    store merges it with what it has, so forgetting costs a row, never a field.
+    ten-minute window covers that gap with room to spare; past it (or past `max_entries` ids) the oldest are
+    forgotten, so memory stays bounded whatever the traffic. `needs_lookup` then says which reports may be of a
+    forgotten request: the store has it (`remember` what it answers before `place`).
     """
 
     WINDOW_S = 600.0
 
     def __init__(self, window_s: float = WINDOW_S, max_entries: int = 500_000,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self._window_s = window_s
         self.max_entries = max_entries
         self._monotonic = monotonic
-        self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self._seen: OrderedDict[tuple[str, str], tuple[float, list[Known]]] = OrderedDict()
         self._oldest_at = monotonic()  # when the oldest entry was seen: nothing to forget before window_s after it
+        # Reports finished before this (µs) may be of requests this memory never saw or forgot: until the store is
+        # read (`remembered_since`), everything before this process started.
+        self._complete_since = round(wall() * 1_000_000)
         self._lock = threading.Lock()
 
-    def adds_fields(self, request: Request) -> bool:
-        """Whether this report gives a field no earlier report of its request did (and remember what it gives).
-
-        False for a report with nothing new: a repeat, or the span of a request the plugin reported."""
-        key = (request.engine, request.request_id)
-        mask = known_fields(request)
+    def place(self, report: Request) -> Request | None:
+        """The report as it is to be written, its arrival that of the request it is of; None when it adds no
+        field to what that request's earlier reports gave (a repeat, or the span of a request the plugin
+        reported)."""
+        key = (report.engine, report.request_id)
+        mask = known_fields(report)
         with self._lock:
             seen = self._seen
             entry = seen.get(key)
-            if entry is not None:
-                if not mask & ~entry[1]:
-                    return False
-                seen[key] = (entry[0], entry[1] | mask)  # keeps its place: forgotten when its first report would be
-                return True
-            now = self._monotonic()
-            seen[key] = (now, mask)
-            if len(seen) > self.max_entries or now - self._oldest_at > self._window_s:
-                self._forget(now)
-            return True
+            if entry is None:
+                now = self._monotonic()
+                seen[key] = (now, [self._new(report)])
+                if len(seen) > self.max_entries or now - self._oldest_at > self._window_s:
+                    self._forget(now)
+                return report
+            known = closest(entry[1], report)  # the entry keeps its place: forgotten when its first report would be
+            if known is None:
+                entry[1].append(self._new(report))
+                return report
+            adds = mask & ~known.mask
+            known.add(report)
+            if not adds:
+                return None
+            return report if report.arrival_ts == known.arrival_ts else report._replace(arrival_ts=known.arrival_ts)
+
+    def remember(self, reports: Iterable[Request]) -> None:
+        """Reports already written (the store's merged rows) or waiting in the spool, oldest first."""
+        for report in reports:
+            self.place(report)
+
+    def remembered_since(self, ts_us: int) -> None:
+        """The store's requests finished since `ts_us` have been remembered."""
+        with self._lock:
+            self._complete_since = min(self._complete_since, ts_us)
+
+    def needs_lookup(self, report: Request) -> bool:
+        """Whether `report` may be of a request this memory does not hold: it finished before what the memory
+        covers and matches nothing the memory has."""
+        if report.ts >= self._complete_since:
+            return False
+        with self._lock:
+            entry = self._seen.get((report.engine, report.request_id))
+            return entry is None or closest(entry[1], report) is None
+
+    @staticmethod
+    def _new(report: Request) -> Known:
+        known = Known(report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts)
+        known.add(report)
+        return known
 
     def _forget(self, now: float) -> None:
         """Under the lock: drop entries past the window or beyond the bound, oldest first."""
         seen = self._seen
         while seen:
-            oldest_key, (at, _) = next(iter(seen.items()))
+            oldest_key, (at, requests) = next(iter(seen.items()))
             if now - at <= self._window_s and len(seen) <= self.max_entries:
                 self._oldest_at = at
                 return
             del seen[oldest_key]
+            # A report finished up to a second after a forgotten one may be its request's other report.
+            self._complete_since = max(self._complete_since, max(r.ts for r in requests) + 1_000_000)
         self._oldest_at = now
 
     def __len__(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
-from clickhouse_connect.driver.exceptions import DatabaseError
+from clickhouse_connect.driver.exceptions import ClickHouseError, DatabaseError
 from prometheus_client import Counter
 
 from stepline.core.ratelimit import RateLimitedLog
@@ -18,8 +18,14 @@ from stepline.ingest.spool import Segment, Spool
 from stepline.model import schema
 from stepline.model.rows import TABLE_OF, Request, Row
 from stepline.store import batches
+from stepline.store.errors import StoreError
 
 log = logging.getLogger(__name__)
+
+
+# The merged requests the store holds for some (engine, request id)s; raises ClickHouseError or StoreError when it
+# cannot say.
+Lookup = Callable[[Sequence[tuple[str, str]]], Iterable[Request]]
 
 
 class Sink(Protocol):
@@ -221,8 +227,9 @@ class Writers:
 
     def __init__(self, sink: Sink, metrics: SelfMetrics, *, spool_dir: str | None = None,
                  spool_max_bytes: int = MEMORY_SPOOL_BYTES, recent: RecentRequests | None = None,
-                 **writer_options: Any) -> None:
-        """Without `spool_dir`, batches wait in memory: bounded, but lost by a restart.
+                 lookup: Lookup | None = None, **writer_options: Any) -> None:
+        """Without `spool_dir`, batches wait in memory: bounded, but lost by a restart. `lookup` reads from the
+        store the requests of some (engine, request id)s, for reports older than what memory holds.
 
         Raises SpoolError when the spool directory cannot be used.
         """
@@ -235,6 +242,8 @@ class Writers:
             table.name: TableWriter(table.name, sink, metrics, self.spool, **writer_options) for table in schema.TABLES
         }
         self._recent = recent or RecentRequests()
+        self._lookup = lookup
+        self._lookup_log = RateLimitedLog(log, interval_s=60.0)
         self.remember_requests(self._spooled_requests())
         self._duplicates: dict[str, Counter] = {}
 
@@ -245,20 +254,46 @@ class Writers:
     def write(self, rows: Iterable[Row]) -> int:
         """Queue typed rows for their tables; returns how many were accepted."""
         by_table: dict[str, list[Row]] = {}
-        adds_fields, table_of = self._recent.adds_fields, TABLE_OF
+        place, table_of = self._recent.place, TABLE_OF
+        rows = self._look_up_old_requests(rows)
         for row in rows:
             kind = type(row)
             if kind is Request:
                 request = cast(Request, row)
-                if not adds_fields(request):
+                placed = place(request)
+                if placed is None:
                     self._duplicate(request.source)
                     continue
+                row = placed
             batch = by_table.get(table_of[kind])
             if batch is None:
                 by_table[table_of[kind]] = [row]
             else:
                 batch.append(row)
         return sum(self._writers[table].put(batch) for table, batch in by_table.items())
+
+    def _look_up_old_requests(self, rows: Iterable[Row]) -> Iterable[Row]:
+        """Before placing reports older than the memory of requests reaches (a plugin's backlog after a restart),
+        read their ids' requests from the store, so that they join the request they are of."""
+        rows = rows if isinstance(rows, Sequence) else list(rows)
+        needs_lookup = self._recent.needs_lookup
+        old = [row for row in rows if isinstance(row, Request) and needs_lookup(row)]
+        if not old:
+            return rows
+        keys = sorted({(r.engine, r.request_id) for r in old})
+        if self._lookup is None:
+            reason = "no store to read them from"
+        else:
+            try:
+                self._recent.remember(self._lookup(keys))
+                return rows
+            except (ClickHouseError, StoreError) as exc:
+                reason = " ".join(str(exc).split())[:200]
+        self._metrics.requests_unresolved.inc(len(old))
+        self._lookup_log.warning("lookup", "cannot tell whether %d request reports older than this collector's "
+                                 "memory are of requests already in the store (each is written as a request "
+                                 "of its own: one may then be two rows): %s", len(old), reason)
+        return rows
 
     def _duplicate(self, source: str) -> None:
         counter = self._duplicates.get(source)
@@ -269,10 +304,13 @@ class Writers:
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
 
-    def remember_requests(self, requests: Iterable[Request]) -> None:
-        """Reports already written (or waiting in the spool): a later report is written only if it adds a field."""
-        for request in requests:
-            self._recent.adds_fields(request)
+    def remember_requests(self, requests: Iterable[Request], since_us: int | None = None) -> None:
+        """Reports already written (or waiting in the spool): a later report of one of their requests takes its
+        arrival, and is written only if it adds a field. `since_us`: the store's requests finished since then
+        are all among them."""
+        self._recent.remember(requests)
+        if since_us is not None:
+            self._recent.remembered_since(since_us)
 
     def _spooled_requests(self) -> list[Request]:
         """The reports waiting in the spool, oldest first; of a long outage's, only as many as can be remembered."""

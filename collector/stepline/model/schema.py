@@ -15,7 +15,10 @@ from typing import NamedTuple
 # loaded (`Store` converts them in place, and turns version 2's zero energy readings, which were failures, to NULL).
 # 4: `gpu_samples`' memory (mem_used_bytes, mem_total_bytes) became Nullable: a failed read is NULL, where it was a 0
 # that read as an empty GPU (`Store` converts them in place, and turns version 3's failed reads, a total of 0, to NULL).
-SCHEMA_VERSION = 4
+# 5: `requests` is keyed by (host, engine, request_id, arrival_ts): two requests that share an id (a client's or a
+# gateway's X-Request-Id, reused by retries) are two rows, where they merged into one (`Store` rebuilds a version-4
+# table in place; what version 4 had already merged stays one row).
+SCHEMA_VERSION = 5
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
@@ -240,11 +243,14 @@ TABLES: tuple[Table, ...] = (
     ),
     # Both the plugin and OTLP report a finished request, each knowing fields the other does not (the plugin:
     # finish reason, cached tokens, preemptions, engine index; OTLP: whatever it was sent). Each report is a row;
-    # rows of one (host, engine, request_id) merge into one with each field's largest value (`merged`), in
-    # whichever order and however often they arrive: after a collector restart, from a replayed spool, or
-    # retried. The collector writes a report only when it adds a field (stepline.ingest.merge), so most requests are
-    # one row from the start; until ClickHouse merges the rest in the background, readers use FINAL. The two
-    # reports' times differ by milliseconds (the plugin's step against the span's end): the earlier stays.
+    # rows of one (host, engine, request_id, arrival_ts) merge into one with each field's largest value (`merged`),
+    # in whichever order and however often they arrive: after a collector restart, from a replayed spool, or
+    # retried. Request ids repeat (clients set X-Request-Id and retries reuse it), so the arrival is part of the key:
+    # the collector gives every report of one request the arrival its first report had, and a report of another
+    # request its own (stepline.ingest.merge says how it tells them apart). It writes a report only when it adds a
+    # field, so most requests are one row from the start; until ClickHouse merges the rest in the background,
+    # readers use FINAL. The two reports' finish times differ by milliseconds (the plugin's step against the span's
+    # end): the earlier stays.
     Table(
         "requests",
         (
@@ -256,15 +262,18 @@ TABLES: tuple[Table, ...] = (
             Column("engine_index", merged("UInt16"), "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
             Column("model_name", merged(DIM), "The served model: the engine's configuration (plugin), or "
                    "gen_ai.response.model, else gen_ai.request.model (OTLP); the larger where both name one."),
-            Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id)."),
+            Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id), "
+                   "built from the client's X-Request-Id where it sent one: not unique, since retries reuse it; "
+                   "(engine, request_id, arrival_ts) is."),
             Column("source", merged(DIM), "'plugin' when the stat-logger plugin reported the request (finish_reason, "
                    "cached_tokens and preemptions are then vLLM's), 'otlp' when only an OTLP span did. A request "
                    "both report is one row with the fields of both (read it with FINAL)."),
             Column("finish_reason", merged(DIM), "Why it finished: stop, length, abort, error or repetition "
                    "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons); '' when "
                    "no report said."),
-            Column("arrival_ts", merged(TIME, "min"), "When the request reached the server: ts less e2e_seconds "
-                   "(plugin), or the span's start (OTLP), the earlier where both report it; UTC, microseconds."),
+            Column("arrival_ts", TIME, "When the request reached the server: ts less e2e_seconds (plugin), or the "
+                   "span's start (OTLP), as its first report gave it; UTC, microseconds. Part of the key: requests "
+                   "that share a request_id are told apart by it."),
             Column("queue_seconds", merged(SMALL_GAUGE), "Time waiting before first scheduled, s "
                    "(FinishedRequestStats.queued_time; gen_ai.latency.time_in_queue)."),
             Column("prefill_seconds", merged(SMALL_GAUGE), "Time from first scheduled to first token, s "
@@ -291,7 +300,7 @@ TABLES: tuple[Table, ...] = (
             Column("preemptions", merged(COUNT), "Times the request was preempted "
                    "(FinishedRequestStats.num_preemptions); OTLP spans do not carry it: 0 where source is 'otlp'."),
         ),
-        ("host", "engine", "request_id"),
+        ("host", "engine", "request_id", "arrival_ts"),
         "One row per finished request (ts = finish time), the plugin's and OTLP's reports merged field by field: "
         "read it with FINAL (SELECT ... FROM requests FINAL) for one row per request.",
         engine="AggregatingMergeTree",

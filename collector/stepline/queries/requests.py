@@ -1,10 +1,10 @@
 """The merged read of `requests`: one row per request, however many of its reports the table holds yet.
 
 The plugin and OTLP each report a finished request; each report is a row of `requests`, an AggregatingMergeTree
-that merges the rows of one (host, engine, request_id) field by field in the background (stepline.model.schema).
-Until it has, a reader that counts or filters requests reads them merged: `merged()` merges every row of the table
-(filters apply to merged values), `merged_matching()` only the reports a condition picks (cheaper over a long
-table). A request's moments and its prompt band, which several reads compute, are here too.
+that merges the rows of one request (host, engine, request_id, arrival_ts) field by field in the background
+(stepline.model.schema). Until it has, a reader that counts or filters requests reads them merged: `merged()`
+merges every row of the table (filters apply to merged values), `merged_matching()` only the reports a condition
+picks (cheaper over a long table). A request's moments and its prompt band, which several reads compute, are here too.
 """
 
 from __future__ import annotations
@@ -19,17 +19,21 @@ _MERGE_FUNCTION = re.compile(r"SimpleAggregateFunction\((\w+),")
 
 def merged(table: str = "requests") -> str:
     """`table` (the requests table; qualified with its database for a client that has none) merged, as a table
-    expression: one row per host, engine and request id, each field merged as the table merges it."""
+    expression: one row per request (host, engine, request id and arrival), each field merged as the table merges
+    it."""
     # FINAL merges at read time what the background merges have not yet:
     # https://clickhouse.com/docs/sql-reference/statements/select/from#final-modifier
     return f"{table} FINAL"
 
 
 MERGED = merged()
+# What tells one engine's requests apart (the table's key less host): request ids repeat (stepline.ingest.merge).
+KEY = ("engine", "request_id", "arrival_ts")
 
 
 def _merge(column: str) -> str:
-    """The function the table merges `column`'s reports with: min for the times, max for every other field."""
+    """The function the table merges `column`'s reports with: min for the finish time, max for every other
+    field."""
     found = _MERGE_FUNCTION.match(dict(TABLE_BY_NAME["requests"].columns)[column])
     if found is None:
         raise ValueError(f"requests.{column} is part of the key: it does not merge")
@@ -37,15 +41,18 @@ def _merge(column: str) -> str:
 
 
 def merged_matching(where: str, columns: Sequence[str]) -> str:
-    """The requests whose reports match `where`, merged: a table expression of one row per engine and request id,
-    `columns` merged as the table merges them, read from those reports only (`merged()` merges every row first).
+    """The requests whose reports match `where`, merged: a table expression of one row per request (engine,
+    request id and arrival), `columns` merged as the table merges them, read from those reports only (`merged()`
+    merges every row first).
 
     `where` must hold alike for every report of a request that knows the fields it reads (engine, times, prompt
     tokens, queue time), never test a field only one report carries (cached tokens): a request whose reports it
     splits would be merged from part of them. Filter on merged values outside."""
-    merged_columns = ", ".join(f"{_merge(c)}({c}) AS {c}" for c in columns)
-    return (f"(SELECT engine, request_id, {merged_columns} FROM (SELECT engine, request_id, {', '.join(columns)} "
-            f"FROM requests WHERE {where}) GROUP BY engine, request_id)")
+    fields = [c for c in columns if c not in KEY]
+    key = ", ".join(KEY)
+    merged_columns = "".join(f", {_merge(c)}({c}) AS {c}" for c in fields)
+    return (f"(SELECT {key}{merged_columns} FROM (SELECT {key}{''.join(f', {c}' for c in fields)} "
+            f"FROM requests WHERE {where}) GROUP BY {key})")
 
 
 # When a request was first scheduled (its prefill began: arrival plus queue time), and when its first token came.

@@ -90,9 +90,10 @@ class Migration:
                         "--cluster`) before this collector writes to them",
                         ", ".join(f"{t.name}.{c.name}" for t, c in widened))
         for table in self._outdated_engines(suffix="_local"):
-            log.warning("the cluster's %s_local is not today's %s table: until it is rebuilt ON CLUSTER "
-                        "(see `stepline schema --cluster`), a request reported by the plugin and by OTLP "
-                        "may be two rows", table.name, table.engine)
+            log.warning("the cluster's %s_local is not today's %s table ordered by (%s): until it is rebuilt "
+                        "ON CLUSTER (see `stepline schema --cluster`), a request reported by the plugin and by "
+                        "OTLP may be two rows, and two requests that share an id one", table.name, table.engine,
+                        ", ".join(table.order_by))
         undescribed = self._undescribed()
         if undescribed:
             log.warning("the cluster's tables lack today's comments on %d columns of %s: set them with ALTER "
@@ -150,25 +151,33 @@ class Migration:
             if marker is not None:
                 self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{marker}` = 0")
 
-    def _engines(self) -> dict[str, str]:
-        """The engine of each table in the store's database."""
-        return {str(n): str(e) for n, e in self.client.query(
-            "SELECT name, engine FROM system.tables WHERE database = {db:String}",
-            parameters={"db": self.database}).result_rows}
+    def _layouts(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """The engine and sorting key of each table in the store's database."""
+        return {str(n): (str(e), tuple(c.strip() for c in str(k).split(",") if c.strip()))
+                for n, e, k in self.client.query(
+                    "SELECT name, engine, sorting_key FROM system.tables WHERE database = {db:String}",
+                    parameters={"db": self.database}).result_rows}
 
     def _outdated_engines(self, suffix: str = "") -> list[schema.Table]:
-        """The tables (`table` + suffix) whose engine is not this stepline's (Replicated or not)."""
-        engines = self._engines()
-        return [table for table in schema.TABLES
-                if engines.get(table.name + suffix, table.engine).removeprefix("Replicated") != table.engine]
+        """The tables (`table` + suffix) whose engine (Replicated or not) or sorting key is not this stepline's:
+        version 1's MergeTree `requests`, versions 2-4's `requests` keyed without arrival_ts."""
+        layouts = self._layouts()
+        outdated = []
+        for table in schema.TABLES:
+            engine, key = layouts.get(table.name + suffix, (table.engine, table.order_by))
+            if engine.removeprefix("Replicated") != table.engine or key != table.order_by:
+                outdated.append(table)
+        return outdated
 
     def _rebuild_outdated_engines(self, retention_days: int) -> None:
-        """A table whose engine changed (version 1's MergeTree `requests`) is copied into today's, then swapped in.
+        """A table whose engine or key changed is copied into today's, then swapped in.
 
         The copy is made under `<table>_rebuild` and exchanged with the table in one atomic step, so a stop at
         any point leaves either the old table whole (the next open starts over) or the new one whole (the next
-        open only drops the leftover). Rows merge as they are copied (two reports of one request become one).
+        open only drops the leftover). An AggregatingMergeTree's rows are merged as they are copied, by the key
+        columns the old key shares with today's (two reports of one request become one row).
         """
+        layouts = self._layouts()
         for table in self._outdated_engines():
             spare = f"`{self.database}`.`{table.name}_rebuild`"
             rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
@@ -178,10 +187,10 @@ class Migration:
             self.client.command(f"DROP TABLE IF EXISTS {spare}")
             self.client.command(schema.create_table_sql(self.database, table, retention_days,
                                                         name=f"{table.name}_rebuild"))
-            self.client.command(f"INSERT INTO {spare} ({columns}) SELECT {columns} "
-                                f"FROM `{self.database}`.`{table.name}`")
+            self.client.command(f"INSERT INTO {spare} ({columns}) "
+                                f"{_copy_select(table, layouts[table.name][1], self.database)}")
             self.client.command(f"EXCHANGE TABLES `{self.database}`.`{table.name}` AND {spare}")
-        engines = self._engines()
+        engines = self._layouts()
         for table in schema.TABLES:  # the old table after an exchange (or what a stop right after one left)
             if f"{table.name}_rebuild" in engines:
                 self.client.command(f"DROP TABLE `{self.database}`.`{table.name}_rebuild`")
@@ -246,3 +255,23 @@ class Migration:
             self.client.command(
                 f"ALTER TABLE `{self.database}`.`{name}` MODIFY TTL toDateTime(ts) + INTERVAL {retention_days} DAY"
             )
+
+
+_MERGE_FUNCTION = re.compile(r"SimpleAggregateFunction\((\w+),")
+
+
+def _copy_select(table: schema.Table, old_key: tuple[str, ...], database: str) -> str:
+    """The SELECT that copies `table`'s old rows into today's: as they are, or, into an AggregatingMergeTree,
+    merged by the key columns the old key shares with today's, each other column as today's table merges it
+    (a column that joined the key, which the old table merged, keeps the earliest: arrival_ts as version 4 did)."""
+    source = f"`{database}`.`{table.name}`"
+    names = table.column_names
+    if table.engine != "AggregatingMergeTree":
+        return f"SELECT {', '.join(f'`{n}`' for n in names)} FROM {source}"
+    by = [name for name in table.order_by if name in old_key]
+    types = dict(table.columns)
+    merged = []
+    for name in names:
+        found = _MERGE_FUNCTION.match(types[name])
+        merged.append(f"`{name}`" if name in by else f"{found.group(1) if found else 'min'}(`{name}`)")
+    return f"SELECT {', '.join(merged)} FROM {source} GROUP BY {', '.join(f'`{n}`' for n in by)}"

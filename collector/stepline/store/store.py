@@ -80,14 +80,23 @@ class Store:
                                fmt="Native")
 
     def recent_requests(self, host: str, window_s: float) -> list[Request]:
-        """The requests this host finished within the last `window_s` seconds, each with what its reports gave."""
+        """The requests this host finished within the last `window_s` seconds, each with what its reports gave,
+        in the order they finished."""
+        return self._requests("host = {host:String} AND ts >= now64(6) - toIntervalMillisecond({ms:UInt64})",
+                              {"host": host, "ms": round(window_s * 1000)})
+
+    def requests_of(self, host: str, keys: Sequence[tuple[str, str]]) -> list[Request]:
+        """Every request this host holds under each (engine, request id) of `keys`, in the order they finished."""
+        return self._requests("host = {host:String} AND (engine, request_id) IN {keys:Array(Tuple(String, String))}",
+                              {"host": host, "keys": list(keys)})
+
+    def _requests(self, where: str, parameters: dict[str, Any]) -> list[Request]:
         times = ("ts", "arrival_ts")
         columns = ", ".join(f"toUnixTimestamp64Micro(`{name}`)" if name in times else f"`{name}`"
                             for name in Request._fields)
         return [Request._make(row) for row in self.client.query(
-            f"SELECT {columns} FROM {merged(f'`{self.database}`.`requests`')} "
-            "WHERE host = {host:String} AND ts >= now64(6) - toIntervalMillisecond({ms:UInt64})",
-            parameters={"host": host, "ms": round(window_s * 1000)},
+            f"SELECT {columns} FROM {merged(f'`{self.database}`.`requests`')} WHERE {where} ORDER BY ts",
+            parameters=parameters,
         ).result_rows]
 
     def engine_models(self, host: str) -> dict[str, str]:

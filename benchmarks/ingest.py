@@ -43,6 +43,7 @@ from realistic import build_steps
 from stepline.core import gctune
 from stepline.core.clock import SystemClock
 from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.merge import RecentRequests
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model import schema
@@ -162,6 +163,14 @@ def decode_stage(bodies: Sequence[bytes], engines: Sequence[str]) -> tuple[float
     return time.perf_counter() - started, rows
 
 
+def remember_as_collect_does(writers: Writers) -> None:
+    """What `stepline collect` does before its writers take rows (app.collector): remember the store's requests
+    of the memory's window, so that a report finished since then is placed from memory, not looked up in the store.
+    Without it every report here (stamped before the writers start) would count as older than the memory. Each
+    round replays from engines of its own, so the store holds none of their requests: there is nothing to read."""
+    writers.remember_requests([], since_us=round((time.time() - RecentRequests.WINDOW_S) * 1_000_000))
+
+
 def writer_stage(bodies: Sequence[bytes], engines: Sequence[str], writer_options: dict[str, Any],
                  spool_dir: str) -> tuple[float, int]:
     """Seconds from the first Writers.write to Writers.stop's return with a sink that discards, and the rows."""
@@ -175,6 +184,7 @@ def writer_stage(bodies: Sequence[bytes], engines: Sequence[str], writer_options
     chunks.append(pending)
     sink = NullSink()
     writers = Writers(sink, SelfMetrics(), spool_dir=spool_dir, **writer_options)
+    remember_as_collect_does(writers)
     writers.start()
     started = time.perf_counter()
     for chunk in chunks:
@@ -263,6 +273,7 @@ def end_to_end(store: Store | None, tmp: str, bodies: list[bytes], engines: list
     null_sink = NullSink()
     writers = Writers(store or null_sink, metrics, spool_dir=tempfile.mkdtemp(prefix="spool-", dir=tmp),
                       **writer_options)
+    remember_as_collect_does(writers)
     receiver = PluginReceiver(SourceContext(HOST, SystemClock()), os.path.join(tmp, f"plugin-{engines[0]}.sock"))
     runner = Runner([Scheduled(receiver, 0.001)], writers, metrics, HOST)
     ctx = mp.get_context("spawn")

@@ -1,11 +1,12 @@
-"""A day of an 8-GPU node, synthesised inside ClickHouse with INSERT ... SELECT FROM numbers().
+"""Days of 8-GPU nodes (one, or a fleet), synthesised inside ClickHouse with INSERT ... SELECT FROM numbers().
 
 Every table gets rows shaped like the collector's: one engine per GPU stepping ~45 times a second
 (decode steps of 10-40 ms with up to 64 running, 8192-token prefill chunks now and then, one ITL per
 decoding request and one TTFT per first token), finished requests, /metrics scraped every 5 s, NVML at
 10 Hz, psutil at 1 Hz and a few events. Load follows the time of day, so nights have quiet steps.
-Incidents near the end: a 359k-token prefill on engine 2 (20 minutes before the end), an XID on GPU 6
-(10 minutes before the end), and a power cap on GPU 5 (from 3 h to 2 h 15 min before the end).
+Incidents near the end, on the first node: a 359k-token prefill on engine 2 (20 minutes before the end), an XID on
+GPU 6 (10 minutes before the end), and a power cap on GPU 5 (from 3 h to 2 h 15 min before the end). Every other
+node is healthy. Each engine's steps go in a day at a time, so that no INSERT makes more parts than a day's.
 Pseudo-random values come from hashes of the row number: the same arguments give the same rows.
 """
 
@@ -18,7 +19,7 @@ from functools import partial
 
 from stepline.model.schema import TABLE_BY_NAME
 
-HOST = "node-0"
+HOST = "node-0"  # the node the incidents are on
 MODEL = "llama-3.1-70b-instruct"
 BUDGET = 8192  # max_num_batched_tokens: a full prefill chunk plus the step's decodes
 MONSTER_ENGINE, MONSTER_PROMPT, MONSTER_STEP_S = 2, 359_000, 5.0
@@ -31,11 +32,13 @@ DAY_S = 86_400
 
 @dataclass(frozen=True)
 class Shape:
-    """What to synthesise: `hours` ending at `end_s` (epoch seconds) for `engines` engines, one per GPU."""
+    """What to synthesise: `hours` ending at `end_s` (epoch seconds) for `hosts` nodes of `engines` engines, one
+    per GPU."""
 
     end_s: int
     hours: float = 24.0
-    engines: int = 8
+    engines: int = 8  # per host
+    hosts: int = 1
     step_rate: float = 45.0  # steps per second per engine
     request_rate: float = 3.0  # finished requests per second per engine
     scrape_s: float = 5.0
@@ -49,8 +52,21 @@ class Shape:
     def seconds(self) -> int:
         return self.end_s - self.start_s
 
-    def engine(self, e: int) -> str:
-        return f"{HOST}:{8000 + e}"
+    @staticmethod
+    def host(h: int) -> str:
+        return f"node-{h}"
+
+    def engine(self, e: int, h: int = 0) -> str:
+        return f"{self.host(h)}:{8000 + e}"
+
+    def key(self, e: int, h: int = 0) -> int:
+        """The engine's number across the fleet: what its pseudo-random values and its load's phase hash."""
+        return h * self.engines + e
+
+    @property
+    def days(self) -> list[tuple[int, int]]:
+        """(first second, seconds) of each day-long slice of the span, from its start."""
+        return [(s, min(DAY_S, self.seconds - s)) for s in range(0, self.seconds, DAY_S)]
 
     @property
     def monster_start_s(self) -> int:
@@ -85,18 +101,22 @@ def _columns(table: str, upto: str = "") -> str:
     return ", ".join(f"`{c}`" for c in names)
 
 
-def steps_sql(shape: Shape, e: int) -> str:
-    """One engine's steps, leaving out the seconds its monster prefill occupies (inserted on its own)."""
-    n = round(shape.seconds * shape.step_rate)
+def steps_sql(shape: Shape, e: int, h: int = 0, day: tuple[int, int] | None = None) -> str:
+    """One engine's steps over `day` ((first second, seconds) of the span; all of it by default), leaving out the
+    seconds its monster prefill occupies (inserted on its own)."""
+    first_s, seconds = day or (0, shape.seconds)
+    i0, n = round(first_s * shape.step_rate), round(seconds * shape.step_rate)
     period_us = 1e6 / shape.step_rate
     cap = shape.end_s - CAP_FROM_AGO_S, shape.end_s - CAP_TO_AGO_S
     m0 = shape.monster_start_s
     m1 = m0 + MONSTER_STEPS * MONSTER_STEP_S
     spec = 1 if e in SPEC_ENGINES else 0
-    u = partial(_u, str(e), "i")
+    k = shape.key(e, h)
+    u = partial(_u, str(k), "i")
+    incidents = int(h == 0)
     return f"""
 INSERT INTO steps ({_columns('steps')})
-SELECT fromUnixTimestamp64Micro(ts_us, 'UTC'), '{HOST}', '{shape.engine(e)}', 0, '{MODEL}', i, elapsed,
+SELECT fromUnixTimestamp64Micro(ts_us, 'UTC'), '{shape.host(h)}', '{shape.engine(e, h)}', 0, '{MODEL}', i, elapsed,
        ctx_requests, ctx_tokens, gen_requests, gen_requests + accepted, running, waiting, 0, kv,
        ctx_tokens, hits, preempted, drafts, drafts * 3, accepted,
        if(ctx_requests > 0 AND {u(9)} < 0.5, [toFloat32(0.05 + {u(10)} * 1.5)], []),
@@ -105,7 +125,7 @@ FROM (
     SELECT number AS i,
            {shape.start_s * 1_000_000} + toInt64(i * {period_us}) + toInt64({u(1)} * 2000) AS ts_us,
            ts_us / 1e6 AS ts_s,
-           {_load('ts_s', str(e))} AS load,
+           {_load('ts_s', str(k))} AS load,
            greatest(1, toUInt32(64 * load * load * (0.9 + 0.2 * {u(2)}))) AS running,
            {u(3)} < 0.02 + 0.06 * load AS has_prefill,
            toUInt32(has_prefill) AS ctx_requests,
@@ -119,11 +139,11 @@ FROM (
            toUInt32(kv > 0.9 AND {u(11)} < 0.001) AS preempted,
            toUInt32({spec} * gen_requests) AS drafts,
            toUInt32(round(drafts * 3 * (0.45 + 0.25 * sin(ts_s / 3600)))) AS accepted,
-           toFloat32((7 + 0.45 * gen_requests + ctx_tokens * 0.028 + 3 * {u(12)})
-                     * if(ts_s >= {cap[0]} AND ts_s < {cap[1]} AND {e} = {CAP_GPU}, 1.6, 1.0)) AS elapsed
-    FROM numbers({n})
+           {incidents} AND {e} = {CAP_GPU} AND ts_s >= {cap[0]} AND ts_s < {cap[1]} AS capped,
+           toFloat32((7 + 0.45 * gen_requests + ctx_tokens * 0.028 + 3 * {u(12)}) * if(capped, 1.6, 1.0)) AS elapsed
+    FROM numbers({i0}, {n})
 )
-WHERE NOT ({e} = {MONSTER_ENGINE} AND ts_s >= {m0} AND ts_s < {m1})"""
+WHERE NOT ({incidents} AND {e} = {MONSTER_ENGINE} AND ts_s >= {m0} AND ts_s < {m1})"""
 
 
 def monster_sql(shape: Shape) -> list[str]:
@@ -157,19 +177,22 @@ FROM (
     return [steps, requests]
 
 
-def requests_sql(shape: Shape, e: int) -> str:
-    """One engine's finished requests: p50 prompt ~3,000 tokens, p50 output ~37, a few >100k prompts."""
+def requests_sql(shape: Shape, e: int, h: int = 0) -> str:
+    """One engine's finished requests: p50 prompt ~3,000 tokens, p50 output ~37, a few >100k prompts. Ids are
+    unique per engine, and each row's arrival (part of the table's key) is its finish less its e2e."""
     n = round(shape.seconds * shape.request_rate)
-    u = partial(_u, str(e), "i", offset=100)
+    k = shape.key(e, h)
+    u = partial(_u, str(k), "i", offset=100)
     return f"""
 INSERT INTO requests ({_columns('requests')})
-SELECT fromUnixTimestamp64Micro(toInt64(finish * 1e6), 'UTC'), '{HOST}', '{shape.engine(e)}', 0, '{MODEL}',
+SELECT fromUnixTimestamp64Micro(toInt64(finish * 1e6), 'UTC'), '{shape.host(h)}', '{shape.engine(e, h)}', 0,
+       '{MODEL}',
        concat('req-{e}-', toString(i)), 'plugin', if({u(1)} < 0.9, 'stop', 'length'),
        fromUnixTimestamp64Micro(toInt64((finish - e2e) * 1e6), 'UTC'), queue, prefill, decode, prefill + decode, e2e,
        ttft, tpot, prompt, cached, gen, 4096, 0
 FROM (
     SELECT number AS i, {shape.start_s} + (i + {u(2)}) / {shape.request_rate} AS finish,
-           {_load('finish', str(e))} AS load,
+           {_load('finish', str(k))} AS load,
            sqrt(-2 * log({u(3)} + 1e-9)) AS r,
            if({u(4)} < 0.0005, 100000 + toUInt32({u(5)} * 150000),
               least(250000, toUInt32(3000 * exp(1.3 * r * cos(2 * pi() * {u(6)}))))) AS prompt,
@@ -220,24 +243,25 @@ def _metric_specs(spec: bool) -> list[tuple[str, str, str, str, float]]:
     return specs
 
 
-def engine_samples_sql(shape: Shape, e: int) -> str:
+def engine_samples_sql(shape: Shape, e: int, h: int = 0) -> str:
     """One engine's scrapes: gauges follow the load, counters its integral, histograms an exponential CDF."""
     n = math.floor(shape.seconds / shape.scrape_s)
     started = shape.start_s - 3600
     specs = ", ".join(f"('{m}', '{k}', '{lk}', '{lv}', {'inf' if math.isinf(p) else p})"
                       for m, k, lk, lv, p in _metric_specs(e in SPEC_ENGINES))
-    integral = partial(_load_integral, e=str(e), start_s=started)
+    k = str(shape.key(e, h))
+    integral = partial(_load_integral, e=k, start_s=started)
     # Requests finished so far, and in the last scrape interval; a histogram bucket holds count * CDF(le).
     return f"""
 INSERT INTO engine_samples ({_columns('engine_samples')})
-SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}', '{shape.engine(e)}', '0', '{MODEL}',
+SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{shape.host(h)}', '{shape.engine(e, h)}', '0', '{MODEL}',
        spec.1, spec.2, if(spec.3 = '', map(), map(spec.3, spec.4)),
        multiIf(spec.2 = 'gauge', spec.5 * load, spec.2 = 'info', 1, spec.2 = 'counter', spec.5 * so_far,
                spec.2 = 'bucket', 3 * so_far * cdf, spec.2 = 'sum', 3 * so_far * spec.5, 3 * so_far),
        multiIf(spec.2 = 'counter', spec.5 * last, spec.2 = 'bucket', 3 * last * cdf,
                spec.2 = 'sum', 3 * last * spec.5, spec.2 = 'count', 3 * last, 0)
 FROM (
-    SELECT {shape.start_s} + (number + 1) * {shape.scrape_s} AS ts_s, {_load('ts_s', str(e))} AS load,
+    SELECT {shape.start_s} + (number + 1) * {shape.scrape_s} AS ts_s, {_load('ts_s', k)} AS load,
            {integral('ts_s')} AS so_far, so_far - {integral(f'(ts_s - {shape.scrape_s})')} AS last,
            arrayJoin([{specs}]) AS spec,
            if(isInfinite(spec.5), 1, 1 - exp(-spec.5 / multiIf(spec.1 LIKE '%first_token%', 0.4,
@@ -246,16 +270,17 @@ FROM (
 )"""
 
 
-def gpu_samples_sql(shape: Shape) -> str:
-    """NVML at `gpu_hz` for every GPU; GPU 5 power-capped for 45 minutes."""
+def gpu_samples_sql(shape: Shape, h: int = 0) -> str:
+    """NVML at `gpu_hz` for every GPU of one node; GPU 5 of the first node power-capped for 45 minutes."""
     n = round(shape.seconds * shape.gpu_hz) * shape.engines
     cap = shape.end_s - CAP_FROM_AGO_S, shape.end_s - CAP_TO_AGO_S
     g = "toUInt8(number % " + str(shape.engines) + ")"
-    u = partial(_u, "g", "number", offset=200)
+    u = partial(_u, "g", "number", offset=200 + 1000 * h)
+    host = shape.host(h)
     return f"""
 INSERT INTO gpu_samples ({_columns('gpu_samples', upto='processes')})
-SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}', concat('{HOST}:', toString(8000 + g)), g,
-       concat('GPU-5f3c7e1a-0000-4000-8000-00000000000', toString(g)), 'NVIDIA H200',
+SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{host}', concat('{host}:', toString(8000 + g)), g,
+       concat('GPU-5f3c7e1a-0000-4000-8000-{h:08d}000', toString(g)), 'NVIDIA H200',
        if(capped, 1250 + 30 * {u(1)}, 1980 - 15 * {u(1)}), 3201, power, toUInt64(ts_s * 1000 * 550),
        40 + 35 * load, 45 + 40 * load, 100 * least(1, load + 0.2), 30 * load,
        toUInt64(130e9), toUInt64(141e9), 2e9 * load, 1.5e9 * load, 0, 60e9 * load, 60e9 * load,
@@ -263,19 +288,21 @@ SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}', concat('{
        80 * load, 55 * load, 40 * load, map(toUInt32(4000 + g), toUInt64(130e9))
 FROM (
     SELECT number, {g} AS g, {shape.start_s} + intDiv(number, {shape.engines}) / {shape.gpu_hz} AS ts_s,
-           {_load('ts_s', 'g')} AS load, ts_s >= {cap[0]} AND ts_s < {cap[1]} AND g = {CAP_GPU} AS capped,
+           {_load('ts_s', f'({h * shape.engines} + g)')} AS load,
+           {int(h == 0)} AND ts_s >= {cap[0]} AND ts_s < {cap[1]} AND g = {CAP_GPU} AS capped,
            if(capped, 400 - 3 * {u(2)}, 120 + 560 * load + 20 * {u(2)}) AS power
     FROM numbers({n})
 )"""
 
 
-def host_samples_sql(shape: Shape) -> str:
-    """psutil at 1 Hz: one host row (per-core CPU of 96 cores) and one row per engine process."""
+def host_samples_sql(shape: Shape, h: int = 0) -> str:
+    """psutil at 1 Hz: one host row (per-core CPU of 96 cores) and one row per engine process, of one node."""
     per = shape.engines + 1
+    host = shape.host(h)
     return f"""
 INSERT INTO host_samples ({_columns('host_samples')})
-SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}',
-       if(k = 0, '', concat('{HOST}:', toString(7999 + k))), if(k = 0, 'host', 'process'), if(k = 0, 0, 3999 + k),
+SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{host}',
+       if(k = 0, '', concat('{host}:', toString(7999 + k))), if(k = 0, 'host', 'process'), if(k = 0, 0, 3999 + k),
        20 + 10 * sin(ts_s / 600),
        if(k = 0, arrayWithConstant(96, toFloat32(20 + 10 * sin(ts_s / 600))), []), 12.5, toUInt64(400e9),
        toUInt64(1.6e12), toUInt64(2e12), 0, if(k = 0, 0, toUInt64(30e9)), if(k = 0, 0, 180), if(k = 0, 0, 900),
@@ -285,42 +312,51 @@ FROM (SELECT number % {per} AS k, {shape.start_s} + intDiv(number, {per}) AS ts_
       FROM numbers({shape.seconds * per}))"""
 
 
-def events_sql(shape: Shape) -> str:
-    """Start-up (engine_up, engine_config) for every engine, a diagnosis now and then, the XID."""
+def events_sql(shape: Shape, h: int = 0) -> str:
+    """Start-up (engine_up, engine_config) for every engine of one node, an alert now and then, the first node's
+    XID."""
+    host = shape.host(h)
     xid_at = shape.end_s - XID_AGO_S
     config = ("map('max_num_batched_tokens', '8192', 'long_prefill_token_threshold', '0', 'max_num_seqs', '64', "
               "'enable_chunked_prefill', 'True')")
     return f"""
 INSERT INTO events ({_columns('events')})
-SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{HOST}', engine, source, kind, severity, message, attrs
+SELECT fromUnixTimestamp64Micro(toInt64(ts_s * 1e6), 'UTC'), '{host}', engine, source, kind, severity, message, attrs
 FROM (
-    SELECT {shape.start_s - 3600} + number % 2 AS ts_s, concat('{HOST}:', toString(8000 + intDiv(number, 2))) AS engine,
+    SELECT {shape.start_s - 3600} + number % 2 AS ts_s, concat('{host}:', toString(8000 + intDiv(number, 2))) AS engine,
            if(number % 2 = 0, 'vllm_metrics', 'plugin') AS source,
            if(number % 2 = 0, 'engine_up', 'engine_config') AS kind, 'info' AS severity,
            concat(kind, ' ', engine) AS message, if(number % 2 = 0, map(), {config}) AS attrs
     FROM numbers({shape.engines * 2})
     UNION ALL
-    SELECT {shape.start_s} + number * 1800 + 7 AS ts_s, concat('{HOST}:', toString(8000 + number % {shape.engines})),
+    SELECT {shape.start_s} + number * 1800 + 7 + {h} AS ts_s,
+           concat('{host}:', toString(8000 + number % {shape.engines})),
            'watchdog', 'alert', if(number % 5 = 0, 'warning', 'info'), 'queue deeper than usual', map()
     FROM numbers({math.floor(shape.seconds / 1800)})
     UNION ALL
     SELECT {xid_at}, '{HOST}:8006', 'nvml', 'gpu_xid', 'critical', 'XID 79 on GPU 6: GPU has fallen off the bus',
            map('xid', '79', 'gpu', '6')
+    WHERE {int(h == 0)}
 )"""
 
 
 def statements(shape: Shape) -> list[tuple[str, str]]:
-    """(label, SQL) in the order to run them."""
+    """(label, SQL) in the order to run them; a label starts with its table's name."""
     out: list[tuple[str, str]] = []
-    for e in range(shape.engines):
-        out.append((f"steps {shape.engine(e)}", steps_sql(shape, e)))
+    nodes = range(shape.hosts)
+    for h in nodes:
+        for e in range(shape.engines):
+            for d, day in enumerate(shape.days):
+                out.append((f"steps {shape.engine(e, h)} day {d + 1}", steps_sql(shape, e, h, day)))
     if shape.engines > MONSTER_ENGINE:
         out += [(f"{table} monster prefill", sql) for table, sql in zip(("steps", "requests"), monster_sql(shape),
                                                                          strict=True)]
-    out += [(f"requests {shape.engine(e)}", requests_sql(shape, e)) for e in range(shape.engines)]
-    out += [(f"engine_samples {shape.engine(e)}", engine_samples_sql(shape, e)) for e in range(shape.engines)]
-    out += [("gpu_samples", gpu_samples_sql(shape)), ("host_samples", host_samples_sql(shape)),
-            ("events", events_sql(shape))]
+    out += [(f"requests {shape.engine(e, h)}", requests_sql(shape, e, h)) for h in nodes for e in range(shape.engines)]
+    out += [(f"engine_samples {shape.engine(e, h)}", engine_samples_sql(shape, e, h))
+            for h in nodes for e in range(shape.engines)]
+    out += [(f"gpu_samples {shape.host(h)}", gpu_samples_sql(shape, h)) for h in nodes]
+    out += [(f"host_samples {shape.host(h)}", host_samples_sql(shape, h)) for h in nodes]
+    out += [(f"events {shape.host(h)}", events_sql(shape, h)) for h in nodes]
     return out
 
 

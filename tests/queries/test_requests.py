@@ -81,3 +81,13 @@ def test_a_requests_moments_are_its_arrival_plus_queue_and_ttft(store: Store, ro
 def test_prompt_bands(store: Store, rows: Rows, prompt: int, band: str) -> None:
     _reports(store, [_plugin("a", 10.0, prompt=prompt)])
     assert rows(f"SELECT {PROMPT_BAND} FROM {MERGED}") == [(band,)]
+
+
+def test_a_window_of_the_merged_read_reads_only_the_days_it_can_hold(store: Store, rows: Rows) -> None:
+    # force_index_by_date refuses a read that prunes no partition by ts: FINAL merging across partitions did not.
+    yesterday = Request(*_plugin("old", 0.0)[:0], micros(T0.timestamp() - 86_400), *_plugin("old", 0.0)[1:])
+    _reports(store, [_plugin("a", 10.0)], [yesterday])
+    since = T0.replace(hour=0, minute=0, second=0)
+    found = rows(f"SELECT request_id FROM {MERGED} WHERE ts >= {{since:DateTime64(6)}}", since=since,
+                 settings={"force_index_by_date": 1})
+    assert found == [("a",)]

@@ -17,6 +17,7 @@ from stepline.dashboards.panels import (
     timeline_base,
 )
 from stepline.dashboards.query import PROMETHEUS, ClickHouseQuery, Format, promql
+from stepline.queries.requests import MERGED
 
 UID = "stepline-fleet"
 
@@ -67,7 +68,7 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
                    quantileIf(0.5)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS tok_per_s_p50,
                    quantileIf(0.99)(1 / mean_tpot_seconds, mean_tpot_seconds > 0) AS tok_per_s_p99,
                    quantile(0.99)(ttft_seconds) AS ttft_p99
-            FROM requests FINAL WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds)
+            FROM {MERGED} WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds)
             GROUP BY band ORDER BY min(prompt_tokens)""", Format.TABLE),
         units=[("tok_per_s.*", "suffix: tok/s"), ("ttft.*", "s")], w=12, h=8))
     d = d.with_panel(series(
@@ -76,7 +77,7 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
         ClickHouseQuery(f"""
             SELECT $__timeInterval(ts) AS time, engine, quantile(0.5)(ttft_seconds) AS p50,
                    quantile(0.99)(ttft_seconds) AS p99
-            FROM requests FINAL WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds)
+            FROM {MERGED} WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds)
             GROUP BY time, engine ORDER BY time"""),
         lines=[(slo.ttft_p99_seconds, "red")]))
     d = d.with_panel(series(

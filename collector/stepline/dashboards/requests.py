@@ -9,6 +9,7 @@ from stepline.alerting.config import AlertConfig
 from stepline.dashboards import engine
 from stepline.dashboards.panels import WHERE, distribution, grid, timeline_base
 from stepline.dashboards.query import ClickHouseQuery, Format
+from stepline.queries.requests import MERGED
 
 UID = "stepline-requests"
 PADDING_MS = 10_000
@@ -35,13 +36,13 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
                    prompt_tokens, cached_tokens, generation_tokens, preemptions,
                    toUnixTimestamp64Milli(arrival_ts) - {PADDING_MS} AS from_ms,
                    toUnixTimestamp64Milli(ts) + {PADDING_MS} AS to_ms
-            FROM requests FINAL WHERE $__timeFilter(ts) AND {WHERE}
+            FROM {MERGED} WHERE $__timeFilter(ts) AND {WHERE}
             ORDER BY e2e_seconds DESC LIMIT 100""", Format.TABLE),
         units=[(".*_seconds", "s"), (".*_tokens|preemptions", "short")], hidden=["from_ms", "to_ms"],
         links=[link], h=12))
     d = d.with_panel(distribution(
         "Time to first token", "How TTFT is distributed over the finished requests.", "s",
-        f"SELECT ttft_seconds FROM requests FINAL WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds) "
+        f"SELECT ttft_seconds FROM {MERGED} WHERE $__timeFilter(ts) AND {WHERE} AND isFinite(ttft_seconds) "
         "LIMIT 100000"))
     d = d.with_panel(distribution(
         "Inter-token latency", "How the gaps between streamed tokens are distributed (from steps).", "s",
@@ -49,4 +50,4 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
         f"WHERE $__timeFilter_ms(ts) AND {WHERE} LIMIT 100000"))
     return d.with_panel(distribution(
         "End-to-end latency", "How long whole requests took, arrival to last token.", "s",
-        f"SELECT e2e_seconds FROM requests FINAL WHERE $__timeFilter(ts) AND {WHERE} LIMIT 100000"))
+        f"SELECT e2e_seconds FROM {MERGED} WHERE $__timeFilter(ts) AND {WHERE} LIMIT 100000"))

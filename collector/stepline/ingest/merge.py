@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from stepline.model.rows import Request
 
@@ -47,6 +48,9 @@ from stepline.model.rows import Request
 _MERGED = tuple(i for i, name in enumerate(Request._fields)
                 if name not in ("ts", "host", "engine", "request_id", "arrival_ts"))
 _SOURCE = Request._fields.index("source")
+_SOURCE_BIT = 1 << _MERGED.index(_SOURCE)
+_OTHER_BITS = tuple(1 << bit for bit, i in enumerate(_MERGED) if i != _SOURCE)
+_other_fields = itemgetter(*(i for i in _MERGED if i != _SOURCE))
 # Both sides round to the microsecond; vLLM's span start truncates to the nanosecond first.
 _ROUNDING_US = 2
 # float32 (the plugin wire's e2e) keeps 24 significant bits: its rounding of e2e is at most e2e * 2^-24; twice that,
@@ -60,17 +64,15 @@ def known_fields(request: Request) -> int:
     These are exactly the values that can raise the store's per-field maximum over what a report that lacks
     them wrote; `source` counts only as 'plugin', the value that outranks 'otlp'.
     """
-    mask = 0
-    for bit, i in enumerate(_MERGED):
-        value = request[i]
-        if i == _SOURCE:
-            known = value == "plugin"
-        elif isinstance(value, float):
-            known = not math.isnan(value)
-        else:
-            known = bool(value)
-        if known:
-            mask |= 1 << bit
+    # On the writer's path for every report: one pass over the fields, no call for a plain float (NaN alone is
+    # not equal to itself).
+    mask = _SOURCE_BIT if request[_SOURCE] == "plugin" else 0
+    for bit, value in zip(_OTHER_BITS, _other_fields(request), strict=True):
+        if value.__class__ is float:
+            if value == value:
+                mask |= bit
+        elif (not math.isnan(value)) if isinstance(value, float) else value:
+            mask |= bit
     return mask
 
 
@@ -102,12 +104,13 @@ class Known:
                 and _agree(self.prompt_tokens, report.prompt_tokens)
                 and _agree(self.generation_tokens, report.generation_tokens))
 
-    def add(self, report: Request) -> None:
+    def add(self, report: Request, mask: int | None = None) -> None:
+        """Take `report` in; `mask`: its known_fields, when the caller has them already."""
         self.reports.setdefault(report.source, report.arrival_ts)
         self.prompt_tokens = self.prompt_tokens or report.prompt_tokens
         self.generation_tokens = self.generation_tokens or report.generation_tokens
         self.ts = max(self.ts, report.ts)
-        self.mask |= known_fields(report)
+        self.mask |= known_fields(report) if mask is None else mask
 
 
 def _agree(known: int, reported: int) -> bool:
@@ -158,16 +161,16 @@ class RecentRequests:
             entry = seen.get(key)
             if entry is None:
                 now = self._monotonic()
-                seen[key] = (now, [self._new(report)])
+                seen[key] = (now, [self._new(report, mask)])
                 if len(seen) > self.max_entries or now - self._oldest_at > self._window_s:
                     self._forget(now)
                 return report
             known = closest(entry[1], report)  # the entry keeps its place: forgotten when its first report would be
             if known is None:
-                entry[1].append(self._new(report))
+                entry[1].append(self._new(report, mask))
                 return report
             adds = mask & ~known.mask
-            known.add(report)
+            known.add(report, mask)
             if not adds:
                 return None
             return report if report.arrival_ts == known.arrival_ts else report._replace(arrival_ts=known.arrival_ts)
@@ -192,9 +195,9 @@ class RecentRequests:
             return entry is None or closest(entry[1], report) is None
 
     @staticmethod
-    def _new(report: Request) -> Known:
+    def _new(report: Request, mask: int) -> Known:
         known = Known(report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts)
-        known.add(report)
+        known.add(report, mask)
         return known
 
     def _forget(self, now: float) -> None:

@@ -17,13 +17,22 @@ from stepline.model.schema import TABLE_BY_NAME
 _MERGE_FUNCTION = re.compile(r"SimpleAggregateFunction\((\w+),")
 
 
+# FINAL merges rows of one key across partitions unless told not to; doing so, it cannot skip a partition by a
+# condition on `ts` (a merged column: a skipped row might have merged with a kept one), so every read of a window
+# read the whole table: an hour of a week of an 8-GPU node's requests took 22.7 s, 0.28 s with this setting
+# (benchmarks/RESULTS.md, 2026-12-03). Background merges never cross partitions either (by day of `ts`); a request's
+# two reports finish milliseconds apart, so only one whose reports straddle midnight UTC reads as two rows.
+# https://clickhouse.com/docs/operations/settings/settings#do_not_merge_across_partitions_select_final
+FINAL_WITHIN_PARTITIONS = "do_not_merge_across_partitions_select_final = 1"
+
+
 def merged(table: str = "requests") -> str:
     """`table` (the requests table; qualified with its database for a client that has none) merged, as a table
     expression: one row per request (host, engine, request id and arrival), each field merged as the table merges
-    it."""
+    it; a condition on the finish time outside reads only the partitions (days) it can hold."""
     # FINAL merges at read time what the background merges have not yet:
     # https://clickhouse.com/docs/sql-reference/statements/select/from#final-modifier
-    return f"{table} FINAL"
+    return f"(SELECT * FROM {table} FINAL SETTINGS {FINAL_WITHIN_PARTITIONS})"
 
 
 MERGED = merged()

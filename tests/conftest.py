@@ -30,6 +30,36 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VLLM_METRICS_FIXTURE = FIXTURES / "vllm-0.33.0-metrics.txt"
 
 
+# The suite runs on every core (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml): most of its time is
+# waiting on processes, sockets and real clocks. A test module is one unit of work, so its module-scoped fixtures
+# (a demo store, a replayed timeline) are built once, by one worker; the real-vLLM files are one unit between them,
+# so that two engines never compete for the same two cores, and go first, being the longest.
+# loadgroup is loadscope with the xdist_group mark as the scope, and --no-loadscope-reorder keeps the units in the
+# order given (pytest-xdist 3.8.0's CHANGELOG.rst, #1083; src/xdist/scheduler/loadgroup.py and loadscope.py).
+REAL_ENGINE = Path(__file__).resolve().parent / "realvllm"
+
+
+def _unit(item: pytest.Item) -> str:
+    """The unit of work `item` belongs to: its module, or (a module marked `unit_per(param)`, whose module fixtures
+    build per value of `param`) its module and that value."""
+    path = item.path
+    if path.is_relative_to(REAL_ENGINE):
+        return "realvllm"
+    unit = str(path.relative_to(REAL_ENGINE.parent.parent))
+    per = item.get_closest_marker("unit_per")
+    params = getattr(item, "callspec", None)
+    if per is not None and params is not None and per.args[0] in params.params:
+        unit += f"[{per.args[0]}={params.params[per.args[0]]}]"
+    return unit
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    items.sort(key=lambda item: _unit(item) != "realvllm")  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Where the collectors a test starts announce themselves: the test's own, never the user's, and never

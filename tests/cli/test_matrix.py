@@ -235,18 +235,24 @@ def test_a_wrong_token_is_refused_in_one_line_and_nothing_is_stored(
 # --- --sweep --launch: the simulator launched once per value, measured, stopped, one table ----------------------
 
 
-def sim_command(port: int) -> str:
-    return (f"{sys.executable} -m stepline sim --workload idle --port {port} --model {MODEL} "
+def sim_command(port: int, speed: float = 1.0) -> str:
+    return (f"{sys.executable} -m stepline sim --workload idle --port {port} --model {MODEL} --speed {speed} "
             "--max-num-batched-tokens {max_num_batched_tokens}")
+
+
+# The engines run five times slower than real time: a full chunk's stall (~1.2 s) stays 2.5 times a small chunk's
+# (~115 ms) even with the scheduling jitter of a machine whose every core is busy added to the small one (~450 ms
+# seen with a load average of 9 on 2 cores).
+SLOWED = 0.2
 
 
 def test_each_value_runs_on_an_engine_launched_with_it(store: Store, store_url: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     port = _free_port()
     args = parse_args("--engine", f"sim=http://127.0.0.1:{port}", "--sweep", "max_num_batched_tokens=512,8192",
-                      "--launch", sim_command(port), "--launch-timeout", "60", "--streams", "2", "--prompt-tokens",
-                      "16", "--max-tokens", "24", "--long-prompt-tokens", "16384", "--repeat", "1", "--store",
-                      store_url)
+                      "--launch", sim_command(port, SLOWED), "--launch-timeout", "60", "--streams", "2",
+                      "--prompt-tokens", "16", "--max-tokens", "24", "--long-prompt-tokens", "16384", "--repeat", "1",
+                      "--store", store_url)
     assert matrix.run(args) == 0
     out = capsys.readouterr().out
     print(out)
@@ -263,7 +269,7 @@ def test_each_value_runs_on_an_engine_launched_with_it(store: Store, store_url: 
     worst = {(r[0].split("=")[1], r[1]): r[2] for r in rows}
     # Each engine ran with its own budget: 16384 prompt tokens in 8192-token chunks stall the decoding streams
     # for a whole chunk's step; in 512-token chunks, for a small one.
-    assert worst["8192", "b"] > 3 * worst["512", "b"], worst
+    assert worst["8192", "b"] > 2.5 * worst["512", "b"], worst
 
 
 def test_a_replay_per_value_and_the_engines_counters_beside_it(store: Store, store_url: str,

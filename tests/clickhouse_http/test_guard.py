@@ -31,6 +31,7 @@ from stepline.model.rows import GpuSample, Request, Step, micros
 from stepline.store.store import Store
 
 MARKER = Path(tempfile.gettempdir()) / f"stepline-sec-{uuid.uuid4().hex}"
+MARKED = "MARKER_PATH"  # where a statement names MARKER: the tests' ids stay the same in every process
 URL = "http://127.0.0.1:1/x"
 
 
@@ -143,13 +144,13 @@ WRITES = [
     "RENAME TABLE t TO u", "EXCHANGE TABLES t AND t", "OPTIMIZE TABLE t FINAL", "GRANT ALL ON *.* TO default",
     "REVOKE SELECT ON *.* FROM default", "CREATE USER eve IDENTIFIED BY 'x'", "DETACH TABLE t", "ATTACH TABLE t",
     "UNDROP TABLE t", "BACKUP TABLE t TO File('b')", "DELETE FROM t WHERE 1", "ALTER TABLE t UPDATE a = 9 WHERE 1",
-    "INSERT INTO t SELECT 5", f"INSERT INTO FUNCTION file('{MARKER}') SELECT 1", "CREATE TEMPORARY TABLE x (a UInt8)",
+    "INSERT INTO t SELECT 5", f"INSERT INTO FUNCTION file('{MARKED}') SELECT 1", "CREATE TEMPORARY TABLE x (a UInt8)",
     "CREATE DICTIONARY d (a UInt8) PRIMARY KEY a SOURCE(FILE(path '/etc/hostname' format 'TSV')) LAYOUT(FLAT()) "
     "LIFETIME(0)", "CREATE FUNCTION f AS x -> x", "CREATE VIEW v AS SELECT 1", "SYSTEM SHUTDOWN",
     "SYSTEM RELOAD CONFIG", "KILL MUTATION WHERE 1", "SET allow_ddl = 1", "SET readonly = 0; DROP TABLE t",
     "SELECT 1; INSERT INTO t VALUES (7)",
     "drop table t", "/* hidden */ DROP TABLE t", "(DROP TABLE t)", "CHECK TABLE t", "USE system", "MOVE USER eve TO x",
-    "SELECT 1 SETTINGS ReadOnly/**/=/**/0", "SELECT * FROM t SETTINGS readonly = 2", f"SELECT 1 INTO OUTFILE '{MARKER}'"
+    "SELECT 1 SETTINGS ReadOnly/**/=/**/0", "SELECT * FROM t SETTINGS readonly = 2", f"SELECT 1 INTO OUTFILE '{MARKED}'"
     " APPEND", "INSERT INTO t FROM INFILE '/etc/hostname'", "EXPLAIN PIPELINE INSERT INTO t SELECT 1",
 ]
 OUTSIDE = [  # table functions and functions that read files, URLs, other processes or servers
@@ -173,7 +174,7 @@ OUTSIDE = [  # table functions and functions that read files, URLs, other proces
 def test_writes_settings_and_reaching_outside_are_refused(endpoint: QueryEndpoint, chdb_dir: Path, db: str,
                                                           sql: str) -> None:
     before = state(chdb_dir, db)
-    status, code, body = post(endpoint, sql)
+    status, code, body = post(endpoint, sql.replace(MARKED, str(MARKER)))
     assert status >= 400 and code == "164", (status, body[:200])  # READONLY: the guard's or the engine's
     assert state(chdb_dir, db) == before
 

@@ -20,6 +20,9 @@ from stepline.sim.gpu import BOOST_MHZ
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 
+# Each seed's case is replayed once per process that asks for it: the suite's workers share the seeds out.
+pytestmark = pytest.mark.unit_per("seed")
+
 SAMPLE = tuple(range(40))
 # Seeds of SAMPLE whose top finding is wrong with today's detectors: shrink this as they improve.
 KNOWN_MISSES: frozenset[int] = frozenset({

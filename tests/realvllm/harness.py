@@ -260,6 +260,17 @@ def reuse_request_ids(setup: Setup, tag: str, long_words: int) -> None:
         t.join()
 
 
+def window(start: float, end: float) -> tuple[str, ...]:
+    """`stepline replay`'s and `matrix --replay`'s window of a load that ran from `start` to `end`: a second either
+    side, so that the first arrival and the last finish are inside."""
+    return ("--from", f"{start - 1:.3f}", "--to", f"{end + 1:.3f}")
+
+
+def vocab(setup: Setup) -> int:
+    """The token ids a replay may send: the tiny model's vocabulary is smaller than replay's default 1000 ids."""
+    return min(int(json.loads((setup.model / "stepline-tiny-model.json").read_text())["vocab"]), 1000)
+
+
 def stepline(setup: Setup, *args: str, timeout_s: float = 300,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`stepline ARGS` in the run's directory, with the run's environment (or `env`)."""
@@ -279,3 +290,68 @@ def one(setup: Setup, sql: str) -> Sequence[str]:
     rows = query(setup, sql)
     assert len(rows) == 1, rows
     return rows[0]
+
+
+# ---- the engine's life: the loads of both real-engine files, in turn ------------------------------------------
+
+
+LONG_WORDS = 6000  # ~17k tokens with the tiny model's tokenizer: 17 chunks of the 1,024-token budget
+REUSED = "reused"  # the X-Request-Id prefix of the requests that share ids
+REUSED_WORDS = 1500  # ~4k tokens: long enough that its second run is mostly a prefix-cache hit
+REPEATED_WORDS = 300  # ~700 tokens: several 128-token KV blocks for the recording's repeated prompt to hit
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each of vLLM's counters rose from `before` to `after`."""
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+@dataclass
+class Life:
+    """What one engine did beside one collector, part by part."""
+
+    setup: Setup
+    long_prompt_tokens: int  # the long prompt, as vLLM counted it (sent twice: uncached, then cached)
+    reuse: dict[str, float]  # the counters' rise over the requests that reused an X-Request-Id
+    matrix: subprocess.CompletedProcess[str]
+    recorded: tuple[float, float]  # when the recording's load began and ended (epoch seconds)
+    recording: dict[str, float]  # the counters' rise over the recording
+    replay: subprocess.CompletedProcess[str]  # `stepline replay` of the recording to the same engine
+    replayed: dict[str, float]  # the counters' rise over that replay
+    metrics: dict[str, float]  # the counters when everything was done
+    iterations: list[int]  # the iterations vLLM's own logger printed, over its whole life
+
+
+def live(setup: Setup) -> Life:
+    """One engine beside one collector: each real-engine file's load in turn, the engine's counters read around
+    each part; both stopped when done (the store is read directly afterwards)."""
+    with collector(setup):
+        with engine(setup):
+            # test_real_vllm.py: streams beside an uncached long prompt and its cached rerun, ids reused, a matrix.
+            long_tokens = drive(setup, LONG_WORDS)
+            before = engine_metrics(setup)
+            reuse_request_ids(setup, REUSED, REUSED_WORDS)
+            reuse = delta(before, engine_metrics(setup))
+            matrix = stepline(setup, "matrix", "--engine", f"{SERVED_NAME}={setup.engine_url}",
+                                      "--streams", "4", "--max-tokens", "48", "--prompt-tokens", "32",
+                                      "--repeat", "1", "--timeout", "120")
+            time.sleep(2)  # the recording's window (its load, a second either side) holds none of the above
+            # test_real_vllm_replay.py: short streams beside a prompt sent twice (its second run a cache hit),
+            # recorded, then replayed to the same engine.
+            before = engine_metrics(setup)
+            start = time.time()
+            prompt = long_prompt(f"repeated-{time.time_ns()}", REPEATED_WORDS)
+            streams_beside(setup, prompt, 3, 24, 0.2)
+            streams_beside(setup, prompt, 3, 24, 0.2)
+            end = time.time()
+            time.sleep(3)  # the plugin's and the spans' reports reach the collector
+            recorded = engine_metrics(setup)
+            replay = stepline(setup, "replay", "--engine", setup.engine_url, "--store", setup.store,
+                                      *window(start, end), "--vocab", str(vocab(setup)),
+                                      "--speed", "2", "--json")
+            metrics = engine_metrics(setup)
+            time.sleep(3)  # stopped a few seconds after the load, not after a long drain
+        iterations = iterations_logged(setup)
+    assert long_tokens > 8 * BUDGET_TOKENS
+    return Life(setup, long_tokens, reuse, matrix, (start, end), delta(before, recorded), replay,
+               delta(recorded, metrics), metrics, iterations)

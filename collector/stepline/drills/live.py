@@ -65,12 +65,15 @@ class LiveEngine:
         return len(scheduler.running) + len(scheduler.waiting)
 
     def _tick(self) -> None:
-        # The cap for the coming tick, from the clocks the GPUs showed at its start (as the replay does).
+        # The cap for the coming tick, from the clocks the GPUs showed at its start (as the replay does), from the
+        # scenario's second 0 on: a cap in force from the start holds before this thread first wakes, however late.
         model = self.gpus.model
-        while not self._stop.wait(TICK_S):
+        while True:
             now = time.time()
             self._throttle.factor = power_cap_factor(self.scenario.power_cap, model, model.reading(now),
                                                      now - self.started)
+            if self._stop.wait(TICK_S):
+                return
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,18 @@ def test_no_sidecar_drops_are_counted_and_logged_once(sock_dir: str, caplog: pyt
             core.record(*_step_stats(i))
         clock[0] = 61.0
         core.flush()
+        # The sender thread logs the drops on its next pass: on a busy machine, a while after flush() returns.
+        deadline = time.monotonic() + 10
+        while not _drop_warnings(caplog) and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert core.dropped["no_sidecar"] == 200  # 100 steps and 100 finished requests
     assert core.records_sent == 0
-    warnings = [r for r in caplog.records if "dropped" in r.getMessage()]
+    warnings = _drop_warnings(caplog)
     assert len(warnings) == 1 and "200 (no_sidecar)" in warnings[0].getMessage()
+
+
+def _drop_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "dropped" in r.getMessage()]
 
 
 def test_sidecar_arriving_later_gets_the_new_steps(sock_dir: str) -> None:

@@ -17,6 +17,7 @@ from stepline.core.usage import UsageError
 from stepline.diagnosis.baseline import LONG_PROMPT_CHUNKS
 from stepline.diagnosis.detectors import as_json, diagnose, render
 from stepline.diagnosis.findings import Finding, Window
+from stepline.model import schema
 from stepline.model.rows import Event, GpuSample, Request, Step, micros
 from stepline.store.store import Store
 
@@ -45,9 +46,11 @@ def request(rid: str, arrival: float, queue: float, ttft: float, decode: float, 
 
 
 def gpu(t: float, util: float = 60.0, clock: float = 1900.0, flags: tuple[str, ...] = ()) -> GpuSample:
+    """A sample with NVML's clock-event bitmask and its bits' names, as the GPU source writes them."""
     nan = float("nan")
+    reasons = sum(bit for bit, name in schema.CLOCK_EVENT_FLAGS if name in flags)
     return GpuSample(_ts(t), "h", ENGINE, 0, "u0", "H100", clock, 2600.0, 400.0, 0, 60.0, 60.0, util, 0.0, 0, 0,
-                     0.0, 0.0, 0, 0.0, 0.0, 0, list(flags), nan, nan, nan, {})
+                     0.0, 0.0, 0, 0.0, 0.0, reasons, list(flags), nan, nan, nan, {})
 
 
 def config(t: float = 0.0, **attrs: Any) -> Event:

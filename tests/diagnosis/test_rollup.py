@@ -20,7 +20,8 @@ from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW, _monster, insert, step
 
 T0 = (datetime.now(UTC) - timedelta(hours=2)).replace(second=0, microsecond=0)  # recent: within the retention
-PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("gpu_samples", "gpu_samples_per_minute")}
+PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("gpu_samples", "gpu_samples_per_minute"),
+               ("gpu_samples", "gpu_throttling_per_minute"), ("engine_samples", "engine_samples_per_minute")}
 FORCED = {"force_optimize_projection": 1}
 ROWS_ONLY = {"optimize_use_projections": 0}
 
@@ -69,13 +70,16 @@ def test_projections_hold_what_the_rows_give(store: Store, bucket: str, aggregat
     assert projected == _per_bucket(store, bucket, aggregates, ROWS_ONLY)
 
 
-def test_gpu_projection_holds_what_the_rows_give(store: Store) -> None:
+@pytest.mark.parametrize("aggregates", [schema.GPU_AGGREGATES, schema.GPU_THROTTLING])
+def test_gpu_projections_hold_what_the_rows_give(store: Store, aggregates: tuple[str, ...]) -> None:
     nan = float("nan")
+    # Busy or not, throttled for one reason, another or none (bits 0x4, 0x8, 0x1 idle: not a throttle).
     samples = [GpuSample(micros(T0.timestamp() + i * 0.1), "h", "e0", i % 2, "u", "H200", 1980.0 - i % 300, 3201.0,
                          300.0 + i % 400, 1000 * i, 50.0, 60.0, float(i % 100), 1.0, 10 * i, 10**9, 1e9, 2e9, 0,
-                         3e9 + i, 4e9, 0, [], nan if i % 2 else 70.0, 40.0, 30.0, {}) for i in range(2000)]
+                         3e9 + i, 4e9, (0x4, 0x8, 0x1, 0)[i % 4], [], nan if i % 2 else 70.0, 40.0, 30.0, {})
+               for i in range(2000)]
     store.insert("gpu_samples", samples, GpuSample._fields)
-    sql = ("WITH toStartOfMinute(ts) AS bucket SELECT gpu_index, bucket AS b, " + ", ".join(schema.GPU_AGGREGATES)
+    sql = ("WITH toStartOfMinute(ts) AS bucket SELECT gpu_index, bucket AS b, " + ", ".join(aggregates)
            + " FROM gpu_samples GROUP BY gpu_index, b ORDER BY gpu_index, b")
     projected = store.client.query(sql, settings=FORCED).result_rows
     assert len(projected) == 8

@@ -49,10 +49,9 @@ HOL_DRAINED = 0.5
 MIN_QUEUED = 10  # requests queued behind one prefill (or in an overload) before the queue counts
 HOL_QUEUE_STEPS = 100.0  # a request queued this many decode-only steps (p50) behind a prefill was held up by it
 # gpu_throttling: the throttled samples' SM clock at most (1 - CLOCK_DROP) of the GPU's own maximum, on at least
-# THROTTLED_SHARE of the samples in which the GPU was busy (util_gpu_pct >= BUSY_GPU_PCT, a share of its time).
+# THROTTLED_SHARE of the samples in which the GPU was busy (schema.GPU_BUSY: the throttling projection counts them).
 CLOCK_DROP = 0.10
 THROTTLED_SHARE = 0.10
-BUSY_GPU_PCT = 5.0
 # overload: requests waited OVERLOAD_QUEUE_STEPS of the engine's decode-only steps (p50) or more, the queue held
 # MIN_QUEUED or more, for OVERLOAD_MIN_BUCKETS buckets of the window (a 1/OVERLOAD_BUCKETS share each) in which the
 # engine was busy (stepping at least BUSY_SHARE of the time), and no more than OWN_STEPS_SHARE of that time went to

@@ -62,8 +62,8 @@ LIMIT 5 BY engine
 # decode-only step of before the prefill.
 _CARRIED = """
 SELECT k, min(ts), max(ts), argMin(elapsed_ms, ts)
-FROM (SELECT ts, elapsed_ms, [EVERY_SPAN] AS spans FROM steps WHERE num_ctx_tokens > 0 AND (INSIDE_ANY))
-ARRAY JOIN arrayFilter(x -> x >= 0, spans) AS k
+FROM (SELECT ts, elapsed_ms, EVERY_SPAN AS spans FROM steps PREWHERE num_ctx_tokens > 0 AND INSIDE_ANY)
+ARRAY JOIN spans AS k
 GROUP BY k
 """
 
@@ -95,14 +95,12 @@ WHERE {ENGINE} AND request_id != {{request_id:String}} AND queue_seconds > 0
 """
 
 # _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
-# (baseline.baselines). INSIDE_ANY and WHICH are the prefills' (engine, interval) conditions joined with OR, and as
-# multiIf cases numbering them.
+# (baseline.baselines). INSIDE_ANY and WHICH are the prefills' (engine, interval) spans (common.which_span).
 _INSIDE = """
 SELECT k, count(), quantileExact(0.5)(elapsed_ms), max(num_ctx_tokens), sum(length(itl_seconds)),
        quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * num_generation_requests) / 1000,
        max(waiting), countIf(num_ctx_requests = 1) / count()
-FROM (SELECT *, multiIf(WHICH, -1) AS k FROM steps WHERE INSIDE_ANY)
-WHERE k >= 0
+FROM (SELECT *, WHICH AS k FROM steps PREWHERE INSIDE_ANY)
 GROUP BY k
 """
 # Every request that arrived while a long prefill of its engine ran and queued at least that prefill's min_queue_s

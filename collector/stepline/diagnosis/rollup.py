@@ -70,12 +70,13 @@ def parts(start: datetime | None, end: datetime, *, minutes: bool = True) -> lis
 
 
 def rolled(aggs: Sequence[Agg], where: str, start: datetime | None, end: datetime, *,
-           keys: Sequence[tuple[str, str]] = (("engine", "engine"),), minutes: bool = True
+           keys: Sequence[tuple[str, str]] = (("engine", "engine"),), minutes: bool = True, table: str = "steps"
            ) -> tuple[str, dict[str, datetime]]:
     """Per `keys` (alias, expression over the steps' columns and `bucket`), `aggs` over the steps in [start, end]
     that match `where`, as exactly as over the rows. A key over `bucket` must be whole minutes (or whole seconds
     with minutes=False): e.g. toStartOfInterval(bucket, toIntervalSecond(60)). Returns the SQL and the bounds
-    it binds (beside whatever placeholders `where` and `keys` hold)."""
+    it binds (beside whatever placeholders `where` and `keys` hold). `table` is another table with a per-minute
+    projection of the aggregates (its per-second parts read rows: a few seconds at either end)."""
     key_list = ", ".join(alias for alias, _ in keys)
     branches = []
     bounds: dict[str, datetime] = {}
@@ -87,7 +88,7 @@ def rolled(aggs: Sequence[Agg], where: str, start: datetime | None, end: datetim
             bounds[f"p{i}_lo"] = part.lo
         columns = [f"{expression} AS {alias}" for alias, expression in keys] + [
             f"{a.inner} AS p_{a.alias}" for a in aggs]
-        branches.append(f"WITH {part.bucket} AS bucket SELECT {', '.join(columns)} FROM steps "
+        branches.append(f"WITH {part.bucket} AS bucket SELECT {', '.join(columns)} FROM {table} "
                         f"WHERE {' AND '.join(conditions)} AND ({where}) GROUP BY {key_list}")
     outer = "".join(", " + a.outer.replace("{}", f"p_{a.alias}") + f" AS {a.alias}" for a in aggs)
     union = "\n    UNION ALL\n    ".join(branches)

@@ -12,15 +12,20 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from stepline.diagnosis.baseline import BUSY_GPU_PCT, CLOCK_DROP, THROTTLED_SHARE
+from stepline.diagnosis.baseline import CLOCK_DROP, THROTTLED_SHARE
 from stepline.diagnosis.common import EXACT_MAX_STEPS, Query, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
-from stepline.model.schema import timeline_sql
+from stepline.diagnosis.rollup import Agg, rolled
+from stepline.model.schema import (
+    BUSY_GPU_PCT,
+    CLOCK_EVENT_FLAGS,
+    GPU_THROTTLING,
+    THROTTLE_FLAGS,
+    timeline_sql,
+)
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
-THROTTLE_FLAGS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
-                  "hw_power_brake_slowdown")
 # NVIDIA's maximum (boost) SM clock per model, MHz: the figure a throttled clock is compared with when the GPU
 # never reported its own maximum in the window. Matched by substring of NVML's name, first match wins.
 MAX_SM_MHZ: tuple[tuple[str, float], ...] = (
@@ -30,19 +35,17 @@ MAX_SM_MHZ: tuple[tuple[str, float], ...] = (
 )
 MIN_MATCHED_STEPS = 5  # per batch shape and side, for a like-for-like step-time ratio
 
+# Per engine over the window, from the throttling projection (schema.GPU_THROTTLING, in that order): the rows at
+# the window's edges, whole minutes in between.
+_GPU_AGGS = tuple(Agg(alias, inner, outer) for alias, inner, outer in zip(
+    ("gpu_name", "sm_mhz_max_seen", "busy_samples", "throttled_samples", "sm_mhz_throttled_sum",
+     "sm_mhz_unthrottled_sum", "reason_bits", "first_throttled", "last_throttled"),
+    GPU_THROTTLING,
+    ("any({})", "max({})", "sum({})", "sum({})", "sum({})", "sum({})", "groupBitOr({})", "min({})", "max({})"),
+    strict=True))
+# What a finding shows: the same figures read from the samples.
 _GPU = f"""
-SELECT engine, any(gpu_name) AS gpu_name, max(sm_clock_mhz) AS sm_mhz_max_seen,
-       countIf(util_gpu_pct >= {{busy_pct:Float64}}) AS busy_samples,
-       countIf(util_gpu_pct >= {{busy_pct:Float64}} AND hasAny(clock_event_flags, {{flags:Array(String)}}))
-           AS throttled_samples,
-       avgIf(sm_clock_mhz, util_gpu_pct >= {{busy_pct:Float64}} AND hasAny(clock_event_flags, {{flags:Array(String)}}))
-           AS sm_mhz_throttled,
-       avgIf(sm_clock_mhz, util_gpu_pct >= {{busy_pct:Float64}} AND NOT hasAny(clock_event_flags,
-           {{flags:Array(String)}})) AS sm_mhz_unthrottled,
-       arrayDistinct(arrayFlatten(groupArrayIf(arrayIntersect(clock_event_flags, {{flags:Array(String)}}),
-           hasAny(clock_event_flags, {{flags:Array(String)}})))) AS reasons,
-       minIf(ts, hasAny(clock_event_flags, {{flags:Array(String)}})) AS first_throttled,
-       maxIf(ts, hasAny(clock_event_flags, {{flags:Array(String)}})) AS last_throttled
+SELECT engine, {", ".join(GPU_THROTTLING)}
 FROM gpu_samples
 WHERE {EACH_ENGINE} AND {IN_WINDOW}
 GROUP BY engine ORDER BY engine
@@ -97,16 +100,18 @@ def matched_slowdown(rows: Iterable[tuple[Any, ...]]) -> tuple[float | None, int
 def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
     """GPUs serving the engine ran throttled, clocks well below their maximum, for a share of the window."""
     findings: list[Finding] = []
-    gpu_q = Query(_GPU, engine=window.engine, start=window.start, end=window.end, busy_pct=BUSY_GPU_PCT,
-                  flags=list(THROTTLE_FLAGS))
-    gpus = {str(r[0]): r[1:] for r in gpu_q.rows(reader)}
+    sql, bounds = rolled(_GPU_AGGS, EACH_ENGINE, window.start, window.end, table="gpu_samples")
+    gpus = {str(r[0]): r[1:] for r in Query(sql, engine=window.engine, **bounds).rows(reader)}
     summary = window_summary(reader, window)
     for engine in engines(reader, window):
         if engine not in gpus:
             continue
-        name, seen, busy, throttled, mhz_throttled, mhz_free, reasons, first, last = gpus[engine]
+        name, seen, busy, throttled, throttled_sum, free_sum, bits, first, last = gpus[engine]
         if not throttled or not busy:
             continue
+        mhz_throttled = number(throttled_sum) / int(throttled)
+        mhz_free = number(free_sum) / (int(busy) - int(throttled)) if int(busy) > int(throttled) else 0.0
+        reasons = [flag for bit, flag in CLOCK_EVENT_FLAGS if int(bits) & bit]
         top_mhz, top_from = max_sm_mhz(str(name), number(seen))
         share, ratio = int(throttled) / int(busy), number(mhz_throttled) / top_mhz if top_mhz > 0 else 1.0
         if share < THROTTLED_SHARE or ratio > 1 - CLOCK_DROP:
@@ -137,8 +142,7 @@ def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
             "gpu_throttling", "warning", engine, utc(first), utc(last),
             clip(f"GPU throttled ({', '.join(reasons) or 'clock events'}): SM {number(mhz_throttled):.0f} of "
                  f"{top_mhz:.0f} MHz, steps {slowdown:.1f}x slower"),
-            evidence, Query(_GPU, engine=engine, start=window.start, end=window.end, busy_pct=BUSY_GPU_PCT,
-                            flags=list(THROTTLE_FLAGS)).literal(),
+            evidence, Query(_GPU, engine=engine, start=window.start, end=window.end).literal(),
             "the GPUs throttle (power cap / thermal): check power limits, cooling and clocks "
             "(nvidia-smi -q -d PERFORMANCE) before touching the scheduler", lost))
     return findings

@@ -11,6 +11,7 @@ import pynvml  # type: ignore[import-untyped]
 import pytest
 
 from stepline.core.clock import ManualClock
+from stepline.model import schema
 from stepline.sources.base import SourceContext, SourceError
 from stepline.sources.gpu import nvml
 from stepline.sources.gpu.nvml import (
@@ -36,14 +37,14 @@ def test_nvml_numbers_match_pynvml() -> None:
     assert nvml.GPM_SM_OCCUPANCY == pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
     assert nvml.GPM_PCIE_TX_PER_SEC == pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC
     assert nvml.GPM_PCIE_RX_PER_SEC == pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC
-    for bit, name in nvml.CLOCK_EVENT_FLAGS:
+    for bit, name in schema.CLOCK_EVENT_FLAGS:
         camel = "".join(part.capitalize() for part in name.removeprefix("pynvml_only_").split("_"))
         assert getattr(pynvml, f"nvmlClocksThrottleReason{camel}") == bit, name
         if bit <= 0x100:
             assert getattr(pynvml, f"nvmlClocksEventReason{camel}") == bit, name
         else:  # in pynvml only, in no nvml.h: named as such
             assert not hasattr(pynvml, f"nvmlClocksEventReason{camel}") and name.startswith("pynvml_only_"), name
-    assert clock_event_flags(pynvml.nvmlClocksEventReasonAll) == [n for _, n in nvml.CLOCK_EVENT_FLAGS[:9]]
+    assert clock_event_flags(pynvml.nvmlClocksEventReasonAll) == [n for _, n in schema.CLOCK_EVENT_FLAGS[:9]]
     codes = {pynvml.NVML_ERROR_NOT_SUPPORTED: NvmlUnsupported, pynvml.NVML_ERROR_NO_PERMISSION: NvmlUnsupported,
              pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: NvmlUnsupported, pynvml.NVML_ERROR_GPU_IS_LOST: NvmlGone,
              pynvml.NVML_ERROR_GPU_NOT_FOUND: NvmlGone, pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: NvmlMissing,

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast
 
+from stepline.model.schema import CLOCK_EVENT_FLAGS
+
 log = logging.getLogger(__name__)
 
 # NVML ABI numbers (nvml.h); tests check them against pynvml so no import of pynvml is needed here.
@@ -38,14 +40,6 @@ GPM_PCIE_METRICS = (GPM_PCIE_TX_PER_SEC, GPM_PCIE_RX_PER_SEC)  # asked only wher
 GPM_METRIC_NAMES = {GPM_GRAPHICS_UTIL: "graphics_util", GPM_SM_UTIL: "sm_util", GPM_SM_OCCUPANCY: "sm_occupancy",
                     GPM_ANY_TENSOR_UTIL: "any_tensor_util", GPM_DRAM_BW_UTIL: "dram_bw_util",
                     GPM_PCIE_TX_PER_SEC: "pcie_tx_per_sec", GPM_PCIE_RX_PER_SEC: "pcie_rx_per_sec"}
-# nvmlClocksEventReason* bits (nvml.h, whose nvmlClocksEventReasonAll ORs 0x001-0x100). 0x200 and 0x400 are in no
-# nvml.h: only pynvml defines them (nvmlClocksThrottleReasonBoardLimit, ...Reliability), so their names say so.
-CLOCK_EVENT_FLAGS = (
-    (0x001, "gpu_idle"), (0x002, "applications_clocks_setting"), (0x004, "sw_power_cap"), (0x008, "hw_slowdown"),
-    (0x010, "sync_boost"), (0x020, "sw_thermal_slowdown"), (0x040, "hw_thermal_slowdown"),
-    (0x080, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"), (0x200, "pynvml_only_board_limit"),
-    (0x400, "pynvml_only_reliability"),
-)
 XID_MEANINGS = {
     13: "graphics engine exception (usually the application)",
     31: "GPU memory page fault (usually an illegal address in the application)",

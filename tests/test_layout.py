@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "collector" / "stepline"
 
 # Lowest first: a module imports only from its own layer or one listed before it (stepline/__init__.py says why).
-LAYERS = ("core", "model", "queries", "store", "config", "clickhouse_http", "plugin", "sources", "ingest", "endpoints",
-          "diagnosis", "analysis", "watchdog", "alerting", "dashboards", "testing", "loadgen", "sim", "whatif", "app",
-          "drills", "cli")
+LAYERS = ("core", "model", "queries", "store", "config", "clickhouse_http", "plugin", "gateway", "sources", "ingest",
+          "endpoints", "diagnosis", "analysis", "watchdog", "alerting", "dashboards", "testing", "loadgen", "sim",
+          "whatif", "app", "drills", "cli")
 ROOT_MODULES = {"__init__", "__main__"}
 
 

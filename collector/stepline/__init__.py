@@ -10,6 +10,7 @@ The package is laid out in layers, lowest first; a module imports only from its 
     config/           the collector's settings and the service-level objectives
     clickhouse_http/  ClickHouse's HTTP protocol without sockets: SQL guard, bodies, settings, Native blocks, formats
     plugin/           the vLLM stat-logger plugin (standard library only)
+    gateway/          gateways in front of the engines: the decision record a router sends, and its row
     sources/          what the collector reads: vLLM /metrics, plugin datagrams, OTLP, NVML, host, pod resources
     ingest/           the runner, the writers, the spool, the request merge
     endpoints/        the query endpoint and the events endpoint

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from stepline.cli.main import main
+from stepline.model import schema
 
 
 def test_schema_prints_cluster_ddl(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema", "--cluster", "fleet", "--retention", "14"]) == 0
     out = capsys.readouterr().out
-    assert out.count("ENGINE = Distributed(`fleet`") == 6
+    assert out.count("ENGINE = Distributed(`fleet`") == len(schema.TABLES)  # every timeline table
     assert "INTERVAL 14 DAY" in out
 
 

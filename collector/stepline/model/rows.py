@@ -163,7 +163,33 @@ class HostSample(NamedTuple):
     disk_write_bytes: int
 
 
-Row = EngineSample | Event | Step | Request | GpuSample | HostSample
+class GatewayDecision(NamedTuple):
+    """One routing attempt of a gateway in front of the engines: what it measured, what it chose, how it ended.
+    `engine` is the backend chosen, named as stepline names engines (a URL's host:port); ts is when it decided."""
+
+    ts: int
+    host: str
+    engine: str
+    gateway: str
+    request_id: str
+    attempt: int
+    lane: str
+    candidates: list[str]
+    size_chars: int | None
+    size_bytes: int | None
+    size_tokens: int | None
+    threshold: float | None
+    threshold_unit: str
+    health: str
+    status: int
+    error_type: str
+    client_disconnected: bool
+    first_byte_ts: int | None
+    end_ts: int
+    swallowed_exception: str
+
+
+Row = EngineSample | Event | Step | Request | GpuSample | HostSample | GatewayDecision
 
 TABLE_OF: dict[type[Row], str] = {
     EngineSample: "engine_samples",
@@ -172,4 +198,5 @@ TABLE_OF: dict[type[Row], str] = {
     Request: "requests",
     GpuSample: "gpu_samples",
     HostSample: "host_samples",
+    GatewayDecision: "gateway_decisions",
 }

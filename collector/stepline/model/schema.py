@@ -514,6 +514,47 @@ TABLES: tuple[Table, ...] = (
         ("host", "engine", "ts", "kind"),
         "Discrete happenings: engine up/down/restart, configuration seen, source errors, drops, XIDs.",
     ),
+    Table(
+        "gateway_decisions",
+        (
+            *_key("When the gateway decided (the start of its stepline.gateway.decision span, the gateway's clock)",
+                  "The backend the gateway chose, named as stepline names engines: a URL's host:port (the router's "
+                  "own name when it is not a URL); '' when it chose none."),
+            Column("gateway", DIM, "The gateway: the span's stepline.gateway.name, else its service.name, else "
+                   "'gateway'."),
+            Column("request_id", "String", "The request id the engine will see (the X-Request-Id the gateway "
+                   "forwards; vLLM builds its own from it); '' when the gateway forwards none."),
+            Column("attempt", "UInt16", "1 for the first try of a request, 2 for its first retry or fallback, ..."),
+            Column("lane", DIM, "The lane (traffic class) the gateway put the request in, e.g. fast or heavy; '' "
+                   "for a gateway without lanes."),
+            Column("candidates", "Array(LowCardinality(String))", "The backends the gateway could choose from, "
+                   "named as `engine` is."),
+            Column("size_chars", "Nullable(UInt64)", "The request's size in characters as the gateway measured "
+                   "it; NULL when it did not (a hook that failed open measures nothing)."),
+            Column("size_bytes", "Nullable(UInt64)", "The request's size in bytes as the gateway measured it; NULL "
+                   "when it did not."),
+            Column("size_tokens", "Nullable(UInt64)", "The request's size in tokens as the gateway estimated or "
+                   "counted it; NULL when it did not."),
+            Column("threshold", "Nullable(Float64)", "The size bar the lane decision compared with, in "
+                   "threshold_unit; NULL when none was in force."),
+            Column("threshold_unit", DIM, "The unit of threshold: chars, bytes or tokens ('' when none)."),
+            Column("health", DIM, "The gateway's health-cache state for the chosen backend when it chose, as the "
+                   "gateway names it (e.g. healthy, stale, cooled_down); '' when it keeps none."),
+            Column("status", "UInt16", "The HTTP status the gateway answered the client with; 0 when it never "
+                   "answered (499-style disconnects have 499 where the gateway says so)."),
+            Column("error_type", DIM, "The error's class (OpenTelemetry error.type), e.g. timeout, "
+                   "ConnectionRefusedError; '' when it succeeded."),
+            Column("client_disconnected", "Bool", "The client went away before the response ended."),
+            Column("first_byte_ts", "Nullable(DateTime64(6, 'UTC'))", "When the first byte of the response "
+                   "reached the gateway; NULL when none did."),
+            Column("end_ts", TIME, "When the attempt ended (the span's end)."),
+            Column("swallowed_exception", "String", "An exception the routing hook caught and went on past "
+                   "(type: message), so that failing open is seen; '' when none."),
+        ),
+        ("host", "gateway", "ts"),
+        "One row per routing attempt of a gateway in front of the engines: size measured, lane and backend chosen, "
+        "threshold and its unit, outcome, and what a hook swallowed.",
+    ),
 )
 
 # Not a timeline table (no ts, host or engine): the one ledger of which schema a store holds.

@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from stepline.core.listener import BEARER_CHALLENGE, Address, HttpServer, ServerThread, bearer_authorized, linger
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.model.rows import Request
+from stepline.model.rows import GatewayDecision, Request
 from stepline.sources.base import Emit, SourceContext
 from stepline.sources.otlp_decode import (
     ENCODINGS,
@@ -101,7 +101,7 @@ class OtlpReceiver(Address):
         self.max_body_bytes = max_body_bytes
         self.max_pending_rows = max_pending_rows
         self._tokens = [token.encode()] if token is not None else []  # none: no authentication
-        self._pending: list[Request] = []
+        self._pending: list[Request | GatewayDecision] = []
         self._counts = dict.fromkeys(STATS_KEYS, 0)
         self._lock = threading.Lock()
         self._log = RateLimitedLog(logger)
@@ -145,7 +145,7 @@ class OtlpReceiver(Address):
             emit(rows)
 
     def stats(self) -> dict[str, int]:
-        """Spans accepted, ignored (not llm_request) and rejected; requests by outcome."""
+        """Spans accepted (llm_request and gateway decisions), ignored (any other) and rejected; requests by outcome."""
         with self._lock:
             return dict(self._counts)
 
@@ -218,11 +218,12 @@ class OtlpReceiver(Address):
         # All or nothing, so a retried batch is not half duplicated; an empty buffer takes any batch, so a batch
         # larger than the buffer is not refused for ever.
         with self._lock:
-            pending = len(self._pending)
-            if decoded.rows and pending and pending + len(decoded.rows) > self.max_pending_rows:
+            pending, rows = len(self._pending), len(decoded.rows) + len(decoded.decisions)
+            if rows and pending and pending + rows > self.max_pending_rows:
                 return False
             self._pending.extend(decoded.rows)
-            self._counts["spans_accepted"] += len(decoded.rows)
+            self._pending.extend(decoded.decisions)
+            self._counts["spans_accepted"] += rows
             self._counts["spans_ignored"] += decoded.ignored
             self._counts["spans_rejected"] += decoded.rejected
             self._counts["requests_accepted"] += 1

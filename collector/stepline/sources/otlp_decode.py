@@ -1,4 +1,5 @@
-"""OTLP/HTTP trace payloads to `Request` rows: inflate with a cap, parse, map vLLM's `llm_request` spans."""
+"""OTLP/HTTP trace payloads to rows: inflate with a cap, parse, map vLLM's `llm_request` spans to `Request` rows
+and gateways' decision spans (stepline.gateway.decisions) to `GatewayDecision` rows."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from stepline.model.rows import Request
+from stepline.gateway.decisions import DECISION_SPAN, DEFAULT_GATEWAY, DecisionRejected, to_decision
+from stepline.model.rows import GatewayDecision, Request
 
 SPAN_NAME = "llm_request"
 PROTOBUF = "application/x-protobuf"
@@ -50,6 +52,7 @@ class Decoded:
     """What one export request held."""
 
     rows: list[Request] = field(default_factory=list)
+    decisions: list[GatewayDecision] = field(default_factory=list)
     ignored: int = 0
     rejected: int = 0
     problems: list[str] = field(default_factory=list)
@@ -65,7 +68,7 @@ class Decoded:
         if not self.rejected:
             return ""
         more = "; ..." if self.rejected > len(self.problems) else ""
-        return f"{self.rejected} {SPAN_NAME} span(s) rejected: {'; '.join(self.problems)}{more}"
+        return f"{self.rejected} span(s) rejected: {'; '.join(self.problems)}{more}"
 
 
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:
@@ -128,21 +131,38 @@ def decode(body: bytes, media_type: str, host: str) -> Decoded:
 
 
 def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
-    """Rows for the `llm_request` spans of a parsed export request; other spans are counted as ignored."""
+    """Rows for the `llm_request` and decision spans of a parsed export request; other spans are counted as
+    ignored."""
     out = Decoded()
     for resource_spans in message.resource_spans:
         engine = engine_name(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                if span.name != SPAN_NAME:
+                if span.name not in (SPAN_NAME, DECISION_SPAN):
                     out.ignored += 1
                     continue
-                attrs = {kv.key: kv.value for kv in span.attributes}
+                start, end = span.start_time_unix_nano, span.end_time_unix_nano
                 try:
-                    out.rows.append(_request(attrs, span.start_time_unix_nano, span.end_time_unix_nano, engine, host))
-                except SpanRejected as exc:
+                    if span.name == SPAN_NAME:
+                        out.rows.append(_request({kv.key: kv.value for kv in span.attributes}, start, end, engine,
+                                                 host))
+                        continue
+                    if not _MIN_NANOS <= start <= end <= _MAX_NANOS:
+                        raise SpanRejected(f"decision: start/end time {start}/{end} ns is not a valid interval")
+                    gateway = engine if engine != DEFAULT_ENGINE else DEFAULT_GATEWAY
+                    out.decisions.append(to_decision({kv.key: _plain(kv.value) for kv in span.attributes}, start,
+                                                     end, gateway, host))
+                except (SpanRejected, DecisionRejected) as exc:
                     out.reject(str(exc))
     return out
+
+
+def _plain(value: AnyValue) -> object:
+    """An attribute's value as Python: str, int, float, bool, or a list of them."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_plain(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind in ("string_value", "int_value", "double_value", "bool_value") else None
 
 
 def engine_name(resource: Iterable[KeyValue]) -> str:

@@ -1,0 +1,130 @@
+"""The decision record: one OTLP span per routing attempt, named attributes, and the row it becomes.
+
+A gateway (LiteLLM, vllm-router, a home-made router) reports each attempt as a span named DECISION_SPAN, sent to
+the collector's OTLP/HTTP receiver like vLLM's own spans. The span's start is when the gateway decided, its end when
+the attempt ended; the attributes below say what it measured and chose. Names follow OpenTelemetry's semantic
+conventions where one exists (http.response.status_code, error.type); the rest are stepline's own. Every
+attribute is optional: a decision with no measured size is itself the evidence of a hook that failed open.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from stepline.model.rows import GatewayDecision
+
+DECISION_SPAN = "stepline.gateway.decision"
+GATEWAY = "stepline.gateway.name"  # else the resource's service.name
+REQUEST_ID = "stepline.gateway.request_id"
+ATTEMPT = "stepline.gateway.attempt"
+LANE = "stepline.gateway.lane"
+BACKEND = "stepline.gateway.backend"  # a URL (http://10.0.0.5:8000/v1) or a name
+CANDIDATES = "stepline.gateway.candidates"
+SIZE_CHARS = "stepline.gateway.size.chars"
+SIZE_BYTES = "stepline.gateway.size.bytes"
+SIZE_TOKENS = "stepline.gateway.size.tokens"
+THRESHOLD = "stepline.gateway.threshold"
+THRESHOLD_UNIT = "stepline.gateway.threshold.unit"
+HEALTH = "stepline.gateway.health"
+STATUS = "http.response.status_code"
+ERROR_TYPE = "error.type"
+CLIENT_DISCONNECTED = "stepline.gateway.client_disconnected"
+FIRST_BYTE = "stepline.gateway.first_byte_unix_nano"
+SWALLOWED = "stepline.gateway.swallowed_exception"
+UNITS = ("chars", "bytes", "tokens")
+DEFAULT_GATEWAY = "gateway"
+_MAX_SIZE = (1 << 63) - 1
+_MAX_TEXT = 2000  # a swallowed exception's text is kept to this many characters
+
+
+class DecisionRejected(ValueError):
+    """One decision span cannot become a row; the message names the attribute and why."""
+
+
+def backend_engine(backend: str) -> str:
+    """A backend as stepline names engines: a URL's host:port (the default name of --engine URL), else as given."""
+    text = backend.strip()
+    if "://" not in text:
+        return text
+    parts = urlsplit(text)
+    if not parts.hostname:
+        return text
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: str, host: str) -> GatewayDecision:
+    """The row for one decision span; attrs are plain values (str, int, float, bool, lists of them)."""
+    request_id = _text(attrs, REQUEST_ID)
+    where = f"decision {request_id[:64]!r}" if request_id else "decision"
+    unit = _text(attrs, THRESHOLD_UNIT).lower()
+    if unit not in ("", *UNITS):
+        raise DecisionRejected(f"{where}: {THRESHOLD_UNIT} is {unit[:32]!r}, not one of {', '.join(UNITS)}")
+    threshold = _number(attrs, THRESHOLD, where)
+    if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+        raise DecisionRejected(f"{where}: {THRESHOLD} is {threshold}, not a finite non-negative number")
+    first_byte = _whole(attrs, FIRST_BYTE, where, _MAX_SIZE)
+    candidates = attrs.get(CANDIDATES, [])
+    if not isinstance(candidates, list | tuple) or not all(isinstance(c, str) for c in candidates):
+        raise DecisionRejected(f"{where}: {CANDIDATES} is not an array of strings")
+    return GatewayDecision(
+        ts=_micros(start_ns), host=host, engine=backend_engine(_text(attrs, BACKEND)),
+        gateway=_text(attrs, GATEWAY) or gateway, request_id=request_id,
+        attempt=_whole(attrs, ATTEMPT, where, 65535) or 1, lane=_text(attrs, LANE),
+        candidates=[backend_engine(c) for c in candidates],
+        size_chars=_whole(attrs, SIZE_CHARS, where, _MAX_SIZE), size_bytes=_whole(attrs, SIZE_BYTES, where, _MAX_SIZE),
+        size_tokens=_whole(attrs, SIZE_TOKENS, where, _MAX_SIZE), threshold=threshold,
+        threshold_unit=unit, health=_text(attrs, HEALTH),
+        status=_whole(attrs, STATUS, where, 999) or 0, error_type=_text(attrs, ERROR_TYPE),
+        client_disconnected=_flag(attrs, CLIENT_DISCONNECTED, where),
+        first_byte_ts=None if first_byte is None else _micros(first_byte), end_ts=_micros(end_ns),
+        swallowed_exception=_text(attrs, SWALLOWED)[:_MAX_TEXT])
+
+
+def _micros(nanos: int) -> int:
+    return (nanos + 500) // 1000
+
+
+def _text(attrs: Mapping[str, Any], key: str) -> str:
+    value = attrs.get(key)
+    if isinstance(value, bool) or value is None:
+        return ""
+    return str(value).strip() if isinstance(value, str | int) else ""
+
+
+def _number(attrs: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = attrs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise DecisionRejected(f"{where}: {key} is {value[:32]!r}, not a number") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DecisionRejected(f"{where}: {key} is a {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _whole(attrs: Mapping[str, Any], key: str, where: str, most: int) -> int | None:
+    value = attrs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise DecisionRejected(f"{where}: {key} is {str(value)[:32]!r}, not a whole number in 0-{most}")
+    return value
+
+
+def _flag(attrs: Mapping[str, Any], key: str, where: str) -> bool:
+    value = attrs.get(key, False)
+    if not isinstance(value, bool):
+        raise DecisionRejected(f"{where}: {key} is {str(value)[:32]!r}, not a boolean")
+    return value

@@ -1,0 +1,78 @@
+"""Decision spans: the attributes a gateway sends, the row they become, and the one-line reasons a span is refused."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from stepline.gateway import decisions as d
+from stepline.gateway.decisions import DecisionRejected, backend_engine, to_decision
+from stepline.model.rows import GatewayDecision, Row
+from stepline.sources.otlp import OtlpReceiver
+from stepline.store.store import Store
+from tests.sources.test_otlp import ARRIVAL_NS, FINISH_NS, drain, export, make_receiver, receiver  # noqa: F401
+
+# What the seed's router knew about one monster: 340,112 characters, under a 400,000-character bar, so the fast lane.
+MONSTER = {d.REQUEST_ID: "req-7", d.LANE: "fast", d.BACKEND: "http://10.0.0.5:8000/v1",
+           d.CANDIDATES: ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"], d.SIZE_CHARS: 340_112,
+           d.SIZE_BYTES: 340_200, d.THRESHOLD: 400_000, d.THRESHOLD_UNIT: "chars", d.HEALTH: "healthy",
+           d.STATUS: 200, d.FIRST_BYTE: ARRIVAL_NS + 900_000_000, d.ATTEMPT: 1}
+
+
+def test_a_decision_span_is_one_row_with_the_threshold_in_its_unit() -> None:
+    row = to_decision(MONSTER, ARRIVAL_NS, FINISH_NS, "router", "h1")
+    assert row == GatewayDecision(
+        ts=(ARRIVAL_NS + 500) // 1000, host="h1", engine="10.0.0.5:8000", gateway="router", request_id="req-7",
+        attempt=1, lane="fast", candidates=["10.0.0.5:8000", "10.0.0.6:8000"], size_chars=340_112,
+        size_bytes=340_200, size_tokens=None, threshold=400_000.0, threshold_unit="chars", health="healthy",
+        status=200, error_type="", client_disconnected=False, first_byte_ts=(ARRIVAL_NS + 900_000_500) // 1000,
+        end_ts=(FINISH_NS + 500) // 1000, swallowed_exception="")
+
+
+def test_a_hook_that_failed_open_leaves_no_size_and_says_what_it_swallowed() -> None:
+    row = to_decision({d.LANE: "fast", d.SWALLOWED: "KeyError: 'messages'"}, ARRIVAL_NS, ARRIVAL_NS, "r", "h")
+    assert (row.size_chars, row.size_bytes, row.size_tokens, row.threshold) == (None, None, None, None)
+    assert row.swallowed_exception == "KeyError: 'messages'" and row.attempt == 1 and row.engine == ""
+
+
+@pytest.mark.parametrize(("attrs", "reason"), [
+    ({d.THRESHOLD_UNIT: "words"}, "stepline.gateway.threshold.unit is 'words', not one of chars, bytes, tokens"),
+    ({d.SIZE_CHARS: -3}, "stepline.gateway.size.chars is '-3', not a whole number"),
+    ({d.SIZE_TOKENS: 1.5}, "stepline.gateway.size.tokens is '1.5', not a whole number"),
+    ({d.THRESHOLD: "lots"}, "stepline.gateway.threshold is 'lots', not a number"),
+    ({d.CLIENT_DISCONNECTED: "yes"}, "stepline.gateway.client_disconnected is 'yes', not a boolean"),
+    ({d.CANDIDATES: [1, 2]}, "stepline.gateway.candidates is not an array of strings"),
+])
+def test_a_bad_attribute_is_refused_naming_it(attrs: dict[str, Any], reason: str) -> None:
+    with pytest.raises(DecisionRejected, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        to_decision({d.REQUEST_ID: "r1", **attrs}, ARRIVAL_NS, FINISH_NS, "g", "h")
+
+
+def test_backends_are_named_as_engines_are() -> None:
+    assert backend_engine("http://127.0.0.1:8000/v1") == "127.0.0.1:8000"
+    assert backend_engine("https://vllm.internal/v1") == "vllm.internal:443"
+    assert backend_engine("http://[::1]:9000") == "[::1]:9000"
+    assert backend_engine("heavy-0") == "heavy-0"
+
+
+def test_the_real_sdk_sends_decisions_beside_vllm_spans(receiver: OtlpReceiver) -> None:  # noqa: F811
+    bad = {**MONSTER, d.REQUEST_ID: "req-8", d.THRESHOLD_UNIT: "words"}
+    export(receiver.url, [(d.DECISION_SPAN, MONSTER), (d.DECISION_SPAN, bad), ("other", {})],
+           resource={"service.name": "router-a"})
+    rows: list[Row] = drain(receiver)
+    assert rows == [to_decision(MONSTER, ARRIVAL_NS, FINISH_NS, "router-a", "h1")]
+    stats = receiver.stats()
+    assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 1, 1)
+
+
+def test_decisions_are_stored_and_read_back(store: Store) -> None:
+    now_ns = time.time_ns()
+    rows = [to_decision({**MONSTER, d.FIRST_BYTE: now_ns + 1}, now_ns, now_ns + 5, "router", "h1"),
+            to_decision({d.LANE: "fast", d.SWALLOWED: "ValueError: x"}, now_ns, now_ns, "router", "h1")]
+    store.insert("gateway_decisions", rows, GatewayDecision._fields)
+    got = store.query("SELECT engine, lane, size_chars, threshold_unit, swallowed_exception, first_byte_ts IS NULL "
+                      "FROM gateway_decisions ORDER BY lane, size_chars").result_rows
+    assert [tuple(r) for r in got] == [("10.0.0.5:8000", "fast", 340_112, "chars", "", 0),
+                                       ("", "fast", None, "", "ValueError: x", 1)]  # NULL sizes sort last

@@ -77,19 +77,24 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
         reader.close()
 
 
-def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, sock_dir: str) -> None:
-    from stepline.sim.config import EngineConfig
-    from stepline.sim.replay import replay
-    from stepline.sim.telemetry import Telemetry
-    from stepline.sources.otlp import OtlpReceiver
-
+def _with_otlp(store_url: str, sock_dir: str) -> tuple[Collector, OtlpReceiver]:
+    """A started collector with a plugin socket and an OTLP receiver, no engines to scrape; and its receiver."""
     settings = Settings.from_env({}, store=store_url, engines=(), metrics_port=0, query_port=0, otlp_port=0,
                                  plugin_socket=f"{sock_dir}/p.sock", flush_interval_s=0.1)
     collector = Collector(settings)
     collector.start()
+    return collector, next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+
+
+def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, sock_dir: str) -> None:
+    from stepline.sim.config import EngineConfig
+    from stepline.sim.replay import replay
+    from stepline.sim.telemetry import Telemetry
+
+    collector, otlp = _with_otlp(store_url, sock_dir)
     try:
-        otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
-        telemetry = Telemetry("sim-a", EngineConfig(), plugin_socket=settings.plugin_socket, otlp_endpoint=otlp.url)
+        telemetry = Telemetry("sim-a", EngineConfig(), plugin_socket=collector.settings.plugin_socket,
+                              otlp_endpoint=otlp.url)
         result = replay(make_workload("steady", duration_s=20), None, 5.0, lambda ts, body: None,
                         on_step=telemetry.on_step, keep_records=False)
         telemetry.close()
@@ -112,6 +117,32 @@ def test_steps_and_requests_arrive_through_the_plugin_and_otlp(store_url: str, s
     assert value("stepline_source_counts_total", {"source": "otlp", "counter": "spans_accepted"}) == requests
     assert value("stepline_requests_deduplicated_total", {"source": "otlp"}) == requests
     assert value("stepline_source_counts_total", {"source": "plugin", "counter": "malformed"}) is None
+
+
+def test_a_routers_decisions_reach_the_store_through_the_collector(store_url: str, sock_dir: str) -> None:
+    from stepline.gateway.record import DecisionRecorder
+
+    collector, otlp = _with_otlp(store_url, sock_dir)
+    try:
+        recorder = DecisionRecorder(f"{otlp.url}/v1/traces", gateway="edge")
+        now = time.time()
+        for i in range(30):
+            recorder.record(request_id=f"r{i}", lane="heavy" if i % 3 == 0 else "fast", start_s=now + i * 0.01,
+                            end_s=now + i * 0.01 + 1, backend="http://10.1.0.7:8000/v1", size_chars=1000 * i,
+                            threshold=15_000, threshold_unit="chars", status=200)
+        recorder.close()
+        assert recorder.stats()["sent"] == 30
+        wait_until(lambda: collector.wait_for_rows("gateway_decisions", 30, 0.1) >= 30)
+    finally:
+        collector.stop()
+    reader = open_reader(store_url)
+    try:
+        rows = reader.client.query("SELECT lane, count(), uniqExact(request_id), any(engine), any(threshold_unit) "
+                                   "FROM gateway_decisions WHERE gateway = 'edge' GROUP BY lane ORDER BY lane")
+        assert [tuple(r) for r in rows.result_rows] == [("fast", 20, 20, "10.1.0.7:8000", "chars"),
+                                                        ("heavy", 10, 10, "10.1.0.7:8000", "chars")]
+    finally:
+        reader.close()
 
 
 @needs_ipv6

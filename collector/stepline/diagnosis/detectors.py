@@ -10,7 +10,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stepline.diagnosis import hardware, health, load, prefill, slots, throttling
+from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
 from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.findings import Finding, Window
@@ -32,6 +32,7 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("config_not_in_effect", prefill.config_not_in_effect),
     ("gpu_xid", hardware.gpu_xid),
     ("spec_decode_acceptance_shift", health.spec_decode_acceptance_shift),
+    ("lane_leak", gateway.lane_leak),
 )
 
 

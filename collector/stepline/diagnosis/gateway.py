@@ -1,0 +1,112 @@
+"""Gateway lanes: what the router decided (gateway_decisions) against what the engine then counted (requests).
+
+A gateway that splits traffic by size measures a request in its own unit (characters, bytes, an estimate of tokens)
+and compares it with a bar. The engine counts tokens. Where the router's unit is not tokens, the bar stands for a
+number of tokens only at some characters per token, and content differs: prose runs ~4 characters per token, dense
+code and JSON ~3. A monster of dense JSON then measures under a bar meant for it and lands on the fast lane.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from stepline.diagnosis.common import Query, clip, number, utc
+from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.requests import merged_matching
+from stepline.queries.window import EACH_ENGINE, IN_WINDOW
+from stepline.store.reads import Reads
+
+# vLLM's request id from the X-Request-Id a gateway forwards (shared/DESIGN.md, "Request identity"): completions
+# `cmpl-{id}-0` (the choice index), chat `chatcmpl-{id}`; an engine that keeps the id as it came has it bare.
+ENGINE_IDS = ("[request_id, concat('cmpl-', request_id, '-0'), concat('cmpl-', request_id), "
+              "concat('chatcmpl-', request_id)]")
+MIN_JOINED = 5  # decisions joined to their engine request before a gateway's chars per token count as a baseline
+
+# Every decision made against a bar, in the window, with the engine's count of the request it became (matched by the
+# id the gateway forwarded, on the backend it chose); the engine's count is the plugin's or the span's, merged.
+_DECIDED = (f"FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND threshold IS NOT NULL "
+            "AND request_id != ''")
+# Only the requests decisions name are read (none at all where no gateway reports).
+_JOINED = f"""
+SELECT d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, d.threshold,
+       d.threshold_unit, r.prompt_tokens, d.ts
+FROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id {_DECIDED}) AS d
+INNER JOIN {merged_matching(f"{EACH_ENGINE} AND arrival_ts >= {{start:DateTime64(6)}} - INTERVAL 10 MINUTE"
+                            " AND arrival_ts <= {end:DateTime64(6)} AND request_id IN "
+                            f"(SELECT arrayJoin({ENGINE_IDS}) {_DECIDED})", ("ts", "prompt_tokens"))} AS r
+    ON r.engine = d.engine AND r.request_id = d.engine_id
+WHERE r.prompt_tokens > 0
+ORDER BY d.gateway, d.ts
+"""
+_UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
+
+
+def lane_leak(reader: Reads, window: Window) -> list[Finding]:
+    """Requests the router measured under its bar, so sent to the lane below it, that the engine counted above
+    the bar's worth of tokens."""
+    rows = Query(_JOINED, engine=window.engine, start=window.start, end=window.end).rows(reader)
+    by_gateway: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_gateway.setdefault(str(row[0]), []).append(row)
+    findings = []
+    for gateway, joined in sorted(by_gateway.items()):
+        finding = _leaks(gateway, joined, window)
+        if finding is not None:
+            findings.append(finding)
+    return findings
+
+
+def _leaks(gateway: str, joined: list[tuple[Any, ...]], window: Window) -> Finding | None:
+    unit = str(joined[-1][8])
+    threshold = number(joined[-1][7])
+    if unit not in _UNIT_COLUMN or threshold <= 0:
+        return None
+    sized = [(r, int(r[_UNIT_COLUMN[unit]])) for r in joined if r[_UNIT_COLUMN[unit]] is not None]
+    if len(sized) < MIN_JOINED:
+        return None
+    # The bar in tokens: at the router's own traffic's median units per token (the baseline), or as it is when the
+    # router counts tokens. A request under the bar whose engine count is at or over this was sent the wrong way.
+    per_token = sorted(size / int(r[9]) for r, size in sized)
+    typical = 1.0 if unit == "tokens" else per_token[len(per_token) // 2]
+    bar_tokens = threshold / typical
+    below = [(r, size) for r, size in sized if size < threshold]
+    leaked = [(r, size) for r, size in below if int(r[9]) >= bar_tokens]
+    if not leaked:
+        return None
+    lanes = sorted({str(r[1]) for r, _ in below})
+    over = [(r, size) for r, size in sized if size >= threshold]
+    leaked_per_token = sorted(size / int(r[9]) for r, size in leaked)
+    # The bar that would have sent every leaked request over it, in the router's unit (rounded down).
+    would_hold = math.floor(min(size for _, size in leaked) / 1000) * 1000 if unit != "tokens" else None
+    worst = max(leaked, key=lambda x: int(x[0][9]))
+    evidence: dict[str, Any] = {
+        "leaked_requests": len(leaked),
+        "monsters": len(leaked) + sum(1 for r, _ in over if int(r[9]) >= bar_tokens),
+        "lanes_leaked_onto": lanes,
+        "threshold": f"{threshold:g} {unit}",
+        "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical:.2f} {unit}/token of {len(sized)} "
+                               "requests joined to their engine's count)" if unit != "tokens" else f"{threshold:g}",
+        f"leaked_{unit}_per_token": f"{leaked_per_token[0]:.2f}..{leaked_per_token[-1]:.2f}",
+        "largest_leak": f"{worst[0][3]}: {worst[1]:,} {unit} measured, {int(worst[0][9]):,} tokens counted",
+        f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in sized if r[1] == lane]), 2)
+                                      for lane in sorted({str(r[1]) for r, _ in sized})},
+        "joined_requests": len(sized),
+    }
+    if would_hold is not None:
+        evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
+    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[10]) for r, _ in leaked)
+    lever = (f"measure requests in tokens at the gateway, or lower the bar to {would_hold:,} {unit} (what would have "
+             f"sent all {len(leaked)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
+             if would_hold is not None else "the router's token estimate undercounts: count with the model's "
+             "tokenizer before routing")
+    return Finding(
+        "lane_leak", "warning", str(worst[0][2]), first, last,
+        clip(f"{len(leaked)} monsters under the {threshold:g}-{unit} bar of {gateway} went to {', '.join(lanes)}"),
+        evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(), lever,
+        float(sum(int(r[9]) for r, _ in leaked)))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0

@@ -10,7 +10,7 @@ import pytest
 
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.gateway import lane_leak
+from stepline.diagnosis.gateway import gateway_fail_open, lane_leak
 from stepline.model.rows import GatewayDecision, Request
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW, _ts
@@ -83,3 +83,30 @@ def test_decisions_that_join_no_engine_request_are_no_baseline(store: Store) -> 
 def test_diagnose_names_the_leak_beside_the_engines(store: Store) -> None:
     _insert(store, *_traffic(dense_monsters=2, gateway="edge"))
     assert [f.kind for f in diagnose(store.client, ALL) if f.kind == "lane_leak"] == ["lane_leak"]
+
+
+def _failing_open(n: int, total: int = 50) -> list[GatewayDecision]:
+    """`total` decisions of a router whose hook, on `n` of them, raised before measuring and routed fast."""
+    decisions, _ = _traffic(dense_monsters=0)
+    out = []
+    for i, d in enumerate(decisions[:total]):
+        if i < n:
+            d = d._replace(size_chars=None, size_bytes=None, threshold=None, threshold_unit="", lane="fast",
+                           swallowed_exception="KeyError: 'messages'")
+        out.append(d)
+    return out
+
+
+def test_a_hook_that_swallows_its_errors_is_found(store: Store) -> None:
+    store.insert("gateway_decisions", _failing_open(4), GatewayDecision._fields)
+    [found] = gateway_fail_open(store, ALL)
+    e = found.evidence
+    assert (found.kind, e["failed_open"], e["decisions"], e["share"]) == ("gateway_fail_open", 4, 50, "8.0%")
+    assert e["exceptions"] == ["KeyError: 'messages'"] and e["lanes_they_went_to"] == {"fast": 4}
+    assert found.title == "router: 4 of 50 routing decisions failed open (KeyError: 'messages')"
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_fewer_than_three_failures_open_are_no_finding(store: Store, n: int) -> None:
+    store.insert("gateway_decisions", _failing_open(n), GatewayDecision._fields)
+    assert gateway_fail_open(store, ALL) == []

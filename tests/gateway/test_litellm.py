@@ -98,7 +98,7 @@ def proxy(tmp_path: Path, lanes: dict[str, SimServer], receiver: OtlpReceiver) -
     models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{MODEL}", "api_base": f"{server.url}/v1",
                                                        "api_key": "none"}} for lane, server in lanes.items()]
     config = {"model_list": models, "litellm_settings": {
-        "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler"]}}
+        "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
     (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     port = _free_port()
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
@@ -185,3 +185,21 @@ def test_a_client_that_leaves_mid_stream_is_a_disconnected_decision(proxy: str, 
     assert len(decisions) == 2, decisions
     [gone] = [d for d in decisions if d.client_disconnected]
     assert gone.status == 499 and gone.lane == "fast"
+
+
+def test_the_proxys_metrics_are_scraped_per_deployment(proxy: str, lanes: dict[str, SimServer]) -> None:
+    from stepline.core.clock import ManualClock
+    from stepline.model.rows import GatewaySample, Row
+    from stepline.sources.base import SourceContext
+    from stepline.sources.gateway_metrics import GatewayMetricsSource
+
+    for i in range(3):
+        _complete(proxy, f"short {i}")
+    _complete(proxy, "x" * (THRESHOLD_CHARS + 10))
+    source = GatewayMetricsSource(f"{proxy}/metrics/", SourceContext("h1", ManualClock(1.8e9)), gateway="lanes",
+                                  token=KEY)
+    rows: list[Row] = []
+    source.poll(rows.extend)
+    samples = [r for r in rows if isinstance(r, GatewaySample)]
+    per_backend = {s.engine for s in samples if s.metric.startswith("litellm_deployment_")}
+    assert {server.url.removeprefix("http://") for server in lanes.values()} <= per_backend, per_backend

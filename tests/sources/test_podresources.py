@@ -143,4 +143,4 @@ def test_role_settings_are_checked_with_one_line() -> None:
     with pytest.raises(SettingsError, match=r"^role node needs a pod-resources socket"):
         Settings(role="node", pod_resources_socket="").validated()
     sidecar = {spec.name for spec in enabled(Settings(disabled_sources=frozenset({"gpu"})))}
-    assert sidecar == {"vllm_metrics", "plugin", "host", "otlp"}
+    assert sidecar == {"vllm_metrics", "gateway_metrics", "plugin", "host", "otlp"}

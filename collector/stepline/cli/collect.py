@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", action="append", default=None, metavar="[NAME=]URL",
                         help="a vLLM server to scrape, e.g. http://127.0.0.1:8000 (repeat for several; "
                              "default $STEPLINE_ENGINES, comma-separated)")
+    parser.add_argument("--gateway", action="append", default=None, metavar="[NAME=]URL",
+                        help="a gateway in front of the engines whose /metrics to scrape into gateway_samples: a "
+                             "LiteLLM proxy or vllm-router, e.g. router=http://127.0.0.1:29000 (repeat for several; "
+                             "default $STEPLINE_GATEWAYS, comma-separated)")
     parser.add_argument("--role", choices=ROLES,
                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
@@ -67,6 +71,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         spool_max_bytes=args.spool_max_bytes, flush_interval_s=args.flush_interval_s,
         engine_processes=tuple(args.engine_process) if args.engine_process else None,
         engines=tuple(args.engine) if args.engine else None,
+        gateways=tuple(args.gateway) if args.gateway else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
         role=args.role, pod_resources_socket=args.pod_resources_socket,
     )

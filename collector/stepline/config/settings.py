@@ -28,6 +28,7 @@ class Settings:
     role: str = "sidecar"  # sidecar: beside one engine (every source); node: one per node, GPUs and host only
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the node role's GPU -> pod map
     engines: tuple[str, ...] = ()
+    gateways: tuple[str, ...] = ()  # [NAME=]URL of each gateway (LiteLLM proxy, vllm-router) whose /metrics to scrape
     host_name: str = field(default_factory=socket.gethostname)
     listen: str = "127.0.0.1"
     metrics_port: int = 9465
@@ -46,6 +47,7 @@ class Settings:
     events_port: int = 0  # the CLI's write path (matrix runs); 0: a free port, announced in the runtime file
     otlp_token: str | None = field(default=None, repr=False)
     plugin_token: str | None = field(default=None, repr=False)
+    gateway_token: str | None = field(default=None, repr=False)  # sent as a Bearer token to each gateway's /metrics
     writer_max_rows: int = 200_000
     writer_batch_rows: int = 20_000
     flush_interval_s: float = 1.0  # also the spool's sync interval: what a kill -9 can lose
@@ -118,10 +120,11 @@ class Settings:
                 f"writer batch ({self.writer_batch_rows} rows) must be between 1 and the queue size "
                 f"({self.writer_max_rows} rows)"
             )
-        for spec in self.engines:
-            url = spec.partition("=")[2] if "=" in spec and "://" not in spec.partition("=")[0] else spec
-            if not url.startswith(("http://", "https://")):
-                raise SettingsError(f"engine {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
+        for what, specs in (("engine", self.engines), ("gateway", self.gateways)):
+            for spec in specs:
+                url = spec.partition("=")[2] if "=" in spec and "://" not in spec.partition("=")[0] else spec
+                if not url.startswith(("http://", "https://")):
+                    raise SettingsError(f"{what} {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
         for spec in self.engine_processes:
             name, sep, how = spec.partition("=")
             if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
@@ -218,6 +221,7 @@ _SECRETS = (
     ("query_password", "STEPLINE_QUERY_PASSWORD"),
     ("otlp_token", "STEPLINE_OTLP_TOKEN"),
     ("plugin_token", "STEPLINE_PLUGIN_TOKEN"),
+    ("gateway_token", "STEPLINE_GATEWAY_TOKEN"),
 )
 
 
@@ -227,6 +231,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("role", "STEPLINE_ROLE", str),
     ("pod_resources_socket", "STEPLINE_POD_RESOURCES_SOCKET", str),
     ("engines", "STEPLINE_ENGINES", _csv),
+    ("gateways", "STEPLINE_GATEWAYS", _csv),
     ("host_name", "STEPLINE_HOST_NAME", str),
     ("listen", "STEPLINE_LISTEN", str),
     ("metrics_port", "STEPLINE_METRICS_PORT", int),
@@ -245,6 +250,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("events_port", "STEPLINE_EVENTS_PORT", int),
     ("otlp_token", "STEPLINE_OTLP_TOKEN", str),
     ("plugin_token", "STEPLINE_PLUGIN_TOKEN", str),
+    ("gateway_token", "STEPLINE_GATEWAY_TOKEN", str),
     ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),
     ("spool_dir", "STEPLINE_SPOOL_DIR", str),
     ("spool_max_bytes", "STEPLINE_SPOOL_MAX_BYTES", size),

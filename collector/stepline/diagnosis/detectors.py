@@ -33,6 +33,7 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("gpu_xid", hardware.gpu_xid),
     ("spec_decode_acceptance_shift", health.spec_decode_acceptance_shift),
     ("lane_leak", gateway.lane_leak),
+    ("gateway_fail_open", gateway.gateway_fail_open),
 )
 
 

@@ -110,3 +110,55 @@ def _leaks(gateway: str, joined: list[tuple[Any, ...]], window: Window) -> Findi
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+MIN_FAILED_OPEN = 3  # decisions that failed open, per gateway and window, before they are a finding
+
+# Per gateway and lane: decisions whose hook swallowed an exception, those with no size measured in any unit (a
+# hook that failed before measuring), of all; the commonest swallowed exceptions.
+_FAILED_OPEN = f"""
+SELECT gateway, lane, count() AS decisions, countIf(swallowed_exception != '') AS swallowed,
+       countIf(size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL) AS unmeasured,
+       topKIf(3)(swallowed_exception, swallowed_exception != '') AS exceptions,
+       minIf(ts, swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL))
+           AS first, maxIf(ts, swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND
+           size_tokens IS NULL)) AS last
+FROM gateway_decisions
+WHERE {IN_WINDOW} AND {EACH_ENGINE}
+GROUP BY gateway, lane ORDER BY gateway, lane
+"""
+
+
+def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
+    """A routing hook that caught its own errors and routed anyway: exceptions swallowed, sizes never measured."""
+    query = Query(_FAILED_OPEN, engine=window.engine, start=window.start, end=window.end)
+    by_gateway: dict[str, list[tuple[Any, ...]]] = {}
+    for row in query.rows(reader):
+        by_gateway.setdefault(str(row[0]), []).append(row)
+    findings = []
+    for gateway, lanes in sorted(by_gateway.items()):
+        total = sum(int(r[2]) for r in lanes)
+        swallowed = sum(int(r[3]) for r in lanes)
+        unmeasured = sum(int(r[4]) for r in lanes)
+        # A decision both swallowed and unmeasured is one that failed open, once.
+        failed = max(swallowed, unmeasured)
+        if failed < MIN_FAILED_OPEN:
+            continue
+        hit = [r for r in lanes if int(r[3]) or int(r[4])]
+        exceptions = sorted({str(e) for r in hit for e in r[5]})
+        evidence: dict[str, Any] = {
+            "failed_open": failed, "decisions": total, "share": f"{failed / total:.1%}",
+            "swallowed_exceptions": swallowed, "unmeasured_decisions": unmeasured,
+            "exceptions": exceptions[:3],
+            "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) for r in hit},
+            "counted_from": f"{MIN_FAILED_OPEN} decisions in the window",
+        }
+        findings.append(Finding(
+            "gateway_fail_open", "warning", "", min(utc(r[6]) for r in hit), max(utc(r[7]) for r in hit),
+            clip(f"{gateway}: {failed} of {total} routing decisions failed open"
+                 + (f" ({exceptions[0]})" if exceptions else "")),
+            evidence, query.literal(),
+            "the routing hook catches its own errors and routes anyway: log and count what it catches, fix the "
+            "exception, and let a request that cannot be sized fail or go to the lane that can hold any size",
+            float(failed)))
+    return findings

@@ -189,7 +189,22 @@ class GatewayDecision(NamedTuple):
     swallowed_exception: str
 
 
-Row = EngineSample | Event | Step | Request | GpuSample | HostSample | GatewayDecision
+class GatewaySample(NamedTuple):
+    """One sample scraped from a gateway's /metrics; `engine` is the backend the series is about ('' for the
+    gateway's own)."""
+
+    ts: int
+    host: str
+    engine: str
+    gateway: str
+    metric: str
+    kind: str
+    labels: dict[str, str]
+    value: float
+    delta: float
+
+
+Row = EngineSample | Event | Step | Request | GpuSample | HostSample | GatewayDecision | GatewaySample
 
 TABLE_OF: dict[type[Row], str] = {
     EngineSample: "engine_samples",
@@ -199,4 +214,5 @@ TABLE_OF: dict[type[Row], str] = {
     GpuSample: "gpu_samples",
     HostSample: "host_samples",
     GatewayDecision: "gateway_decisions",
+    GatewaySample: "gateway_samples",
 }

@@ -555,6 +555,26 @@ TABLES: tuple[Table, ...] = (
         "One row per routing attempt of a gateway in front of the engines: size measured, lane and backend chosen, "
         "threshold and its unit, outcome, and what a hook swallowed.",
     ),
+    Table(
+        "gateway_samples",
+        (
+            *_key("When the collector scraped the gateway's /metrics (the collector's clock)",
+                  "The backend the series is about, named as stepline names engines (from its worker, api_base or "
+                  "deployment URL label, as host:port); '' for the gateway's own series."),
+            Column("gateway", DIM, "Gateway name: the NAME of --gateway NAME=URL, else the URL's host:port."),
+            Column("metric", DIM, "Sample name as exposed, histogram suffix included, e.g. vllm_router_worker_load, "
+                   "litellm_deployment_total_requests_total."),
+            Column("kind", "Enum8('counter' = 1, 'gauge' = 2, 'bucket' = 3, 'sum' = 4, 'count' = 5, 'info' = 6)",
+                   "What the sample is, from the family's TYPE: counter, gauge, info, or a histogram's bucket, sum or "
+                   "count."),
+            Column("labels", "Map(LowCardinality(String), String)", "The series' labels, as exposed."),
+            Column("value", GAUGE, "The sample's value as exposed (cumulative for counter kinds)."),
+            Column("delta", GAUGE, "For counter kinds: the increase since the previous scrape, reset-safe; 0 for "
+                   "gauges and info, and at the collector's first scrape."),
+        ),
+        ("host", "gateway", "metric", "ts"),
+        "Every litellm_ and vllm_router_ sample scraped from a gateway's /metrics; delta as in engine_samples.",
+    ),
 )
 
 # Not a timeline table (no ts, host or engine): the one ledger of which schema a store holds.

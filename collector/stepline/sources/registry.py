@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stepline.config.settings import Settings, SettingsError
-from stepline.sources import vllm_metrics
+from stepline.sources import gateway_metrics, vllm_metrics
 from stepline.sources.base import Source, SourceContext
 from stepline.sources.gpu.nvml import Nvml
 from stepline.sources.gpu.owners import PodGpus
@@ -31,6 +31,10 @@ class SourceSpec:
 
 def _vllm_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
     return list(vllm_metrics.build(ctx, settings.engines, settings.scrape_timeout))
+
+
+def _gateway_metrics(settings: Settings, ctx: SourceContext) -> list[Source]:
+    return list(gateway_metrics.build(ctx, settings.gateways, settings.scrape_timeout, settings.gateway_token))
 
 
 def _plugin(settings: Settings, ctx: SourceContext) -> list[Source]:
@@ -77,6 +81,13 @@ REGISTRY: tuple[SourceSpec, ...] = (
         True,
         lambda s: s.scrape_interval_s,
         _vllm_metrics,
+    ),
+    SourceSpec(
+        "gateway_metrics",
+        "scrape each --gateway's /metrics (LiteLLM proxy, vllm-router) into gateway_samples",
+        True,
+        lambda s: s.scrape_interval_s,
+        _gateway_metrics,
     ),
     SourceSpec(
         "plugin",

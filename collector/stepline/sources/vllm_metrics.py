@@ -1,4 +1,5 @@
-"""Source: a vLLM engine's /metrics, every `vllm:` sample into `engine_samples`."""
+"""Source: a vLLM engine's /metrics, every `vllm:` sample into `engine_samples`; `Scraper`, the part any
+Prometheus endpoint's scrape shares (reset-safe deltas, up/down/restart events), which gateways reuse."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,9 +30,13 @@ class ExpositionError(ValueError):
     """The text is not a Prometheus exposition of a vLLM engine."""
 
 
-def http_fetch(url: str, timeout_s: float) -> tuple[str, bytes]:
-    """GET url; returns (content type, body), refusing bodies over MAX_EXPOSITION_BYTES."""
-    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+def http_fetch(url: str, timeout_s: float, token: str | None = None) -> tuple[str, bytes]:
+    """GET url (with a Bearer `token` when given); returns (content type, body), refusing bodies over
+    MAX_EXPOSITION_BYTES."""
+    headers = {"Accept": "text/plain;version=0.0.4"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, headers=headers)
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         body = response.read(MAX_EXPOSITION_BYTES + 1)
         if len(body) > MAX_EXPOSITION_BYTES:
@@ -49,8 +54,10 @@ class ParsedSample:
     value: float
 
 
-def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
-    """The `vllm:` samples of an exposition, and the process start time when it is exported.
+def parse_exposition(text: str, prefixes: tuple[str, ...] = (PREFIX,), serving: str = "a vLLM server"
+                     ) -> tuple[list[ParsedSample], float | None]:
+    """The samples of an exposition whose names start with one of `prefixes`, and the process start time when
+    it is exported.
 
     `_created` samples are dropped: they restate when a series was born and carry no load.
     """
@@ -64,7 +71,7 @@ def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
             if family.name == "process_start_time_seconds" and family.samples and math.isfinite(
                     started := _float(family.samples[0].value)):
                 start_time = started
-            if not family.name.startswith(PREFIX):
+            if not family.name.startswith(prefixes):
                 continue
             for sample in family.samples:
                 if sample.name.endswith("_created"):
@@ -75,7 +82,7 @@ def parse_exposition(text: str) -> tuple[list[ParsedSample], float | None]:
         raise ExpositionError(f"not a Prometheus exposition ({' '.join(str(exc).split())[:120]})") from None
     if not samples:
         raise ExpositionError(
-            f"no {PREFIX} metrics among {families} families: is this a vLLM server's /metrics?"
+            f"no {' or '.join(prefixes)} metrics among {families} families: is this {serving}'s /metrics?"
         )
     return samples, start_time
 
@@ -101,58 +108,66 @@ def _kind(family_type: str, sample_name: str) -> str:
 
 
 @dataclass
-class _EngineState:
+class _State:
     last: dict[SeriesKey, float] = field(default_factory=dict)
     start_time: float | None = None
     up: bool | None = None
 
 
-class VllmMetricsSource:
-    """Scrapes one engine; counters become reset-safe deltas, up/down/restart become events."""
+class Scraper:
+    """Scrapes one Prometheus endpoint of a `subject` (engine, gateway) named `name`: the samples of `prefixes`
+    become rows (`_row`), counters reset-safe deltas, and up/down/restart events of the subject's kind."""
 
-    def __init__(self, url: str, ctx: SourceContext, *, engine: str | None = None, timeout_s: float = 3.0,
+    subject = "engine"
+    source = "vllm_metrics"
+    prefixes: tuple[str, ...] = (PREFIX,)
+    serving = "a vLLM server"
+
+    def __init__(self, url: str, ctx: SourceContext, *, name: str | None = None, timeout_s: float = 3.0,
                  fetch: Fetch = http_fetch) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL {url!r} must be http(s)://host:port")
+            raise ValueError(f"{self.subject} URL {url!r} must be http(s)://host:port")
         if not parts.path or parts.path == "/":
             url = url.rstrip("/") + "/metrics"
         self.url = url
-        self.engine = engine or f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        self.target = name or f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
         self._ctx = ctx
         self._timeout_s = timeout_s
         self._fetch = fetch
-        self._state = _EngineState()
+        self._state = _State()
 
     @property
     def name(self) -> str:
-        return f"vllm_metrics:{self.engine}"
+        return f"{self.source}:{self.target}"
 
     def poll(self, emit: Emit) -> None:
-        """Scrape the engine once."""
+        """Scrape once."""
         try:
             content_type, body = self._fetch(self.url, self._timeout_s)
         except (urllib.error.URLError, OSError, SourceError) as exc:
-            self._down(emit, f"engine {self.engine} unreachable at {self.url}: {_reason(exc)}")
+            self._down(emit, f"{self.subject} {self.target} unreachable at {self.url}: {_reason(exc)}")
         else:
             self.ingest(body, self._ctx.clock.time(), emit, content_type)
 
     def ingest(self, body: bytes, ts: float, emit: Emit, content_type: str = "text/plain") -> None:
         """Turn one exposition taken at `ts` into rows (also the entry point of fast replay)."""
         if "html" in content_type.lower():
-            self._down(emit, f"engine {self.engine} answered {self.url} with {content_type}, not Prometheus text")
+            self._down(emit, f"{self.subject} {self.target} answered {self.url} with {content_type}, not "
+                             "Prometheus text")
         try:
-            samples, start_time = parse_exposition(body.decode("utf-8", errors="replace"))
+            samples, start_time = parse_exposition(body.decode("utf-8", errors="replace"), self.prefixes,
+                                                   self.serving)
         except ExpositionError as exc:
-            self._down(emit, f"engine {self.engine} at {self.url}: {exc}")
+            self._down(emit, f"{self.subject} {self.target} at {self.url}: {exc}")
         rows = self._rows(samples, start_time, ts, emit)
         if self._state.up is not True:
             self._state.up = True
-            emit([self._event(ts, "engine_up", "info", f"engine {self.engine} answers at {self.url}")])
+            emit([self._event(ts, f"{self.subject}_up", "info",
+                              f"{self.subject} {self.target} answers at {self.url}")])
         emit(rows)
 
-    def _rows(self, samples: list[ParsedSample], start_time: float | None, ts: float, emit: Emit
-              ) -> list[EngineSample]:
+    def _rows(self, samples: list[ParsedSample], start_time: float | None, ts: float, emit: Emit) -> list[Any]:
         state = self._state
         last = state.last
         restarted = start_time is not None and state.start_time is not None and start_time != state.start_time
@@ -162,16 +177,15 @@ class VllmMetricsSource:
                 for s in samples
             )
         if restarted:
-            emit([self._event(ts, "engine_restart", "warning",
-                              f"engine {self.engine} restarted: its counters started again from zero")])
-        # A series first seen after an earlier scrape of this engine was born between the two scrapes:
-        # all of its value is new. On the collector's first scrape nothing is known of the past.
+            emit([self._event(ts, f"{self.subject}_restart", "warning",
+                              f"{self.subject} {self.target} restarted: its counters started again from zero")])
+        # A series first seen after an earlier scrape was born between the two scrapes: all of its value is new.
+        # On the collector's first scrape nothing is known of the past.
         born_between = bool(last)
         current: dict[SeriesKey, float] = {}
-        rows: list[EngineSample] = []
-        # A few families (cache_config_info, admission_rejections) lack model_name: one server serves one model.
-        model = next((s.labels["model_name"] for s in samples if "model_name" in s.labels), "")
-        host, engine, stamp = self._ctx.host, self.engine, micros(ts)
+        rows: list[Any] = []
+        context = self._context(samples)
+        stamp = micros(ts)
         for s in samples:
             key = _key(s)
             current[key] = s.value
@@ -184,22 +198,47 @@ class VllmMetricsSource:
                     delta = s.value if (born_between or restarted) else 0.0
                 elif math.isfinite(previous):
                     delta = s.value - previous if s.value >= previous else s.value
-            labels = {k: v for k, v in s.labels.items() if k not in IDENTITY_LABELS}
-            rows.append(EngineSample(stamp, host, engine, s.labels.get("engine", ""), s.labels.get("model_name", model),
-                                     s.metric, s.kind, labels, s.value, delta))
+            rows.append(self._row(stamp, s, delta, context))
         state.last = current
         state.start_time = start_time
         return rows
 
+    def _context(self, samples: list[ParsedSample]) -> str:
+        """What every row of one scrape shares (the engine's model name)."""
+        # A few families (cache_config_info, admission_rejections) lack model_name: one server serves one model.
+        return next((s.labels["model_name"] for s in samples if "model_name" in s.labels), "")
+
+    def _row(self, stamp: int, s: ParsedSample, delta: float, context: str) -> Any:
+        labels = {k: v for k, v in s.labels.items() if k not in IDENTITY_LABELS}
+        return EngineSample(stamp, self._ctx.host, self.target, s.labels.get("engine", ""),
+                            s.labels.get("model_name", context), s.metric, s.kind, labels, s.value, delta)
+
     def _down(self, emit: Emit, message: str) -> NoReturn:
         if self._state.up is not False:
             self._state.up = False
-            emit([self._event(self._ctx.clock.time(), "engine_down", "critical", message)])
+            emit([self._event(self._ctx.clock.time(), f"{self.subject}_down", "critical", message)])
         raise SourceError(message)
 
     def _event(self, ts: float, kind: str, severity: str, message: str) -> Event:
-        return Event(micros(ts), self._ctx.host, self.engine, "vllm_metrics", kind, severity, message,
-                     {"url": self.url})
+        engine, named = self._event_subject()
+        return Event(micros(ts), self._ctx.host, engine, self.source, kind, severity, message,
+                     {"url": self.url, **named})
+
+    def _event_subject(self) -> tuple[str, dict[str, str]]:
+        """The event's engine column, and attributes that name the subject beside the URL."""
+        return self.target, {}
+
+
+class VllmMetricsSource(Scraper):
+    """Scrapes one engine; counters become reset-safe deltas, up/down/restart become events."""
+
+    def __init__(self, url: str, ctx: SourceContext, *, engine: str | None = None, timeout_s: float = 3.0,
+                 fetch: Fetch = http_fetch) -> None:
+        super().__init__(url, ctx, name=engine, timeout_s=timeout_s, fetch=fetch)
+
+    @property
+    def engine(self) -> str:
+        return self.target
 
 
 def _key(sample: ParsedSample) -> SeriesKey:
@@ -214,13 +253,15 @@ def _reason(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def named_urls(specs: tuple[str, ...]) -> list[tuple[str | None, str]]:
+    """Each `URL` or `NAME=URL` as (NAME or None, URL)."""
+    out: list[tuple[str | None, str]] = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        out.append((name, url) if sep and "://" not in name else (None, spec))
+    return out
+
+
 def build(ctx: SourceContext, engines: tuple[str, ...], timeout_s: float) -> list[VllmMetricsSource]:
     """One source per `--engine`, each `URL` or `NAME=URL`."""
-    sources = []
-    for spec in engines:
-        name, sep, url = spec.partition("=")
-        if sep and "://" not in name:
-            sources.append(VllmMetricsSource(url, ctx, engine=name, timeout_s=timeout_s))
-        else:
-            sources.append(VllmMetricsSource(spec, ctx, timeout_s=timeout_s))
-    return sources
+    return [VllmMetricsSource(url, ctx, engine=name, timeout_s=timeout_s) for name, url in named_urls(engines)]

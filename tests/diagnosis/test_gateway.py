@@ -10,10 +10,10 @@ import pytest
 
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.gateway import gateway_fail_open, lane_leak
-from stepline.model.rows import GatewayDecision, Request
+from stepline.diagnosis.gateway import gateway_fail_open, gateway_slot_leak, lane_leak, orphaned_engine_work
+from stepline.model.rows import EngineSample, GatewayDecision, GatewaySample, Request, Step
 from stepline.store.store import Store
-from tests.diagnosis.test_detectors import WINDOW, _ts
+from tests.diagnosis.test_detectors import WINDOW, _ts, step
 
 BAR_CHARS = 400_000  # set from a token estimate: 100k tokens at ~4 characters per token
 LANES = {"fast": "fast-0:8000", "heavy": "heavy-0:8000"}
@@ -110,3 +110,68 @@ def test_a_hook_that_swallows_its_errors_is_found(store: Store) -> None:
 def test_fewer_than_three_failures_open_are_no_finding(store: Store, n: int) -> None:
     store.insert("gateway_decisions", _failing_open(n), GatewayDecision._fields)
     assert gateway_fail_open(store, ALL) == []
+
+
+def _slots(store: Store, gateway_counts: list[float], engine_running: int, busy_tail: bool) -> None:
+    """A heavy lane over the 10-minute window: the gateway's running-requests gauge every 5 s taking
+    `gateway_counts` in turn (the last value held), the engine stepping with `engine_running` running all along
+    (or, without `busy_tail`, stepping only in the first half, then idle), 8 decisions of clients that left."""
+    engine = LANES["heavy"]
+    gauges: list[GatewaySample] = []
+    scraped: list[EngineSample] = []
+    steps: list[Step] = []
+    for i in range(120):
+        value = gateway_counts[min(i, len(gateway_counts) - 1)]
+        gauges.append(GatewaySample(_ts(5.0 * i), "h", engine, "router", "vllm_router_running_requests", "gauge",
+                                     {"worker": f"http://{engine}"}, value, 0.0))
+        scraped.append(EngineSample(_ts(5.0 * i), "h", engine, "0", "m", "vllm:num_requests_running", "gauge", {},
+                                    float(engine_running if busy_tail or i < 60 else 0), 0.0))
+    for i in range(1200):
+        if busy_tail or i < 600:
+            steps.append(step(0.5 * i, n=i)._replace(engine=engine, running=engine_running, waiting=0,
+                                                      num_generation_requests=engine_running))
+    gone = [d._replace(engine=engine, lane="heavy", client_disconnected=True, status=499)
+            for d in _traffic(dense_monsters=0)[0][:8]]
+    store.insert("gateway_samples", gauges, GatewaySample._fields)
+    store.insert("engine_samples", scraped, EngineSample._fields)
+    if steps:
+        store.insert("steps", steps, Step._fields)
+    store.insert("gateway_decisions", gone, GatewayDecision._fields)
+
+
+def test_slots_the_gateway_holds_while_the_engine_idles_are_a_leak(store: Store) -> None:
+    _slots(store, [float(min(8, i // 8)) for i in range(120)], engine_running=0, busy_tail=False)
+    [found] = gateway_slot_leak(store, ALL)
+    e = found.evidence
+    assert (found.kind, found.severity, found.engine) == ("gateway_slot_leak", "critical", "heavy-0:8000")
+    assert (e["leaked_slots"], e["gateway_in_flight_last"], e["engine_running_plus_waiting_max"]) == (8, 8, 0)
+    assert e["engine_busy_steps"] == 0 and e["client_disconnects"] == "8 of 8 decisions to this backend"
+    assert found.title == "router holds 8 slots on heavy-0:8000, the engine 0: engine idle"
+
+
+@pytest.mark.parametrize(("gateway", "engine"), [(4.0, 4), (5.0, 4)])  # in step; one in transit
+def test_a_gateway_in_step_with_its_engine_has_no_leak(store: Store, gateway: float, engine: int) -> None:
+    _slots(store, [gateway], engine_running=engine, busy_tail=True)
+    assert gateway_slot_leak(store, ALL) == []
+
+
+def _left(store: Store, finished_after_s: float) -> None:
+    """Six clients that left 2 s into their requests; the engine finished each `finished_after_s` after that."""
+    decisions, requests = _traffic(dense_monsters=0)
+    gone = [d._replace(client_disconnected=True, status=499, end_ts=d.ts + 2_000_000) for d in decisions[:6]]
+    ran = [r._replace(ts=d.end_ts + round(finished_after_s * 1e6)) for d, r in zip(gone, requests[:6], strict=True)]
+    _insert(store, gone, ran)
+
+
+def test_requests_that_ran_on_after_their_clients_left_are_orphaned_work(store: Store) -> None:
+    _left(store, finished_after_s=30.0)
+    [found] = orphaned_engine_work(store, ALL)
+    e = found.evidence
+    assert (found.kind, found.engine, e["orphaned_requests"]) == ("orphaned_engine_work", "fast-0:8000", 6)
+    assert e["engine_s_after_disconnect"] == 180.0 and e["tokens_generated"] == 6 * 250
+    assert found.title == "6 requests ran on fast-0:8000 180s after their clients left"
+
+
+def test_requests_that_ended_as_their_clients_left_are_not(store: Store) -> None:
+    _left(store, finished_after_s=0.2)
+    assert orphaned_engine_work(store, ALL) == []

@@ -34,6 +34,8 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
     ("spec_decode_acceptance_shift", health.spec_decode_acceptance_shift),
     ("lane_leak", gateway.lane_leak),
     ("gateway_fail_open", gateway.gateway_fail_open),
+    ("gateway_slot_leak", gateway.gateway_slot_leak),
+    ("orphaned_engine_work", gateway.orphaned_engine_work),
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from stepline.diagnosis.common import Query, clip, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.requests import merged_matching
-from stepline.queries.window import EACH_ENGINE, IN_WINDOW
+from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 # vLLM's request id from the X-Request-Id a gateway forwards (shared/DESIGN.md, "Request identity"): completions
@@ -23,22 +23,25 @@ ENGINE_IDS = ("[request_id, concat('cmpl-', request_id, '-0'), concat('cmpl-', r
               "concat('chatcmpl-', request_id)]")
 MIN_JOINED = 5  # decisions joined to their engine request before a gateway's chars per token count as a baseline
 
-# Every decision made against a bar, in the window, with the engine's count of the request it became (matched by the
-# id the gateway forwarded, on the backend it chose); the engine's count is the plugin's or the span's, merged.
-_DECIDED = (f"FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND threshold IS NOT NULL "
-            "AND request_id != ''")
-# Only the requests decisions name are read (none at all where no gateway reports).
-_JOINED = f"""
-SELECT d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, d.threshold,
-       d.threshold_unit, r.prompt_tokens, d.ts
-FROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id {_DECIDED}) AS d
-INNER JOIN {merged_matching(f"{EACH_ENGINE} AND arrival_ts >= {{start:DateTime64(6)}} - INTERVAL 10 MINUTE"
-                            " AND arrival_ts <= {end:DateTime64(6)} AND request_id IN "
-                            f"(SELECT arrayJoin({ENGINE_IDS}) {_DECIDED})", ("ts", "prompt_tokens"))} AS r
-    ON r.engine = d.engine AND r.request_id = d.engine_id
-WHERE r.prompt_tokens > 0
-ORDER BY d.gateway, d.ts
-"""
+
+
+def joined(columns: str, decided: str, request_columns: tuple[str, ...], where: str = "1") -> str:
+    """`columns` of the decisions in the window that match `decided` (d) beside the engine requests they became
+    (r: `request_columns` merged from the plugin's and the span's reports), matched by the id the gateway
+    forwarded, on the backend it chose. Only the requests decisions name are read (none where no gateway reports)."""
+    decisions = f"FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND request_id != '' AND ({decided})"
+    requests = merged_matching(f"{EACH_ENGINE} AND arrival_ts >= {{start:DateTime64(6)}} - INTERVAL 10 MINUTE"
+                               " AND arrival_ts <= {end:DateTime64(6)} AND request_id IN "
+                               f"(SELECT arrayJoin({ENGINE_IDS}) {decisions})", request_columns)
+    return (f"SELECT {columns}\nFROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id {decisions}) AS d\n"
+            f"INNER JOIN {requests} AS r ON r.engine = d.engine AND r.request_id = d.engine_id\n"
+            f"WHERE {where}\nORDER BY d.gateway, d.ts")
+
+
+# Every decision made against a bar with the engine's count of the request it became.
+_JOINED = joined("d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
+                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts", "threshold IS NOT NULL",
+                 ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
 _UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
 
 
@@ -161,4 +164,122 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             "the routing hook catches its own errors and routes anyway: log and count what it catches, fix the "
             "exception, and let a request that cannot be sized fail or go to the lane that can hold any size",
             float(failed)))
+    return findings
+
+
+# The gateway's own count of requests in flight to one backend, as each gateway exports it: vllm-router's running
+# requests per worker (its load counter misses cancellation paths: vllm-router PRs #200, #215); a home-made router
+# exports its slots under the same kind of name.
+IN_FLIGHT_METRICS = ("vllm_router_running_requests", "vllm_router_worker_load")
+LEAK_TAIL_SHARE = 0.25  # the window's last quarter: leaked slots are held, so they show at its end
+MIN_LEAKED_SLOTS = 2  # in flight at the gateway beyond what the engine holds, in every scrape of the tail
+
+# Per backend over the window's tail: the gateway's in-flight count (its least and last value per metric), and
+# what the engine held meanwhile: the most requests running or waiting in any step, and how many steps did work.
+_SLOTS = f"""
+SELECT g.engine, g.gateway, g.metric, g.least, g.latest, g.samples,
+       ifNull(s.held, 0) AS engine_held, ifNull(s.steps, 0) AS busy_steps, ifNull(m.held, -1) AS scraped_held
+FROM (SELECT engine, gateway, metric, min(value) AS least, argMax(value, ts) AS latest, count() AS samples
+      FROM gateway_samples
+      WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != '' AND metric IN {{metrics:Array(String)}}
+      GROUP BY engine, gateway, metric) AS g
+LEFT JOIN (SELECT engine, max(running + waiting) AS held,
+                  countIf(num_generation_tokens + num_ctx_tokens > 0) AS steps
+           FROM steps WHERE {between("tail", "end")} AND {EACH_ENGINE} GROUP BY engine) AS s ON s.engine = g.engine
+LEFT JOIN (SELECT engine, max(value) AS held FROM (
+               SELECT engine, ts, sum(value) AS value FROM engine_samples
+               WHERE {between("tail", "end")} AND {EACH_ENGINE}
+                 AND metric IN ('vllm:num_requests_running', 'vllm:num_requests_waiting')
+               GROUP BY engine, ts) GROUP BY engine) AS m ON m.engine = g.engine
+ORDER BY g.engine, g.gateway, g.metric
+"""
+_DISCONNECTS = f"""
+SELECT engine, countIf(client_disconnected) AS disconnects, count() AS decisions
+FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' GROUP BY engine
+"""
+_GPU_UTIL = f"""
+SELECT engine, avg(util_gpu_pct) FROM gpu_samples WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != ''
+GROUP BY engine
+"""
+
+
+def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
+    """The gateway holds requests in flight to a backend that the engine does not have: slots leaked at the
+    gateway (released on success or failure, never on a client's disconnect) while the engine sits idle."""
+    tail = window.end - (window.end - window.start) * LEAK_TAIL_SHARE
+    params: dict[str, Any] = {"engine": window.engine, "tail": tail, "end": window.end,
+                              "metrics": list(IN_FLIGHT_METRICS)}
+    query = Query(_SLOTS, **params)
+    rows = query.rows(reader)
+    if not rows:
+        return []
+    disconnects = {str(r[0]): (int(r[1]), int(r[2])) for r in
+                   Query(_DISCONNECTS, engine=window.engine, start=window.start, end=window.end).rows(reader)}
+    gpu = {str(r[0]): number(r[1], math.nan) for r in Query(_GPU_UTIL, **params).rows(reader)}
+    findings, seen = [], set()
+    for engine, gateway, metric, least, latest, samples, held, busy, scraped in rows:
+        engine = str(engine)
+        # What the engine holds: its steps' running + waiting, or its own gauges where it did not step.
+        holds = max(int(held), int(number(scraped, 0.0)))
+        leaked = number(least) - holds
+        if engine in seen or leaked < MIN_LEAKED_SLOTS:
+            continue
+        seen.add(engine)
+        gone, decided = disconnects.get(engine, (0, 0))
+        evidence: dict[str, Any] = {
+            "gateway_in_flight_least": round(number(least)), "gateway_in_flight_last": round(number(latest)),
+            "engine_running_plus_waiting_max": holds, "leaked_slots": round(leaked),
+            "engine_busy_steps": int(busy), "gateway_metric": f"{gateway} {metric}",
+            "client_disconnects": f"{gone} of {decided} decisions to this backend" if decided else "no decisions",
+            "leak_from": f"{MIN_LEAKED_SLOTS} slots beyond the engine's own running + waiting, in every one of "
+                         f"{int(samples)} scrapes of the window's last {LEAK_TAIL_SHARE:.0%}",
+        }
+        if math.isfinite(gpu.get(engine, math.nan)):
+            evidence["gpu_util_pct"] = round(gpu[engine], 1)
+        idle = int(busy) == 0
+        findings.append(Finding(
+            "gateway_slot_leak", "critical" if idle else "warning", engine, tail, window.end,
+            clip(f"{gateway} holds {round(number(least))} slots on {engine}, the engine {holds}"
+                 + (": engine idle" if idle else "")),
+            evidence, query.literal(),
+            "release the gateway's slot on every exit path, a client disconnect included (a finally around the "
+            "proxied stream), then restart the gateway or reset its counters to free what leaked",
+            leaked * (window.end - tail).total_seconds()))
+    return findings
+
+
+
+ORPHAN_SLACK_S = 1.0  # an engine request that finished this long after its client left ran on for nobody
+
+# Decisions whose client left, beside the engine request that then ran on to its end: the engine's finish, its
+# tokens generated, its time decoding. A request the engine aborted has no row (vLLM 0.32 reports no finished
+# stats and no span for an abort: shared/DESIGN.md), so what joins ran to the end.
+_ORPHANS = joined("d.gateway, d.engine, d.request_id, d.end_ts, r.ts, r.generation_tokens, r.decode_seconds",
+                  "client_disconnected", ("ts", "generation_tokens", "decode_seconds"),
+                  f"r.ts > d.end_ts + toIntervalMillisecond({round(ORPHAN_SLACK_S * 1000)})")
+
+
+def orphaned_engine_work(reader: Reads, window: Window) -> list[Finding]:
+    """The client went away at the gateway, and the engine ran the request to its end anyway: work for nobody."""
+    query = Query(_ORPHANS, engine=window.engine, start=window.start, end=window.end)
+    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    for row in query.rows(reader):
+        by_engine.setdefault(str(row[1]), []).append(row)
+    findings = []
+    for engine, orphans in sorted(by_engine.items()):
+        after = [(utc(r[4]) - utc(r[3])).total_seconds() for r in orphans]
+        gateways = sorted({str(r[0]) for r in orphans})
+        worst = max(orphans, key=lambda r: utc(r[4]) - utc(r[3]))
+        findings.append(Finding(
+            "orphaned_engine_work", "warning", engine, min(utc(r[3]) for r in orphans),
+            max(utc(r[4]) for r in orphans),
+            clip(f"{len(orphans)} requests ran on {engine} {sum(after):.0f}s after their clients left"),
+            {"orphaned_requests": len(orphans), "engine_s_after_disconnect": round(sum(after), 1),
+             "tokens_generated": sum(int(r[5]) for r in orphans), "gateways": gateways,
+             "longest": f"{worst[2]}: {(utc(worst[4]) - utc(worst[3])).total_seconds():.1f}s after the client left",
+             "counted_from": f"a finish {ORPHAN_SLACK_S:g}s or more after the gateway saw the client go"},
+            query.literal(),
+            "cancel the upstream request when the client disconnects: close the connection to the engine on the "
+            "gateway's disconnect path, so that vLLM aborts the request and frees its slot and KV cache",
+            sum(after)))
     return findings

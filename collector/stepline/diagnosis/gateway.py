@@ -48,24 +48,21 @@ _UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the s
 def lane_leak(reader: Reads, window: Window) -> list[Finding]:
     """Requests the router measured under its bar, so sent to the lane below it, that the engine counted above
     the bar's worth of tokens."""
-    rows = Query(_JOINED, engine=window.engine, start=window.start, end=window.end).rows(reader)
-    by_gateway: dict[str, list[tuple[Any, ...]]] = {}
-    for row in rows:
-        by_gateway.setdefault(str(row[0]), []).append(row)
     findings = []
-    for gateway, joined in sorted(by_gateway.items()):
-        finding = _leaks(gateway, joined, window)
+    for gateway, rows in _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end),
+                                  reader, 0):
+        finding = _leaks(gateway, rows, window)
         if finding is not None:
             findings.append(finding)
     return findings
 
 
-def _leaks(gateway: str, joined: list[tuple[Any, ...]], window: Window) -> Finding | None:
-    unit = str(joined[-1][8])
-    threshold = number(joined[-1][7])
+def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding | None:
+    unit = str(rows[-1][8])
+    threshold = number(rows[-1][7])
     if unit not in _UNIT_COLUMN or threshold <= 0:
         return None
-    sized = [(r, int(r[_UNIT_COLUMN[unit]])) for r in joined if r[_UNIT_COLUMN[unit]] is not None]
+    sized = [(r, int(r[_UNIT_COLUMN[unit]])) for r in rows if r[_UNIT_COLUMN[unit]] is not None]
     if len(sized) < MIN_JOINED:
         return None
     # The bar in tokens: at the router's own traffic's median units per token (the baseline), or as it is when the
@@ -110,6 +107,14 @@ def _leaks(gateway: str, joined: list[tuple[Any, ...]], window: Window) -> Findi
         float(sum(int(r[9]) for r, _ in leaked)))
 
 
+def _grouped(query: Query, reader: Reads, column: int) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The query's rows grouped by one column's text, in that text's order."""
+    groups: dict[str, list[tuple[Any, ...]]] = {}
+    for row in query.rows(reader):
+        groups.setdefault(str(row[column]), []).append(row)
+    return sorted(groups.items())
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else 0.0
@@ -135,11 +140,8 @@ GROUP BY gateway, lane ORDER BY gateway, lane
 def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
     """A routing hook that caught its own errors and routed anyway: exceptions swallowed, sizes never measured."""
     query = Query(_FAILED_OPEN, engine=window.engine, start=window.start, end=window.end)
-    by_gateway: dict[str, list[tuple[Any, ...]]] = {}
-    for row in query.rows(reader):
-        by_gateway.setdefault(str(row[0]), []).append(row)
     findings = []
-    for gateway, lanes in sorted(by_gateway.items()):
+    for gateway, lanes in _grouped(query, reader, 0):
         total = sum(int(r[2]) for r in lanes)
         swallowed = sum(int(r[3]) for r in lanes)
         unmeasured = sum(int(r[4]) for r in lanes)
@@ -262,11 +264,8 @@ _ORPHANS = joined("d.gateway, d.engine, d.request_id, d.end_ts, r.ts, r.generati
 def orphaned_engine_work(reader: Reads, window: Window) -> list[Finding]:
     """The client went away at the gateway, and the engine ran the request to its end anyway: work for nobody."""
     query = Query(_ORPHANS, engine=window.engine, start=window.start, end=window.end)
-    by_engine: dict[str, list[tuple[Any, ...]]] = {}
-    for row in query.rows(reader):
-        by_engine.setdefault(str(row[1]), []).append(row)
     findings = []
-    for engine, orphans in sorted(by_engine.items()):
+    for engine, orphans in _grouped(query, reader, 1):
         after = [(utc(r[4]) - utc(r[3])).total_seconds() for r in orphans]
         gateways = sorted({str(r[0]) for r in orphans})
         worst = max(orphans, key=lambda r: utc(r[4]) - utc(r[3]))

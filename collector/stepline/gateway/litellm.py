@@ -29,12 +29,11 @@ proxy. LiteLLM 1.108.7, read in its sources:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Any
 
@@ -71,6 +70,14 @@ def _prompt_text(messages: Any) -> str:
     return "".join(parts)
 
 
+def _measured(meta: dict[str, Any], text: str) -> dict[str, Any]:
+    """The record's size and bar: what the routing hook put in `metadata`, else the prompt's characters and bytes."""
+    return {"size_chars": _int(meta.get("stepline_size_chars")) or len(text), "size_bytes": len(text.encode("utf-8")),
+            "size_tokens": _int(meta.get("stepline_size_tokens")), "threshold": meta.get("stepline_threshold"),
+            "threshold_unit": str(meta.get("stepline_threshold_unit") or ""),
+            "swallowed": meta.get("stepline_swallowed")}
+
+
 def _int(value: Any) -> int | None:
     try:
         return None if value is None else int(value)
@@ -102,13 +109,8 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
                                            user_api_key_dict: Any, traceback_str: str | None = None) -> None:
         # A client that went away is reported here with a 499 (the logging events may never come for it); every
         # other failure comes to async_log_failure_event too, which records it.
-        if getattr(original_exception, "status_code", None) != 499:
-            return
-        try:
-            self._record_disconnect(request_data)
-        except Exception as exc:  # as _safely
-            self.errors += 1
-            self._log.warning("callback", "stepline LiteLLM callback failed (%d so far): %s", self.errors, exc)
+        if getattr(original_exception, "status_code", None) == 499:
+            self._guarded(self._record_disconnect, request_data)
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
                                                       request_data: dict[str, Any]) -> AsyncIterator[Any]:
@@ -121,12 +123,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
             finished = True
         finally:
             if not finished:
-                try:
-                    self._record_disconnect(request_data)
-                except Exception as exc:  # as _safely
-                    self.errors += 1
-                    self._log.warning("callback", "stepline LiteLLM callback failed (%d so far): %s", self.errors,
-                                      exc)
+                self._guarded(self._record_disconnect, request_data)
 
     def _record_disconnect(self, data: dict[str, Any]) -> None:
         call_id = str(data.get("litellm_call_id") or "")
@@ -142,11 +139,8 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         text = _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
         self.recorder.record(
             request_id=call_id, lane=str(data.get("model") or ""), backend=str(params.get("api_base") or ""),
-            start_s=start_s, end_s=time.time(), size_chars=_int(meta.get("stepline_size_chars")) or len(text),
-            size_bytes=len(text.encode("utf-8")), size_tokens=_int(meta.get("stepline_size_tokens")),
-            threshold=meta.get("stepline_threshold"), threshold_unit=str(meta.get("stepline_threshold_unit") or ""),
-            status=499, error_type="client_disconnected", client_disconnected=True,
-            swallowed=meta.get("stepline_swallowed"))
+            start_s=start_s, end_s=time.time(), status=499, error_type="client_disconnected",
+            client_disconnected=True, **_measured(meta, text))
 
     def _remember(self, call_id: str) -> None:
         self._disconnected.add(call_id)
@@ -157,9 +151,13 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
     def _safely(self, kwargs: dict[str, Any], exception: Any) -> None:
         if str(kwargs.get("litellm_call_id") or "") in self._disconnected:
             return  # recorded as a disconnect already
+        self._guarded(self._record, kwargs, exception)
+
+    def _guarded(self, record: Callable[..., None], *args: Any) -> None:
+        """Run one recording: the callback's own bug is counted and logged, never raised into the proxy."""
         try:
-            self._record(kwargs, exception)
-        except Exception as exc:  # the callback's own bug: counted and logged, never raised into the proxy
+            record(*args)
+        except Exception as exc:
             self.errors += 1
             self._log.warning("callback", "stepline LiteLLM callback failed (%d so far): %s", self.errors, exc)
 
@@ -178,24 +176,11 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
             lane=str(payload.get("model_group") or kwargs.get("model") or ""),
             backend=str(payload.get("api_base") or (kwargs.get("litellm_params") or {}).get("api_base") or ""),
             start_s=started, end_s=float(payload.get("endTime") or started),
-            size_chars=_int(meta.get("stepline_size_chars")) or len(text),
-            size_bytes=len(text.encode("utf-8")), size_tokens=_int(meta.get("stepline_size_tokens")),
-            threshold=meta.get("stepline_threshold"), threshold_unit=str(meta.get("stepline_threshold_unit") or ""),
             status=499 if disconnected else (code or (500 if failed else 200)),
             error_type=str(error.get("error_class") or (type(exception).__name__ if exception is not None else "")),
             client_disconnected=disconnected,
-            first_byte_s=float(first) if first and not failed else None,
-            swallowed=meta.get("stepline_swallowed"))
+            first_byte_s=float(first) if first and not failed else None, **_measured(meta, text))
 
 
-def _from_env() -> StepLineLogger:
-    return StepLineLogger()
-
-
-proxy_handler = _from_env()
+proxy_handler = StepLineLogger()
 """The instance a proxy's config names (`callbacks: ["stepline.gateway.litellm.proxy_handler"]`)."""
-
-
-def describe(handler: StepLineLogger) -> str:
-    """One line of the callback's own counts, for a proxy's logs and for tests."""
-    return json.dumps({**handler.recorder.stats(), "callback_errors": handler.errors})

@@ -136,9 +136,3 @@ def test_ctrl_c_stops_sending_abandons_streams_and_still_reports(engine: SimServ
     assert time.monotonic() - sent_before < 10
     assert process.returncode == 130, err
     assert "stopped by Ctrl-C" in out and "sent 1 of 10" in out and "abandoned 1" in out, out
-
-
-def test_engine_names_are_split_from_their_url() -> None:
-    assert replay.split_engine("sim=http://127.0.0.1:8000") == ("sim", "http://127.0.0.1:8000")
-    assert replay.split_engine("http://127.0.0.1:8000/?a=b") == ("", "http://127.0.0.1:8000/?a=b")
-    assert replay.split_engine("localhost:8000") == ("", "localhost:8000")

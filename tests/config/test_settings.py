@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stepline.config.settings import Settings, SettingsError
+from stepline.config.settings import Settings, SettingsError, split_named_url
 from stepline.store.url import parse_store_url
 
 
@@ -77,3 +77,9 @@ def test_store_url_from_a_file_is_never_shown(tmp_path: Path) -> None:
     assert Settings.from_env({"STEPLINE_STORE_FILE": str(url)}, store="chdb:///y").store == "chdb:///y"
     with pytest.raises(SettingsError, match="STEPLINE_STORE_FILE='/nonexistent/url'"):
         Settings.from_env({"STEPLINE_STORE_FILE": "/nonexistent/url"})
+
+
+def test_engine_and_gateway_names_are_split_from_their_url() -> None:
+    assert split_named_url("sim=http://127.0.0.1:8000") == ("sim", "http://127.0.0.1:8000")
+    assert split_named_url("http://127.0.0.1:8000/?a=b") == ("", "http://127.0.0.1:8000/?a=b")
+    assert split_named_url("localhost:8000") == ("", "localhost:8000")

@@ -7,10 +7,13 @@ from typing import Any
 
 import pytest
 
+from stepline.core.clock import ManualClock
 from stepline.gateway import decisions as d
 from stepline.gateway.decisions import DecisionRejected, backend_engine, to_decision
 from stepline.model.rows import GatewayDecision, Row
+from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
+from stepline.sources.vllm_metrics import VllmMetricsSource
 from stepline.store.store import Store
 from tests.sources.test_otlp import ARRIVAL_NS, FINISH_NS, drain, export, make_receiver, receiver  # noqa: F401
 
@@ -53,7 +56,9 @@ def test_a_bad_attribute_is_refused_naming_it(attrs: dict[str, Any], reason: str
 def test_backends_are_named_as_engines_are() -> None:
     assert backend_engine("http://127.0.0.1:8000/v1") == "127.0.0.1:8000"
     assert backend_engine("https://vllm.internal/v1") == "vllm.internal:443"
-    assert backend_engine("http://[::1]:9000") == "[::1]:9000"
+    # As the engine scraped from that URL is named, so that a decision joins its engine (IPv6 too).
+    for url in ("http://[::1]:9000/v1", "http://127.0.0.1:8000", "https://vllm.internal/v1"):
+        assert backend_engine(url) == VllmMetricsSource(url, SourceContext("h", ManualClock())).engine
     assert backend_engine("heavy-0") == "heavy-0"
 
 

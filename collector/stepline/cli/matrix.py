@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from stepline.cli.replay import add_replay_arguments, replay_window, split_engine, window_of
+from stepline.cli.replay import add_replay_arguments, replay_window, window_of
+from stepline.config.settings import split_named_url
 
 if TYPE_CHECKING:
     from stepline.diagnosis.findings import Window
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.launch or args.replay:
         return _launched(args)
-    name, url = split_engine(args.engine)
+    name, url = split_named_url(args.engine)
     try:
         labels = sweep_labels(args.sweep)
         results: list[MatrixResult] = []
@@ -127,7 +128,7 @@ def _launched(args: argparse.Namespace) -> int:
     from stepline.store.errors import StoreError
     from stepline.store.url import StoreUrlError
 
-    url = split_engine(args.engine)[1]
+    url = split_named_url(args.engine)[1]
     values: list[sweep.SweepValue] = []
     failed = False
     try:
@@ -155,7 +156,7 @@ def _launched(args: argparse.Namespace) -> int:
         print(sweep.render_sweep(values, name), flush=True)
     measured = [v for v in values if not v.error]
     if measured and not args.no_store:
-        engine = split_engine(args.engine)[0] or Endpoint(url, 1.0).host_port
+        engine = split_named_url(args.engine)[0] or Endpoint(url, 1.0).host_port
         if _store(sweep.sweep_events(measured, engine, socket.gethostname()), args):
             failed = True
     return 2 if failed or any(v.failed for v in values) else 0

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from stepline.config.settings import split_named_url
+
 if TYPE_CHECKING:
     from stepline.diagnosis.findings import Window
     from stepline.loadgen.replay import Recorded, ReplayReport
@@ -19,14 +21,6 @@ DESCRIPTION = ("Read a window's finished requests from the store and send the sa
                "tokens, and prefix-cache hits made to recur through shared token-id prefixes. Prints what was sent "
                "and what came back: requests completed and failed, tokens, client-side TTFT and ITL p50/p99.")
 DEFAULT_SINCE = "30m"
-
-
-def split_engine(text: str) -> tuple[str, str]:
-    """--engine [NAME=]URL as (NAME or "", URL)."""
-    name, sep, url = text.partition("=")
-    if not sep or "://" in name:
-        return "", text
-    return name, url
 
 
 def add_replay_arguments(parser: argparse._ActionsContainer) -> None:
@@ -93,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from stepline.store.errors import StoreError
     from stepline.store.url import StoreUrlError
 
-    url = split_engine(args.engine)[1]
+    url = split_named_url(args.engine)[1]
     try:
         Endpoint(url, 1.0)  # a malformed URL is refused before the store is read
         window = window_of(args)

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from stepline.core.usage import UsageError
 from stepline.store.url import StoreUrlError, default_store_url, parse_store_url, with_password
@@ -122,8 +123,7 @@ class Settings:
             )
         for what, specs in (("engine", self.engines), ("gateway", self.gateways)):
             for spec in specs:
-                url = spec.partition("=")[2] if "=" in spec and "://" not in spec.partition("=")[0] else spec
-                if not url.startswith(("http://", "https://")):
+                if not split_named_url(spec)[1].startswith(("http://", "https://")):
                     raise SettingsError(f"{what} {spec!r} must be http(s)://host:port or NAME=http(s)://host:port")
         for spec in self.engine_processes:
             name, sep, how = spec.partition("=")
@@ -168,6 +168,22 @@ class Settings:
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes).validated()
+
+
+def split_named_url(spec: str) -> tuple[str, str]:
+    """An `--engine`/`--gateway` spec, `NAME=URL` or `URL`, as (NAME or "", URL): the part before "=" names only
+    when it is no URL itself (a URL's query may hold "=")."""
+    name, sep, url = spec.partition("=")
+    return (name, url) if sep and "://" not in name else ("", spec)
+
+
+def url_host_port(url: str, what: str = "engine") -> tuple[str, int]:
+    """A http(s) URL's host and port (80/443 when it names none); ValueError naming `what` otherwise. An engine
+    or gateway given by URL alone is named `host:port` from these."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} URL {url!r} must be http(s)://host:port")
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _csv(raw: str) -> tuple[str, ...]:

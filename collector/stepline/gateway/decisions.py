@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
+from stepline.config.settings import url_host_port
 from stepline.model.rows import GatewayDecision
 
 DECISION_SPAN = "stepline.gateway.decision"
@@ -45,16 +45,16 @@ class DecisionRejected(ValueError):
 
 
 def backend_engine(backend: str) -> str:
-    """A backend as stepline names engines: a URL's host:port (the default name of --engine URL), else as given."""
+    """A backend as stepline names engines: a URL's host:port (the default name of --engine URL,
+    config.settings.url_host_port), else as given."""
     text = backend.strip()
     if "://" not in text:
         return text
-    parts = urlsplit(text)
-    if not parts.hostname:
+    try:
+        hostname, port = url_host_port(text)
+    except ValueError:
         return text
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port}"
+    return f"{hostname}:{port}"
 
 
 def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: str, host: str) -> GatewayDecision:

@@ -15,10 +15,11 @@ Series names and labels (versions pinned in tests/gateway/install.sh, both scrap
 
 from __future__ import annotations
 
+from stepline.config.settings import split_named_url
 from stepline.gateway.decisions import backend_engine
 from stepline.model.rows import GatewaySample
 from stepline.sources.base import SourceContext
-from stepline.sources.vllm_metrics import Fetch, ParsedSample, Scraper, http_fetch, named_urls
+from stepline.sources.vllm_metrics import Fetch, ParsedSample, Scraper, http_fetch
 
 PREFIXES = ("litellm_", "vllm_router_")
 # The labels that name a backend, in the order they are looked for.
@@ -54,5 +55,5 @@ class GatewayMetricsSource(Scraper):
 def build(ctx: SourceContext, gateways: tuple[str, ...], timeout_s: float, token: str | None = None
           ) -> list[GatewayMetricsSource]:
     """One source per `--gateway`, each `URL` or `NAME=URL`, each sent `token` (STEPLINE_GATEWAY_TOKEN)."""
-    return [GatewayMetricsSource(url, ctx, gateway=name, timeout_s=timeout_s, token=token)
-            for name, url in named_urls(gateways)]
+    return [GatewayMetricsSource(url, ctx, gateway=name or None, timeout_s=timeout_s, token=token)
+            for name, url in map(split_named_url, gateways)]

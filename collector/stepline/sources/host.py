@@ -9,8 +9,8 @@ import socket
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
-from urllib.parse import urlsplit
 
+from stepline.config.settings import split_named_url, url_host_port
 from stepline.model.rows import Event, HostSample, Row, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 
@@ -221,25 +221,10 @@ class EngineTarget:
     cmdline: str | None = None
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
-    # The same split as vllm_metrics.build: `NAME=URL` unless the part before "=" is itself a URL.
-    name, sep, url = spec.partition("=")
-    if sep and "://" not in name:
-        return name, url
-    return "", spec
-
-
-def _url_parts(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"engine URL {url!r} must be http(s)://host:port")
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-
-
 def engine_name_and_port(spec: str) -> tuple[str, int]:
     """The engine name VllmMetricsSource gives an `--engine` spec (`URL` or `NAME=URL`), and its port."""
-    name, url = _split_spec(spec)
-    hostname, port = _url_parts(url)
+    name, url = split_named_url(spec)
+    hostname, port = url_host_port(url)
     return name or f"{hostname}:{port}", port
 
 
@@ -262,7 +247,7 @@ def targets_from_engines(engines: Sequence[str], *, local_names: Collection[str]
     targets = []
     for spec in engines:
         name, port = engine_name_and_port(spec)
-        hostname, _ = _url_parts(_split_spec(spec)[1])
+        hostname, _ = url_host_port(split_named_url(spec)[1])
         if is_local(hostname, names):
             targets.append(EngineTarget(name, port=port))
     return targets

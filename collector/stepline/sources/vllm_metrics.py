@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepline.config.settings import split_named_url, url_host_port
 from stepline.model.rows import EngineSample, Event, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 
@@ -125,13 +126,11 @@ class Scraper:
 
     def __init__(self, url: str, ctx: SourceContext, *, name: str | None = None, timeout_s: float = 3.0,
                  fetch: Fetch = http_fetch) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{self.subject} URL {url!r} must be http(s)://host:port")
-        if not parts.path or parts.path == "/":
+        hostname, port = url_host_port(url, self.subject)
+        if urlsplit(url).path in ("", "/"):
             url = url.rstrip("/") + "/metrics"
         self.url = url
-        self.target = name or f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        self.target = name or f"{hostname}:{port}"
         self._ctx = ctx
         self._timeout_s = timeout_s
         self._fetch = fetch
@@ -253,15 +252,7 @@ def _reason(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def named_urls(specs: tuple[str, ...]) -> list[tuple[str | None, str]]:
-    """Each `URL` or `NAME=URL` as (NAME or None, URL)."""
-    out: list[tuple[str | None, str]] = []
-    for spec in specs:
-        name, sep, url = spec.partition("=")
-        out.append((name, url) if sep and "://" not in name else (None, spec))
-    return out
-
-
 def build(ctx: SourceContext, engines: tuple[str, ...], timeout_s: float) -> list[VllmMetricsSource]:
     """One source per `--engine`, each `URL` or `NAME=URL`."""
-    return [VllmMetricsSource(url, ctx, engine=name, timeout_s=timeout_s) for name, url in named_urls(engines)]
+    return [VllmMetricsSource(url, ctx, engine=name or None, timeout_s=timeout_s)
+            for name, url in map(split_named_url, engines)]

@@ -147,8 +147,7 @@ def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
                         out.rows.append(_request({kv.key: kv.value for kv in span.attributes}, start, end, engine,
                                                  host))
                         continue
-                    if not _MIN_NANOS <= start <= end <= _MAX_NANOS:
-                        raise SpanRejected(f"decision: start/end time {start}/{end} ns is not a valid interval")
+                    _check_interval("decision", start, end)
                     gateway = engine if engine != DEFAULT_ENGINE else DEFAULT_GATEWAY
                     out.decisions.append(to_decision({kv.key: _plain(kv.value) for kv in span.attributes}, start,
                                                      end, gateway, host))
@@ -181,9 +180,7 @@ def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str
     if not request_id:
         raise SpanRejected("a span without gen_ai.request.id")
     where = f"span {request_id[:64]!r}"
-    # A start before 2000 is an unset or broken clock, not a request: it would sit at the epoch on the timeline.
-    if not _MIN_NANOS <= start_ns <= end_ns <= _MAX_NANOS:
-        raise SpanRejected(f"{where}: start/end time {start_ns}/{end_ns} ns is not a valid interval")
+    _check_interval(where, start_ns, end_ns)
     latencies = {column: _latency(attrs, key, where) for column, key in _LATENCIES}
     prompt_tokens = _count(attrs, "gen_ai.usage.prompt_tokens", where)
     generation_tokens = _count(attrs, "gen_ai.usage.completion_tokens", where)
@@ -206,6 +203,13 @@ def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str
         preemptions=0,
         **latencies,
     )
+
+
+def _check_interval(where: str, start_ns: int, end_ns: int) -> None:
+    """SpanRejected unless the span's times make an interval: a start before 2000 is an unset or broken clock, not
+    a request or a decision (it would sit at the epoch on the timeline)."""
+    if not _MIN_NANOS <= start_ns <= end_ns <= _MAX_NANOS:
+        raise SpanRejected(f"{where}: start/end time {start_ns}/{end_ns} ns is not a valid interval")
 
 
 def _micros(nanos: int) -> int:

@@ -24,7 +24,6 @@ ENGINE_IDS = ("[request_id, concat('cmpl-', request_id, '-0'), concat('cmpl-', r
 MIN_JOINED = 5  # decisions joined to their engine request before a gateway's chars per token count as a baseline
 
 
-
 def joined(columns: str, decided: str, request_columns: tuple[str, ...], where: str = "1") -> str:
     """`columns` of the decisions in the window that match `decided` (d) beside the engine requests they became
     (r: `request_columns` merged from the plugin's and the span's reports), matched by the id the gateway
@@ -67,8 +66,7 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
         return None
     # The bar in tokens: at the router's own traffic's median units per token (the baseline), or as it is when the
     # router counts tokens. A request under the bar whose engine count is at or over this was sent the wrong way.
-    per_token = sorted(size / int(r[9]) for r, size in sized)
-    typical = 1.0 if unit == "tokens" else per_token[len(per_token) // 2]
+    typical = 1.0 if unit == "tokens" else _median([size / int(r[9]) for r, size in sized])
     bar_tokens = threshold / typical
     below = [(r, size) for r, size in sized if size < threshold]
     leaked = [(r, size) for r, size in below if int(r[9]) >= bar_tokens]
@@ -248,7 +246,6 @@ def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
             "proxied stream), then restart the gateway or reset its counters to free what leaked",
             leaked * (window.end - tail).total_seconds()))
     return findings
-
 
 
 ORPHAN_SLACK_S = 1.0  # an engine request that finished this long after its client left ran on for nobody

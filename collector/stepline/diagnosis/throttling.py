@@ -113,7 +113,7 @@ def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
         mhz_free = number(free_sum) / (int(busy) - int(throttled)) if int(busy) > int(throttled) else 0.0
         reasons = [flag for bit, flag in CLOCK_EVENT_FLAGS if int(bits) & bit]
         top_mhz, top_from = max_sm_mhz(str(name), number(seen))
-        share, ratio = int(throttled) / int(busy), number(mhz_throttled) / top_mhz if top_mhz > 0 else 1.0
+        share, ratio = int(throttled) / int(busy), mhz_throttled / top_mhz if top_mhz > 0 else 1.0
         if share < THROTTLED_SHARE or ratio > 1 - CLOCK_DROP:
             continue
         every = max(1, math.ceil(int(summary.get(engine, {}).get("steps") or 0) / EXACT_MAX_STEPS))
@@ -125,7 +125,7 @@ def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
         slowdown = expected if slowdown is None else slowdown
         lost = held * every * max(0.0, 1 - 1 / slowdown) if slowdown > 0 else 0.0
         evidence: dict[str, Any] = {
-            "sm_mhz_throttled": round(number(mhz_throttled)), "sm_mhz_max": round(top_mhz), "sm_mhz_max_from": top_from,
+            "sm_mhz_throttled": round(mhz_throttled), "sm_mhz_max": round(top_mhz), "sm_mhz_max_from": top_from,
             "clock_share_of_max": f"{ratio:.0%} (throttling from {1 - CLOCK_DROP:.0%} of max down)",
             "throttled_share_busy_samples": f"{share:.0%} of {busy} (from {THROTTLED_SHARE:.0%})",
             "reasons": list(reasons),
@@ -133,14 +133,14 @@ def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
                 "(from the clock ratio: no unthrottled steps to compare with)" if from_clock else
                 f"(decode-only steps of the same batch shape, {compared} throttled steps compared)"),
             "request_s_lost": round(lost, 1),
-            "sm_mhz_unthrottled": round(number(mhz_free)) if number(mhz_free) > 0 else None,
+            "sm_mhz_unthrottled": round(mhz_free) if mhz_free > 0 else None,
             "busy_from_util_pct": BUSY_GPU_PCT,
         }
         if every > 1:
             evidence["steps_compared"] = f"one step in {every} (by step number)"
         findings.append(Finding(
             "gpu_throttling", "warning", engine, utc(first), utc(last),
-            clip(f"GPU throttled ({', '.join(reasons) or 'clock events'}): SM {number(mhz_throttled):.0f} of "
+            clip(f"GPU throttled ({', '.join(reasons) or 'clock events'}): SM {mhz_throttled:.0f} of "
                  f"{top_mhz:.0f} MHz, steps {slowdown:.1f}x slower"),
             evidence, Query(_GPU, engine=engine, start=window.start, end=window.end).literal(),
             "the GPUs throttle (power cap / thermal): check power limits, cooling and clocks "

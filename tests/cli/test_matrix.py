@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.store.discovery import running
 from stepline.store.errors import StoreLocked
 from stepline.store.store import Store
+from stepline.testing.alertstack import free_port
 from stepline.testing.sink import wait_until
 from tests.loadgen.test_replay import SHAPE, T0, fill
 
@@ -36,12 +36,6 @@ def parse_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     matrix.add_arguments(parser)
     return parser.parse_args(list(argv))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_matrix_stores_one_event_per_run(engine: SimServer, store: Store, store_url: str,
@@ -120,7 +114,7 @@ def test_errors_are_one_clear_line_and_exit_2(
     message: str,
 ) -> None:
     if target == "unreachable":
-        url = f"http://127.0.0.1:{_free_port()}"
+        url = f"http://127.0.0.1:{free_port()}"
     elif target == "json_only":
         url = request.getfixturevalue("json_only")
     elif target == "engine":
@@ -248,7 +242,7 @@ SLOWED = 0.2
 
 def test_each_value_runs_on_an_engine_launched_with_it(store: Store, store_url: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port()
+    port = free_port()
     args = parse_args("--engine", f"sim=http://127.0.0.1:{port}", "--sweep", "max_num_batched_tokens=512,8192",
                       "--launch", sim_command(port, SLOWED), "--launch-timeout", "60", "--streams", "2",
                       "--prompt-tokens", "16", "--max-tokens", "24", "--long-prompt-tokens", "16384", "--repeat", "1",
@@ -275,7 +269,7 @@ def test_each_value_runs_on_an_engine_launched_with_it(store: Store, store_url: 
 def test_a_replay_per_value_and_the_engines_counters_beside_it(store: Store, store_url: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     fill(store)
-    port = _free_port()
+    port = free_port()
     args = parse_args("--engine", f"http://127.0.0.1:{port}", "--sweep", "max_num_batched_tokens=512,2048",
                       "--launch", sim_command(port), "--replay", "--from", str(T0 - 1), "--to", str(T0 + 60),
                       "--speed", "4", "--store", store_url)
@@ -309,7 +303,7 @@ def test_a_replay_per_value_and_the_engines_counters_beside_it(store: Store, sto
 )
 def test_launch_errors_are_one_line_and_exit_2(case: str, message: str, request: pytest.FixtureRequest,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port()
+    port = free_port()
     argv = ["--engine", f"http://127.0.0.1:{port}", "--sweep", "max_num_batched_tokens=512,2048", "--launch",
             sim_command(port), "--no-store"]
     if case == "no placeholder":
@@ -328,7 +322,7 @@ def test_launch_errors_are_one_line_and_exit_2(case: str, message: str, request:
 
 
 def test_an_engine_that_exits_is_named_with_its_log_and_the_sweep_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port()
+    port = free_port()
     script = "import sys; print('starting with', sys.argv[1]); print('boom: bad budget'); sys.exit(3)"
     args = parse_args("--engine", f"http://127.0.0.1:{port}", "--sweep", "max_num_batched_tokens=1,2", "--launch",
                       f"{sys.executable} -c \"{script}\" {{max_num_batched_tokens}}", "--no-store")

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from stepline.cli import replay
 from stepline.sim.vllm_server import SimServer
 from stepline.store.store import Store
+from stepline.testing.alertstack import free_port
 from stepline.testing.storeserver import StoreServer
 from tests.loadgen.test_replay import SHAPE, T0, counters, fill
 
@@ -68,12 +68,6 @@ def test_max_requests_sends_the_first_n(engine: SimServer, store: Store, store_u
     assert "prompt tokens: recorded 340, sent 340 (0 of them shared prefix; warm-up 0 more" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -93,7 +87,7 @@ def test_errors_are_one_clear_line_and_exit_2(
     if case == "empty":
         argv = ["--engine", engine.url, "--store", store_url, "--since", "1m"]  # the recording is 10 minutes old
     elif case == "unreachable":
-        argv[1] = f"http://127.0.0.1:{_free_port()}"
+        argv[1] = f"http://127.0.0.1:{free_port()}"
     elif case == "no store":
         argv = ["--engine", engine.url, "--store", "chdb:///nonexistent/stepline"]
     elif case == "inverted":

@@ -20,6 +20,7 @@ from stepline.model.rows import GatewayDecision
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.otlp import OtlpReceiver
+from stepline.testing.alertstack import free_port
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
 VENV = Path(os.environ.get("STEPLINE_GATEWAY_VENV", Path.home() / ".cache" / "stepline" / "gateway"))
@@ -75,12 +76,6 @@ hook = SizeLanes()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def lanes() -> Iterator[dict[str, SimServer]]:
     servers = {lane: serve(idle_workload(600), EngineConfig(model=MODEL), port=0, speed=20.0)
@@ -100,7 +95,7 @@ def proxy(tmp_path: Path, lanes: dict[str, SimServer], receiver: OtlpReceiver) -
     config = {"model_list": models, "litellm_settings": {
         "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
     (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
            "STEPLINE_OTLP_URL": f"{receiver.url}/v1/traces", "STEPLINE_GATEWAY_NAME": "lanes",
            "SIZE_LANES_THRESHOLD_CHARS": str(THRESHOLD_CHARS), "PYTHONPATH": str(tmp_path)}

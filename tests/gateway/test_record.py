@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from stepline.gateway.record import DecisionRecorder
 from stepline.model.rows import GatewayDecision
 from stepline.sources.otlp import OtlpReceiver
+from stepline.testing.alertstack import free_port
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
 
@@ -41,10 +41,7 @@ def test_decisions_reach_the_receiver(receiver: OtlpReceiver) -> None:  # noqa: 
 
 
 def test_a_collector_that_is_down_costs_counted_decisions_and_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    recorder = DecisionRecorder(f"http://127.0.0.1:{port}/v1/traces", gateway="g", timeout_s=1)
+    recorder = DecisionRecorder(f"http://127.0.0.1:{free_port()}/v1/traces", gateway="g", timeout_s=1)  # nothing there
     with caplog.at_level(logging.WARNING, logger="stepline.gateway.record"):
         recorder.record(lane="fast", start_s=time.time())  # never raises in the hook
         recorder.close()

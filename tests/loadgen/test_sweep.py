@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -16,14 +15,9 @@ from stepline.loadgen.matrix import MatrixResult
 from stepline.loadgen.replay import ReplayReport
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
+from stepline.testing.alertstack import free_port
 
 MODEL = "test/model"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -34,7 +28,7 @@ def server() -> Iterator[SimServer]:
 
 
 def test_each_value_is_measured_on_the_engine_launched_with_it(capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port()
+    port = free_port()
     command = (f"{sys.executable} -m stepline sim --workload idle --port {port} --model {MODEL} "
                "--max-num-seqs {max_num_seqs}")
     measured: list[tuple[str, int]] = []
@@ -54,7 +48,7 @@ def test_each_value_is_measured_on_the_engine_launched_with_it(capsys: pytest.Ca
 
 
 def test_an_engine_that_exits_is_a_failed_value_and_the_next_is_launched(capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port()
+    port = free_port()
     command = f"{sys.executable} -c \"import sys; print('bad', sys.argv[1]); sys.exit(3)\" {{n}}"
 
     def measure(label: str) -> tuple[MatrixResult | None, ReplayReport | None]:
@@ -92,4 +86,4 @@ def test_stop_kills_a_group_that_ignores_sigint(tmp_path: Path) -> None:
 def test_engine_counters_are_read_from_its_metrics(server: SimServer) -> None:
     counted = sweep.engine_counters(server.url)
     assert counted == sweep.EngineCounters(0, 0, 0, 0)
-    assert sweep.engine_counters(f"http://127.0.0.1:{_free_port()}") is None
+    assert sweep.engine_counters(f"http://127.0.0.1:{free_port()}") is None

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,18 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepline.testing.alertstack import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 VLLM_VERSION = "0.32.0"
 SERVED_NAME = "tiny"
 BUDGET_TOKENS = 1024  # --max-num-batched-tokens: the engine's chunk size
 _ITERATION = re.compile(r"Engine \d+: Iteration\((\d+)\)")  # vLLM's own line per iteration (iteration details)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @functools.cache

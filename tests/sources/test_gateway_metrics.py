@@ -19,7 +19,8 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.base import SourceContext, SourceError
 from stepline.sources.gateway_metrics import GatewayMetricsSource, build
-from tests.gateway.test_litellm import MODEL, VENV, _free_port
+from stepline.testing.alertstack import free_port
+from tests.gateway.test_litellm import MODEL, VENV
 
 CTX = SourceContext("h1", ManualClock(1_800_000_000.0))
 
@@ -36,7 +37,7 @@ def router(engine: SimServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
     binary = VENV / "bin" / "vllm-router"
     if not binary.exists():
         pytest.fail(f"no vllm-router at {binary}: run tests/gateway/install.sh (CI does)")
-    port, metrics = _free_port(), _free_port()
+    port, metrics = free_port(), free_port()
     log_path = Path(tmp_path_factory.mktemp("router")) / "router.log"
     with log_path.open("w") as log:
         process = subprocess.Popen([str(binary), "--worker-urls", engine.url, "--host", "127.0.0.1", "--port",
@@ -99,7 +100,7 @@ def test_an_endpoint_that_is_no_gateway_says_so_in_one_line(engine: SimServer) -
 
 
 def test_a_dead_gateway_is_down_once() -> None:
-    source = GatewayMetricsSource(f"http://127.0.0.1:{_free_port()}", CTX, gateway="gone")
+    source = GatewayMetricsSource(f"http://127.0.0.1:{free_port()}", CTX, gateway="gone")
     events: list[Row] = []
     for _ in range(2):
         with pytest.raises(SourceError, match=r"^gateway gone unreachable at "):

@@ -43,7 +43,6 @@ from realistic import build_steps
 from stepline.core import gctune
 from stepline.core.clock import SystemClock
 from stepline.core.selfmetrics import SelfMetrics
-from stepline.ingest.merge import RecentRequests
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model import schema
@@ -168,7 +167,7 @@ def remember_as_collect_does(writers: Writers) -> None:
     of the memory's window, so that a report finished since then is placed from memory, not looked up in the store.
     Without it every report here (stamped before the writers start) would count as older than the memory. Each
     round replays from engines of its own, so the store holds none of their requests: there is nothing to read."""
-    writers.remember_requests([], since_us=round((time.time() - RecentRequests.WINDOW_S) * 1_000_000))
+    writers.remember_requests([], whole_window=True)
 
 
 def writer_stage(bodies: Sequence[bytes], engines: Sequence[str], writer_options: dict[str, Any],

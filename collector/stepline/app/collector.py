@@ -147,9 +147,8 @@ class Collector:
         # A report whose request was written before a restart joins it (stepline.ingest.merge).
         assert self.writers is not None
         try:
-            since = round((time.time() - RecentRequests.WINDOW_S) * 1_000_000)
             self.writers.remember_requests(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S),
-                                           since_us=since)
+                                           whole_window=True)
         except ClickHouseError as exc:
             log.warning("cannot read the requests written before this start (a restart may write some twice): %s",
                         " ".join(str(exc).split())[:200])

@@ -143,10 +143,11 @@ class RecentRequests:
         self._window_s = window_s
         self.max_entries = max_entries
         self._monotonic = monotonic
+        self._wall = wall
         self._seen: OrderedDict[tuple[str, str], tuple[float, list[Known]]] = OrderedDict()
         self._oldest_at = monotonic()  # when the oldest entry was seen: nothing to forget before window_s after it
         # Reports finished before this (µs) may be of requests this memory never saw or forgot: until the store is
-        # read (`remembered_since`), everything before this process started.
+        # read (`remembered_window`), everything before this process started.
         self._complete_since = round(wall() * 1_000_000)
         self._lock = threading.Lock()
 
@@ -180,10 +181,11 @@ class RecentRequests:
         for report in reports:
             self.place(report)
 
-    def remembered_since(self, ts_us: int) -> None:
-        """The store's requests finished since `ts_us` have been remembered."""
+    def remembered_window(self) -> None:
+        """The store's requests finished within the window (window_s up to now) have been remembered: read
+        after them, the window's start is no later than that of the read."""
         with self._lock:
-            self._complete_since = min(self._complete_since, ts_us)
+            self._complete_since = min(self._complete_since, round((self._wall() - self._window_s) * 1_000_000))
 
     def needs_lookup(self, report: Request) -> bool:
         """Whether `report` may be of a request this memory does not hold: it finished before what the memory

@@ -304,13 +304,13 @@ class Writers:
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
 
-    def remember_requests(self, requests: Iterable[Request], since_us: int | None = None) -> None:
+    def remember_requests(self, requests: Iterable[Request], *, whole_window: bool = False) -> None:
         """Reports already written (or waiting in the spool): a later report of one of their requests takes its
-        arrival, and is written only if it adds a field. `since_us`: the store's requests finished since then
-        are all among them."""
+        arrival, and is written only if it adds a field. `whole_window`: they are all the store's requests that
+        finished within the memory's window (RecentRequests.WINDOW_S), read just before."""
         self._recent.remember(requests)
-        if since_us is not None:
-            self._recent.remembered_since(since_us)
+        if whole_window:
+            self._recent.remembered_window()
 
     def _spooled_requests(self) -> list[Request]:
         """The reports waiting in the spool, oldest first; of a long outage's, only as many as can be remembered."""

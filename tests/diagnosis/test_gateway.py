@@ -30,8 +30,8 @@ def _traffic(dense_monsters: int, *, gateway: str = "router") -> tuple[list[Gate
         lane = "heavy" if chars >= BAR_CHARS else "fast"
         rid = f"{gateway}-{i}"
         decisions.append(GatewayDecision(_ts(at), "h", LANES[lane], gateway, rid, 1, lane, list(LANES.values()),
-                                         chars, chars, None, float(BAR_CHARS), "chars", "healthy", 200, "", False,
-                                         _ts(at + 0.5), _ts(at + 3), ""))
+                                         chars, chars, None, float(BAR_CHARS), "chars", "healthy", None, 200, "",
+                                         False, _ts(at + 0.5), _ts(at + 3), ""))
         requests.append(Request(_ts(at + 3), "h", LANES[lane], 0, "m", f"cmpl-{rid}-0", "plugin", "stop",
                                 _ts(at + 0.01), 0.0, 0.4, 2.5, 2.9, 2.99, 0.4, 0.01, tokens, 0, 250, 250, 0))
     return decisions, requests

@@ -21,7 +21,7 @@ from tests.sources.test_otlp import ARRIVAL_NS, FINISH_NS, drain, export, make_r
 MONSTER = {d.REQUEST_ID: "req-7", d.LANE: "fast", d.BACKEND: "http://10.0.0.5:8000/v1",
            d.CANDIDATES: ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"], d.SIZE_CHARS: 340_112,
            d.SIZE_BYTES: 340_200, d.THRESHOLD: 400_000, d.THRESHOLD_UNIT: "chars", d.HEALTH: "healthy",
-           d.STATUS: 200, d.FIRST_BYTE: ARRIVAL_NS + 900_000_000, d.ATTEMPT: 1}
+           d.IN_FLIGHT: 3, d.STATUS: 200, d.FIRST_BYTE: ARRIVAL_NS + 900_000_000, d.ATTEMPT: 1}
 
 
 def test_a_decision_span_is_one_row_with_the_threshold_in_its_unit() -> None:
@@ -30,8 +30,8 @@ def test_a_decision_span_is_one_row_with_the_threshold_in_its_unit() -> None:
         ts=(ARRIVAL_NS + 500) // 1000, host="h1", engine="10.0.0.5:8000", gateway="router", request_id="req-7",
         attempt=1, lane="fast", candidates=["10.0.0.5:8000", "10.0.0.6:8000"], size_chars=340_112,
         size_bytes=340_200, size_tokens=None, threshold=400_000.0, threshold_unit="chars", health="healthy",
-        status=200, error_type="", client_disconnected=False, first_byte_ts=(ARRIVAL_NS + 900_000_500) // 1000,
-        end_ts=(FINISH_NS + 500) // 1000, swallowed_exception="")
+        in_flight=3, status=200, error_type="", client_disconnected=False,
+        first_byte_ts=(ARRIVAL_NS + 900_000_500) // 1000, end_ts=(FINISH_NS + 500) // 1000, swallowed_exception="")
 
 
 def test_a_hook_that_failed_open_leaves_no_size_and_says_what_it_swallowed() -> None:

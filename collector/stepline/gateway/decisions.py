@@ -29,6 +29,7 @@ SIZE_TOKENS = "stepline.gateway.size.tokens"
 THRESHOLD = "stepline.gateway.threshold"
 THRESHOLD_UNIT = "stepline.gateway.threshold.unit"
 HEALTH = "stepline.gateway.health"
+IN_FLIGHT = "stepline.gateway.in_flight"  # the backend's slots the gateway holds, this request's included
 STATUS = "http.response.status_code"
 ERROR_TYPE = "error.type"
 CLIENT_DISCONNECTED = "stepline.gateway.client_disconnected"
@@ -79,6 +80,7 @@ def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: s
         size_chars=_whole(attrs, SIZE_CHARS, where, _MAX_SIZE), size_bytes=_whole(attrs, SIZE_BYTES, where, _MAX_SIZE),
         size_tokens=_whole(attrs, SIZE_TOKENS, where, _MAX_SIZE), threshold=threshold,
         threshold_unit=unit, health=_text(attrs, HEALTH),
+        in_flight=_whole(attrs, IN_FLIGHT, where, (1 << 32) - 1),
         status=_whole(attrs, STATUS, where, 999) or 0, error_type=_text(attrs, ERROR_TYPE),
         client_disconnected=_flag(attrs, CLIENT_DISCONNECTED, where),
         first_byte_ts=None if first_byte is None else _micros(first_byte), end_ts=_micros(end_ns),

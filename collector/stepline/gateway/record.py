@@ -72,8 +72,9 @@ class DecisionRecorder:
     def record(self, *, request_id: str = "", lane: str = "", backend: str = "", start_s: float,
                end_s: float | None = None, attempt: int = 1, candidates: Sequence[str] = (),
                size_chars: int | None = None, size_bytes: int | None = None, size_tokens: int | None = None,
-               threshold: float | None = None, threshold_unit: str = "", health: str = "", status: int = 0,
-               error_type: str = "", client_disconnected: bool = False, first_byte_s: float | None = None,
+               threshold: float | None = None, threshold_unit: str = "", health: str = "",
+               in_flight: int | None = None, status: int = 0, error_type: str = "",
+               client_disconnected: bool = False, first_byte_s: float | None = None,
                swallowed: BaseException | str | None = None) -> None:
         """Queue one attempt's decision (times are Unix seconds); never raises, never waits."""
         try:
@@ -82,6 +83,7 @@ class DecisionRecorder:
                                      d.ERROR_TYPE: error_type, d.CLIENT_DISCONNECTED: client_disconnected,
                                      d.THRESHOLD_UNIT: threshold_unit}
             for key, value in ((d.SIZE_CHARS, size_chars), (d.SIZE_BYTES, size_bytes), (d.SIZE_TOKENS, size_tokens),
+                               (d.IN_FLIGHT, in_flight),
                                (d.THRESHOLD, None if threshold is None else float(threshold)),
                                (d.FIRST_BYTE, None if first_byte_s is None else round(first_byte_s * 1e9))):
                 if value is not None:

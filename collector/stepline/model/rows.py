@@ -181,6 +181,7 @@ class GatewayDecision(NamedTuple):
     threshold: float | None
     threshold_unit: str
     health: str
+    in_flight: int | None
     status: int
     error_type: str
     client_disconnected: bool

@@ -540,6 +540,9 @@ TABLES: tuple[Table, ...] = (
             Column("threshold_unit", DIM, "The unit of threshold: chars, bytes or tokens ('' when none)."),
             Column("health", DIM, "The gateway's health-cache state for the chosen backend when it chose, as the "
                    "gateway names it (e.g. healthy, stale, cooled_down); '' when it keeps none."),
+            Column("in_flight", "Nullable(UInt32)", "Requests the gateway held in flight to the chosen backend "
+                   "(its slots taken) when it decided, this one included where it was sent; NULL when the gateway "
+                   "does not say. Above the engine's running + waiting, slots leaked."),
             Column("status", "UInt16", "The HTTP status the gateway answered the client with; 0 when it never "
                    "answered (499-style disconnects have 499 where the gateway says so)."),
             Column("error_type", DIM, "The error's class (OpenTelemetry error.type), e.g. timeout, "

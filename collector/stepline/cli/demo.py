@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-scenario", choices=SCENARIOS, default=DEFAULT_GPU_SCENARIO,
                         help="what the simulated GPUs do: follow the load (normal), also hit a power cap during "
                              "prefill so clocks drop (power-cap, the default), or also report an XID error (xid)")
+    parser.add_argument("--gateway", action="store_true",
+                        help="with --fast: replay the seed's gateway story instead (a size router in front of a fast "
+                             "and a heavy lane: dense-JSON monsters measured in characters slip onto the fast lane, "
+                             "then the heavy lane's slots leak on client disconnects until it refuses everything)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +42,14 @@ def run(args: argparse.Namespace) -> int:
     from stepline.app.demo import run_demo, workload_for
     from stepline.store.url import default_store_url
 
+    if args.gateway:
+        if not args.fast or args.workload or args.duration:
+            raise SystemExit("stepline demo: --gateway replays its own ten minutes on a virtual clock: give --fast, "
+                             "and no --workload or --duration (not yet in real time)")
+        from stepline.drills.gateway import run_demo as run_gateway_demo
+
+        run_gateway_demo(args.store or default_store_url())
+        return 0
     workload = workload_for(args.workload, fast=args.fast, duration_s=args.duration)
     run_demo(args.store or default_store_url(), workload, fast=args.fast, scrape_interval_s=args.scrape_interval,
              gpu_scenario=args.gpu_scenario)

@@ -19,7 +19,9 @@ from stepline.diagnosis.findings import Finding
 # symptom kind -> the kinds that explain it when they cover the same engine and time
 EXPLAINED_BY: dict[str, tuple[str, ...]] = {
     # The requests queued behind a prefill are that prefill's doing: its finding counts them too.
-    "head_of_line_blocking": ("prefill_interference",),
+    "head_of_line_blocking": ("prefill_interference", "lane_leak"),
+    # A monster the gateway sent to the fast lane prefills there: the leak is the cause, the prefill its symptom.
+    "prefill_interference": ("lane_leak",),
     "scheduler_vs_hardware": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling",
                               "kv_pressure", "wedged_engine"),
     "legitimately_slow": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling"),
@@ -39,6 +41,8 @@ def _explains(cause: Finding, symptom: Finding) -> bool:
     if not (cause.start <= symptom.end and symptom.start <= cause.end):
         return False
     ours, theirs = cause.evidence.get("request_id"), symptom.evidence.get("request_id")
+    if "request_ids" in cause.evidence:  # a cause of several requests (lane_leak) explains only its own
+        return bool(theirs) and theirs in cause.evidence["request_ids"]
     return not (ours and theirs and ours != theirs)
 
 

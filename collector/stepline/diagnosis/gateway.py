@@ -39,7 +39,7 @@ def joined(columns: str, decided: str, request_columns: tuple[str, ...], where: 
 
 # Every decision made against a bar with the engine's count of the request it became.
 _JOINED = joined("d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
-                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts", "threshold IS NOT NULL",
+                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts", "threshold IS NOT NULL",
                  ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
 _UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
 
@@ -93,7 +93,9 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
     }
     if would_hold is not None:
         evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
-    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[10]) for r, _ in leaked)
+    # The engine's ids of what leaked: the prefills they caused on the fast lane are this finding's symptoms.
+    evidence["request_ids"] = sorted(str(r[11]) for r, _ in leaked)[:50]
+    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[12]) for r, _ in leaked)
     lever = (f"measure requests in tokens at the gateway, or lower the bar to {would_hold:,} {unit} (what would have "
              f"sent all {len(leaked)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
              if would_hold is not None else "the router's token estimate undercounts: count with the model's "
@@ -171,7 +173,9 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
 # requests per worker (its load counter misses cancellation paths: vllm-router PRs #200, #215); a home-made router
 # exports its slots under the same kind of name.
 IN_FLIGHT_METRICS = ("vllm_router_running_requests", "vllm_router_worker_load")
-LEAK_TAIL_SHARE = 0.25  # the window's last quarter: leaked slots are held, so they show at its end
+# A home-made router says, with each decision, how many slots it held on the backend (stepline.gateway.in_flight).
+DECISIONS_IN_FLIGHT = "gateway_decisions.in_flight"
+LEAK_TAIL_SHARE = 0.25  # the last quarter of what the gateway reported: leaked slots are held, so they show there
 MIN_LEAKED_SLOTS = 2  # in flight at the gateway beyond what the engine holds, in every scrape of the tail
 
 # Per backend over the window's tail: the gateway's in-flight count (its least and last value per metric), and
@@ -182,7 +186,13 @@ SELECT g.engine, g.gateway, g.metric, g.least, g.latest, g.samples,
 FROM (SELECT engine, gateway, metric, min(value) AS least, argMax(value, ts) AS latest, count() AS samples
       FROM gateway_samples
       WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != '' AND metric IN {{metrics:Array(String)}}
-      GROUP BY engine, gateway, metric) AS g
+      GROUP BY engine, gateway, metric
+      UNION ALL
+      SELECT engine, gateway, '{DECISIONS_IN_FLIGHT}' AS metric, toFloat64(min(in_flight)) AS least,
+             toFloat64(argMax(in_flight, ts)) AS latest, count() AS samples
+      FROM gateway_decisions
+      WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
+      GROUP BY engine, gateway) AS g
 LEFT JOIN (SELECT engine, max(running + waiting) AS held,
                   countIf(num_generation_tokens + num_ctx_tokens > 0) AS steps
            FROM steps WHERE {between("tail", "end")} AND {EACH_ENGINE} GROUP BY engine) AS s ON s.engine = g.engine
@@ -192,6 +202,13 @@ LEFT JOIN (SELECT engine, max(value) AS held FROM (
                  AND metric IN ('vllm:num_requests_running', 'vllm:num_requests_waiting')
                GROUP BY engine, ts) GROUP BY engine) AS m ON m.engine = g.engine
 ORDER BY g.engine, g.gateway, g.metric
+"""
+_GATEWAY_SPAN = f"""
+SELECT min(ts), max(ts), count() FROM (
+    SELECT ts FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
+    UNION ALL
+    SELECT ts FROM gateway_samples WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != ''
+        AND metric IN {{metrics:Array(String)}})
 """
 _DISCONNECTS = f"""
 SELECT engine, countIf(client_disconnected) AS disconnects, count() AS decisions
@@ -206,7 +223,15 @@ GROUP BY engine
 def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
     """The gateway holds requests in flight to a backend that the engine does not have: slots leaked at the
     gateway (released on success or failure, never on a client's disconnect) while the engine sits idle."""
-    tail = window.end - (window.end - window.start) * LEAK_TAIL_SHARE
+    span = Query(_GATEWAY_SPAN, engine=window.engine, start=window.start, end=window.end,
+                 metrics=list(IN_FLIGHT_METRICS)).rows(reader)
+    if not span or not int(span[0][2]):
+        return []
+    # The tail of what the gateway reported (a window may reach well past it, e.g. --since 1h over a 10-minute story).
+    first, last = utc(span[0][0]), utc(span[0][1])
+    tail = last - (last - first) * LEAK_TAIL_SHARE
+    # The gateway's count, from its /metrics or from its decisions: each decision made in the tail says what the
+    # gateway held then, and a lane whose slots leaked refuses with all of them held.
     params: dict[str, Any] = {"engine": window.engine, "tail": tail, "end": window.end,
                               "metrics": list(IN_FLIGHT_METRICS)}
     query = Query(_SLOTS, **params)
@@ -232,7 +257,8 @@ def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
             "engine_busy_steps": int(busy), "gateway_metric": f"{gateway} {metric}",
             "client_disconnects": f"{gone} of {decided} decisions to this backend" if decided else "no decisions",
             "leak_from": f"{MIN_LEAKED_SLOTS} slots beyond the engine's own running + waiting, in every one of "
-                         f"{int(samples)} scrapes of the window's last {LEAK_TAIL_SHARE:.0%}",
+                         f"{int(samples)} {'decisions' if metric == DECISIONS_IN_FLIGHT else 'scrapes'} of the "
+                         f"gateway's last {LEAK_TAIL_SHARE:.0%} in the window",
         }
         if math.isfinite(gpu.get(engine, math.nan)):
             evidence["gpu_util_pct"] = round(gpu[engine], 1)

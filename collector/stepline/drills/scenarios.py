@@ -24,9 +24,11 @@ from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
 from stepline.diagnosis.findings import Window
+from stepline.gateway.record import DecisionRecorder
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import Throttle, ThrottledCostModel
-from stepline.sim.engine import Simulation
+from stepline.sim.engine import Admit, Simulation
+from stepline.sim.gateway import SimGateway
 from stepline.sim.gpu import (
     BOOST_MHZ,
     SW_POWER_CAP,
@@ -40,7 +42,7 @@ from stepline.sim.records import StepRecord
 from stepline.sim.telemetry import Telemetry
 from stepline.sim.workloads import Workload, chat_arrivals, compose, one_request
 from stepline.sources.base import SourceContext
-from stepline.sources.otlp import OtlpReceiver
+from stepline.sources.otlp import TRACES_PATH, OtlpReceiver
 from stepline.sources.vllm_metrics import VllmMetricsSource
 
 SCRAPE_INTERVAL_S = 5.0
@@ -191,11 +193,12 @@ def simulate(
     on_step: Callable[[StepRecord], None] | None = None,
     on_scrape: Callable[[float, bytes], None] | None = None,
     gpus: SimulatedGpus | None = None,
+    admit: Admit | None = None,
 ) -> ScenarioRun:
     """Replay `scenario` on a virtual clock, stamped as if it had ended at `end_at` (default: now).
 
     `before_step` sees each step before the GPU model does, `on_step` after; `on_scrape(ts, body)`
-    gets the engine's /metrics every SCRAPE_INTERVAL_S simulated seconds.
+    gets the engine's /metrics every SCRAPE_INTERVAL_S simulated seconds; `admit` is a gateway's gate in front.
     """
     workload = scenario.workload
     scrapes = math.ceil((workload.duration_s + workload.drain_s) / SCRAPE_INTERVAL_S - 1e-9)
@@ -215,7 +218,7 @@ def simulate(
         if on_step is not None:
             on_step(step)
 
-    sim = Simulation(workload, config, ManualClock(start), on_step=record)
+    sim = Simulation(workload, config, ManualClock(start), on_step=record, admit=admit)
     now = 0.0
     for k in range(scrapes + 1):
         target = k * SCRAPE_INTERVAL_S
@@ -255,13 +258,15 @@ def run_scenario(scenario: Scenario, store_url: str, *, end_at: float | None = N
     return engine, window
 
 
-def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *,
-                end_at: float | None = None) -> tuple[list[ScenarioRun], Window]:
+def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *, end_at: float | None = None,
+                gateway: SimGateway | None = None) -> tuple[list[ScenarioRun], Window]:
     """Replay several engines, each (name, scenario) with its own workload, configuration and GPUs, into
     `store_url` through one collector; all end at `end_at` (default: now). Returns each engine's run and the
     window to diagnose: every engine's span, over all engines ("") when there are several.
 
-    Each engine has GPUs of its own on the one host (the second engine's numbered after the first's).
+    Each engine has GPUs of its own on the one host (the second engine's numbered after the first's). With a
+    `gateway`, the engines of its lanes replay behind its gates, and its decisions reach the collector as a
+    home-made router's would: DecisionRecorder's spans to the OTLP receiver.
     """
     if not engines:
         raise ValueError("run_engines needs at least one engine")
@@ -280,8 +285,11 @@ def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *,
         try:
             first_gpu = 0
             for engine, scenario in engines:
-                runs.append(_replay(collector, engine, scenario, end, first_gpu))
+                runs.append(_replay(collector, engine, scenario, end, first_gpu, gateway))
                 first_gpu += scenario.gpus
+            if gateway is not None:
+                started = {name: run.start_ts for name, run in zip(names, runs, strict=True)}
+                _report_decisions(collector, gateway, started)
         finally:
             collector.stop()
     window_end = max(max(r.end_ts for r in runs), time.time())
@@ -290,7 +298,21 @@ def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *,
                         names[0] if len(names) == 1 else "")
 
 
-def _replay(collector: Collector, engine: str, scenario: Scenario, end_at: float, first_gpu: int) -> ScenarioRun:
+def _report_decisions(collector: Collector, gateway: SimGateway, start_ts: dict[str, float]) -> None:
+    otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
+    recorder = DecisionRecorder(f"{otlp.url.rstrip('/')}{TRACES_PATH}", gateway.config.name)
+    try:
+        for record in gateway.records(start_ts):
+            recorder.record(**record)
+    finally:
+        recorder.close(timeout_s=30.0)
+    stats = recorder.stats()
+    if stats["sent"] != stats["recorded"]:
+        raise RuntimeError(f"the simulated gateway's decisions did not all reach the collector: {stats}")
+
+
+def _replay(collector: Collector, engine: str, scenario: Scenario, end_at: float, first_gpu: int,
+            gateway: SimGateway | None = None) -> ScenarioRun:
     """One engine's replay through `collector`'s receivers and /metrics ingestion, its GPUs sampled beside it."""
     assert collector.writers is not None
     write = collector.writers.write
@@ -303,13 +325,18 @@ def _replay(collector: Collector, engine: str, scenario: Scenario, end_at: float
                                 engine=engine)
     sampler = VirtualGpuSampler(gpus, SourceContext(host, ManualClock(0.0)), engine, GPU_INTERVAL_S, write)
 
+    gate = gateway.gate(engine) if gateway is not None else None
+
     def on_step(step: StepRecord) -> None:
         sampler.until(step.ts)
         telemetry.on_step(step)
+        if gate is not None:
+            gate.on_step(step)
 
     try:
         # The GPUs read the previous step's figures until this one began.
         run = simulate(scenario, end_at=end_at, gpus=gpus, on_step=on_step,
+                       admit=gate.admit if gate is not None else None,
                        before_step=lambda step: sampler.until(step.ts - step.elapsed_ms / 1000),
                        on_scrape=lambda ts, body: scraper.ingest(body, ts, write))
         sampler.until(run.end_ts)

@@ -10,9 +10,12 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.metrics import VllmMetrics
 from stepline.sim.records import FinishedRequest, StepRecord
 from stepline.sim.scheduler import Batch, Request, Scheduler
-from stepline.sim.workloads import Workload
+from stepline.sim.workloads import Arrival, Workload
 
 StepCallback = Callable[[StepRecord], None]
+# Asked, as each workload arrival reaches the engine (arrival, simulated second), whether it is let in: a gateway in
+# front of the engine that may refuse it (sim/gateway.py). None: every arrival reaches the engine.
+Admit = Callable[[Arrival, float], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +47,11 @@ class Simulation:
         on_step: StepCallback | None = None,
         repeat: bool = False,
         step_noise: Callable[[float], float] | None = None,
+        admit: Admit | None = None,
     ) -> None:
         """`step_noise` maps the cost model's seconds for a step to the seconds it takes (a replay of a real
-        engine draws its recorded jitter there); None: exactly the model's."""
+        engine draws its recorded jitter there); None: exactly the model's. `admit` lets a gateway in front refuse
+        arrivals (counted in `refused`)."""
         self.workload = workload
         self.config = config or EngineConfig()
         # Wall-clock time of simulated second 0; records are stamped start_ts + simulated seconds.
@@ -54,6 +59,8 @@ class Simulation:
         self.now = 0.0
         self.iteration_index = 0
         self.rejected = 0  # arrivals whose KV could never fit: a real server refuses them at the API
+        self.refused = 0  # arrivals a gateway in front (`admit`) never let through
+        self._admit = admit
         self.metrics = VllmMetrics(self.config)
         self._scheduler = Scheduler(self.config)
         self._cost = self.config.cost
@@ -190,6 +197,9 @@ class Simulation:
             self._cursor += 1
             if not self._scheduler.fits(arrival.prompt_tokens, arrival.output_tokens):
                 self.rejected += 1
+                continue
+            if self._admit is not None and not self._admit(arrival, offset):
+                self.refused += 1
                 continue
             suffix = f"-{self._cycle}" if self._cycle else ""
             self._scheduler.add(

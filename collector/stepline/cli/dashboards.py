@@ -6,7 +6,7 @@ import argparse
 
 HELP = "generate the Grafana dashboards"
 DESCRIPTION = ("`stepline dashboards build` regenerates the dashboards in dashboards/ from code: fleet overview, "
-               "engine timeline, requests, GPU and collector health.")
+               "engine timeline, requests, GPU, collector health and gateway lanes.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,13 +10,14 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from stepline.alerting.config import AlertConfig
-from stepline.dashboards import collector, engine, fleet, gpu, requests
+from stepline.dashboards import collector, engine, fleet, gateway, gpu, requests
 
 DASHBOARDS: dict[str, Callable[[AlertConfig], db.Dashboard]] = {
     "fleet-overview.json": fleet.dashboard,
     "engine-timeline.json": engine.dashboard,
     "requests.json": requests.dashboard,
     "gpu.json": gpu.dashboard,
+    "gateway-lanes.json": gateway.dashboard,
     "collector-health.json": collector.dashboard,
 }
 

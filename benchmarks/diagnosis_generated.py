@@ -1,6 +1,6 @@
 """How often does diagnosis name the injected cause? Replays generated cases and scores the top finding.
 
-    python benchmarks/diagnosis_generated.py [--cases 200] [--seed0 0] [--jobs 2] [--seed N ...]
+    python benchmarks/diagnosis_generated.py [--cases 200] [--seed0 0] [--jobs 2] [--seed N ...] [--family gateway]
 
 Each case (stepline.drills.generator.generate(seed)) is replayed into a database of its own in a temporary
 embedded store and diagnosed over its window (all engines). Prints top-1 accuracy overall and per cause,
@@ -22,19 +22,28 @@ from concurrent.futures import ProcessPoolExecutor
 from stepline.core.texttable import render_table
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding
-from stepline.drills.generator import CAUSE_NAMES, Verdict, generate, judge, run_case
+from stepline.drills.gateway import GATEWAY_CAUSE_NAMES, generate_gateway, replay
+from stepline.drills.generator import CAUSE_NAMES, REPLAY_LEAD_S, Judged, Verdict, generate, judge, run_case
 from stepline.store.reader import open_reader
 from stepline.store.store import Store
 
 Result = tuple[Verdict, str, float, float, list[str]]  # verdict, description, replay s, diagnose s, findings
 
 
-def run_one(seed: int, store_dir: str) -> Result:
-    """Replay and diagnose the case of `seed` in its own database under `store_dir`."""
-    case = generate(seed)
-    url = f"chdb://{store_dir}?database=gen_{seed}"
+FAMILIES = {"engines": CAUSE_NAMES, "gateway": GATEWAY_CAUSE_NAMES}
+
+
+def run_one(seed: int, store_dir: str, family: str = "engines") -> Result:
+    """Replay and diagnose the case of `seed` (of `family`) in its own database under `store_dir`."""
+    url = f"chdb://{store_dir}?database=gen_{family}_{seed}"
     started = time.monotonic()
-    window = run_case(case, url)
+    case: Judged
+    if family == "gateway":
+        case = generate_gateway(seed)
+        window = replay(case.case, url, end_at=time.time() + REPLAY_LEAD_S)[2]
+    else:
+        case = generate(seed)
+        window = run_case(case, url)
     replayed = time.monotonic()
     reader = open_reader(url)
     try:
@@ -50,19 +59,19 @@ def run_one(seed: int, store_dir: str) -> Result:
     return judge(case, findings), case.description, replayed - started, diagnosed - replayed, shown
 
 
-def _run_chunk(seeds: Sequence[int]) -> list[Result]:
+def _run_chunk(seeds: Sequence[int], family: str = "engines") -> list[Result]:
     """One worker's seeds, in a store of its own (chDB allows one embedded store per process)."""
     with tempfile.TemporaryDirectory(prefix="stepline-generated-") as store_dir:
-        return [run_one(seed, store_dir) for seed in seeds]
+        return [run_one(seed, store_dir, family) for seed in seeds]
 
 
-def evaluate(seeds: Sequence[int], jobs: int) -> list[Result]:
+def evaluate(seeds: Sequence[int], jobs: int, family: str = "engines") -> list[Result]:
     if jobs <= 1:
-        return _run_chunk(seeds)
+        return _run_chunk(seeds, family)
     chunks = [list(seeds[i::jobs]) for i in range(jobs)]
     # Spawned, not forked: a forked child inherits the parent's threads' locks (and chDB's) mid-flight.
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = [r for chunk in pool.map(_run_chunk, chunks) for r in chunk]
+        results = [r for chunk in pool.map(_run_chunk, chunks, [family] * len(chunks)) for r in chunk]
     return sorted(results, key=lambda r: r[0].seed)
 
 
@@ -70,14 +79,14 @@ def _pct(n: int, d: int) -> str:
     return f"{n}/{d} ({100 * n / d:.0f}%)" if d else "-"
 
 
-def report(results: Sequence[Result], wall_s: float, jobs: int) -> None:
+def report(results: Sequence[Result], wall_s: float, jobs: int, family: str = "engines") -> None:
     verdicts = [r[0] for r in results]
     print(f"top-1 accuracy: {_pct(sum(v.correct for v in verdicts), len(verdicts))}")
     caused = [v for v in verdicts if v.truth_kind is not None]
     right = sum(v.right_engine for v in caused)
     print(f"right engine (top finding on the injected engine): {_pct(right, len(caused))}")
     rows = []
-    for cause in CAUSE_NAMES:
+    for cause in FAMILIES[family]:
         mine = [v for v in verdicts if v.cause == cause]
         if mine:
             tops = Counter(v.top_kind or "-" for v in mine).most_common(2)
@@ -131,16 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed0", type=int, default=0, help="the first seed (default 0)")
     parser.add_argument("--seed", type=int, action="append", help="run only this seed (repeatable)")
     parser.add_argument("--jobs", type=int, default=1, help="cases replayed in parallel processes (default 1)")
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="engines",
+                        help="engine causes (generator.generate) or gateway causes in front of two lanes "
+                             "(drills.gateway.generate_gateway); default engines")
     parser.add_argument("--verbose", action="store_true", help="print each case as it is scored")
     args = parser.parse_args(argv)
     seeds = args.seed or list(range(args.seed0, args.seed0 + args.cases))
     started = time.monotonic()
-    results = evaluate(seeds, max(1, args.jobs))
+    results = evaluate(seeds, max(1, args.jobs), args.family)
     if args.verbose or args.seed:
         for verdict, description, replay_s, _, shown in results:
             print(f"seed {verdict.seed} {'ok ' if verdict.correct else 'MISS'} {description}")
             print(f"   replay {replay_s:.1f}s; findings: " + ("; ".join(shown) or "none"))
-    report(results, time.monotonic() - started, max(1, args.jobs))
+    report(results, time.monotonic() - started, max(1, args.jobs), args.family)
     return 0
 
 

@@ -19,9 +19,10 @@ from stepline.diagnosis.findings import Finding
 # symptom kind -> the kinds that explain it when they cover the same engine and time
 EXPLAINED_BY: dict[str, tuple[str, ...]] = {
     # The requests queued behind a prefill are that prefill's doing: its finding counts them too.
-    "head_of_line_blocking": ("prefill_interference", "lane_leak"),
-    # A monster the gateway sent to the fast lane prefills there: the leak is the cause, the prefill its symptom.
-    "prefill_interference": ("lane_leak",),
+    "head_of_line_blocking": ("prefill_interference", "lane_leak", "gateway_fail_open"),
+    # A monster the gateway sent to the fast lane (under a bar in the wrong unit, or unmeasured by a hook that failed
+    # open) prefills there: the gateway is the cause, the prefill its symptom.
+    "prefill_interference": ("lane_leak", "gateway_fail_open"),
     "scheduler_vs_hardware": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling",
                               "kv_pressure", "wedged_engine"),
     "legitimately_slow": ("prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling"),
@@ -29,7 +30,8 @@ EXPLAINED_BY: dict[str, tuple[str, ...]] = {
     "overload": ("gpu_throttling", "kv_pressure", "wedged_engine"),
 }
 # Symptoms whose lost request-seconds are the cause's too (requests the cause's own figures do not count).
-ADDS_IMPACT = ("head_of_line_blocking",)
+# (symptom kind -> cause kinds): a prefill's queue and its slowed decoders are one cause's two impacts.
+ADDS_IMPACT = {"head_of_line_blocking": ("prefill_interference",)}
 # Evidence items a symptom keeps inside its cause's evidence.
 SYMPTOM_EVIDENCE = 6
 
@@ -54,7 +56,7 @@ def _symptom(f: Finding) -> dict[str, Any]:
 def _fold(cause: Finding, symptom: Finding) -> Finding:
     """One finding of the two. A symptom whose request-seconds are the cause's too (one prefill's two findings)
     is told under whichever of the two ranks first (graver, then more request-seconds), the impact summed."""
-    own = symptom.kind in ADDS_IMPACT
+    own = cause.kind in ADDS_IMPACT.get(symptom.kind, ())
     first, second = (symptom, cause) if own and symptom.rank_key() < cause.rank_key() else (cause, symptom)
     evidence = {**first.evidence, "symptoms": [*first.evidence.get("symptoms", []), _symptom(second),
                                                *second.evidence.get("symptoms", [])]}
@@ -68,11 +70,17 @@ def merge(findings: Sequence[Finding]) -> list[Finding]:
     order = {kind: depth for depth, kind in enumerate(("scheduler_vs_hardware", "legitimately_slow", "overload",
                                                        "head_of_line_blocking"))}
     kept = sorted(findings, key=lambda f: -f.score)
-    for kind in sorted(EXPLAINED_BY, key=lambda k: order.get(k, len(order))):
-        for s in [f for f in kept if f.kind == kind]:
-            cause = next((c for c in kept if c is not s and _explains(c, s)), None)
-            if cause is None:
-                continue
-            merged = _fold(cause, s)
-            kept = [merged if f is cause else f for f in kept if f is not s]
+    # A fold may leave a symptom under its own kind (a prefill's queue told under head-of-line blocking) that a
+    # deeper cause explains (the gateway that sent the prefill there): fold again until nothing moves.
+    folded = True
+    while folded:
+        folded = False
+        for kind in sorted(EXPLAINED_BY, key=lambda k: order.get(k, len(order))):
+            for s in [f for f in kept if f.kind == kind]:
+                cause = next((c for c in kept if c is not s and _explains(c, s)), None)
+                if cause is None:
+                    continue
+                merged = _fold(cause, s)
+                kept = [merged if f is cause else f for f in kept if f is not s]
+                folded = True
     return sorted(kept, key=Finding.rank_key)

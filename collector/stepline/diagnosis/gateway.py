@@ -9,6 +9,7 @@ code and JSON ~3. A monster of dense JSON then measures under a bar meant for it
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Any
 
 from stepline.diagnosis.common import Query, clip, number, utc
@@ -21,6 +22,7 @@ from stepline.store.reads import Reads
 # `cmpl-{id}-0` (the choice index), chat `chatcmpl-{id}`; an engine that keeps the id as it came has it bare.
 ENGINE_IDS = ("[request_id, concat('cmpl-', request_id, '-0'), concat('cmpl-', request_id), "
               "concat('chatcmpl-', request_id)]")
+MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
 MIN_JOINED = 5  # decisions joined to their engine request before a gateway's chars per token count as a baseline
 
 
@@ -94,7 +96,7 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
     if would_hold is not None:
         evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
     # The engine's ids of what leaked: the prefills they caused on the fast lane are this finding's symptoms.
-    evidence["request_ids"] = sorted(str(r[11]) for r, _ in leaked)[:50]
+    evidence["request_ids"] = sorted(str(r[11]) for r, _ in leaked)[:MAX_REQUEST_IDS]
     first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[12]) for r, _ in leaked)
     lever = (f"measure requests in tokens at the gateway, or lower the bar to {would_hold:,} {unit} (what would have "
              f"sent all {len(leaked)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
@@ -124,17 +126,18 @@ MIN_FAILED_OPEN = 3  # decisions that failed open, per gateway and window, befor
 
 # Per gateway and lane: decisions whose hook swallowed an exception, those with no size measured in any unit (a
 # hook that failed before measuring), of all; the commonest swallowed exceptions.
+_FAILED = "swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL)"
 _FAILED_OPEN = f"""
 SELECT gateway, lane, count() AS decisions, countIf(swallowed_exception != '') AS swallowed,
        countIf(size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL) AS unmeasured,
        topKIf(3)(swallowed_exception, swallowed_exception != '') AS exceptions,
-       minIf(ts, swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL))
-           AS first, maxIf(ts, swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND
-           size_tokens IS NULL)) AS last
+       minIf(ts, {_FAILED}) AS first, maxIf(ts, {_FAILED}) AS last, topKIf(1)(engine, {_FAILED}) AS backend
 FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE}
 GROUP BY gateway, lane ORDER BY gateway, lane
 """
+# The engine requests that failed-open decisions became: the prefills they caused are the finding's symptoms.
+_FAILED_REQUESTS = joined("r.request_id", f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
 
 
 def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
@@ -151,15 +154,21 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             continue
         hit = [r for r in lanes if int(r[3]) or int(r[4])]
         exceptions = sorted({str(e) for r in hit for e in r[5]})
+        # Named after the backend most of them went to (the default lane's, as a rule).
+        busiest = max(hit, key=lambda r: max(int(r[3]), int(r[4])))
+        requests = Query(_FAILED_REQUESTS, engine=window.engine, start=window.start, end=window.end,
+                         gateway=gateway).rows(reader)
         evidence: dict[str, Any] = {
             "failed_open": failed, "decisions": total, "share": f"{failed / total:.1%}",
             "swallowed_exceptions": swallowed, "unmeasured_decisions": unmeasured,
             "exceptions": exceptions[:3],
             "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) for r in hit},
             "counted_from": f"{MIN_FAILED_OPEN} decisions in the window",
+            "request_ids": sorted(str(r[0]) for r in requests)[:MAX_REQUEST_IDS],
         }
         findings.append(Finding(
-            "gateway_fail_open", "warning", "", min(utc(r[6]) for r in hit), max(utc(r[7]) for r in hit),
+            "gateway_fail_open", "warning", str(busiest[8][0]) if busiest[8] else "", min(utc(r[6]) for r in hit),
+            max(utc(r[7]) for r in hit),
             clip(f"{gateway}: {failed} of {total} routing decisions failed open"
                  + (f" ({exceptions[0]})" if exceptions else "")),
             evidence, query.literal(),
@@ -204,11 +213,13 @@ LEFT JOIN (SELECT engine, max(value) AS held FROM (
 ORDER BY g.engine, g.gateway, g.metric
 """
 _GATEWAY_SPAN = f"""
-SELECT min(ts), max(ts), count() FROM (
-    SELECT ts FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
+SELECT engine, min(ts), max(ts) FROM (
+    SELECT engine, ts FROM gateway_decisions
+    WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
     UNION ALL
-    SELECT ts FROM gateway_samples WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != ''
+    SELECT engine, ts FROM gateway_samples WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != ''
         AND metric IN {{metrics:Array(String)}})
+GROUP BY engine ORDER BY engine
 """
 _DISCONNECTS = f"""
 SELECT engine, countIf(client_disconnected) AS disconnects, count() AS decisions
@@ -223,34 +234,35 @@ GROUP BY engine
 def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
     """The gateway holds requests in flight to a backend that the engine does not have: slots leaked at the
     gateway (released on success or failure, never on a client's disconnect) while the engine sits idle."""
-    span = Query(_GATEWAY_SPAN, engine=window.engine, start=window.start, end=window.end,
-                 metrics=list(IN_FLIGHT_METRICS)).rows(reader)
-    if not span or not int(span[0][2]):
-        return []
-    # The tail of what the gateway reported (a window may reach well past it, e.g. --since 1h over a 10-minute story).
-    first, last = utc(span[0][0]), utc(span[0][1])
-    tail = last - (last - first) * LEAK_TAIL_SHARE
-    # The gateway's count, from its /metrics or from its decisions: each decision made in the tail says what the
-    # gateway held then, and a lane whose slots leaked refuses with all of them held.
-    params: dict[str, Any] = {"engine": window.engine, "tail": tail, "end": window.end,
-                              "metrics": list(IN_FLIGHT_METRICS)}
-    query = Query(_SLOTS, **params)
-    rows = query.rows(reader)
-    if not rows:
+    spans = Query(_GATEWAY_SPAN, engine=window.engine, start=window.start, end=window.end,
+                  metrics=list(IN_FLIGHT_METRICS)).rows(reader)
+    if not spans:
         return []
     disconnects = {str(r[0]): (int(r[1]), int(r[2])) for r in
                    Query(_DISCONNECTS, engine=window.engine, start=window.start, end=window.end).rows(reader)}
-    gpu = {str(r[0]): number(r[1], math.nan) for r in Query(_GPU_UTIL, **params).rows(reader)}
-    findings, seen = [], set()
-    for engine, gateway, metric, least, latest, samples, held, busy, scraped in rows:
-        engine = str(engine)
+    findings = []
+    for engine, first, last in spans:
+        # The tail of what the gateway reported about this backend (a window may reach well past it, e.g. --since
+        # 1h over a 10-minute story). The gateway's count is from its /metrics or from its decisions: each decision
+        # made in the tail says what the gateway held then, and a lane whose slots leaked refuses with all held.
+        tail = utc(last) - (utc(last) - utc(first)) * LEAK_TAIL_SHARE
+        found = _leak(reader, window, str(engine), tail, disconnects.get(str(engine), (0, 0)))
+        if found is not None:
+            findings.append(found)
+    return findings
+
+
+def _leak(reader: Reads, window: Window, engine: str, tail: datetime, disconnects: tuple[int, int]
+          ) -> Finding | None:
+    params: dict[str, Any] = {"engine": engine, "tail": tail, "end": window.end, "metrics": list(IN_FLIGHT_METRICS)}
+    query = Query(_SLOTS, **params)
+    for _, gateway, metric, least, latest, samples, held, busy, scraped in query.rows(reader):
         # What the engine holds: its steps' running + waiting, or its own gauges where it did not step.
         holds = max(int(held), int(number(scraped, 0.0)))
         leaked = number(least) - holds
-        if engine in seen or leaked < MIN_LEAKED_SLOTS:
+        if leaked < MIN_LEAKED_SLOTS:
             continue
-        seen.add(engine)
-        gone, decided = disconnects.get(engine, (0, 0))
+        gone, decided = disconnects
         evidence: dict[str, Any] = {
             "gateway_in_flight_least": round(number(least)), "gateway_in_flight_last": round(number(latest)),
             "engine_running_plus_waiting_max": holds, "leaked_slots": round(leaked),
@@ -260,19 +272,19 @@ def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
                          f"{int(samples)} {'decisions' if metric == DECISIONS_IN_FLIGHT else 'scrapes'} of the "
                          f"gateway's last {LEAK_TAIL_SHARE:.0%} in the window",
         }
-        if math.isfinite(gpu.get(engine, math.nan)):
-            evidence["gpu_util_pct"] = round(gpu[engine], 1)
+        gpu = [number(r[1], math.nan) for r in Query(_GPU_UTIL, **params).rows(reader)]
+        if gpu and math.isfinite(gpu[0]):
+            evidence["gpu_util_pct"] = round(gpu[0], 1)
         idle = int(busy) == 0
-        findings.append(Finding(
+        return Finding(
             "gateway_slot_leak", "critical" if idle else "warning", engine, tail, window.end,
             clip(f"{gateway} holds {round(number(least))} slots on {engine}, the engine {holds}"
                  + (": engine idle" if idle else "")),
             evidence, query.literal(),
             "release the gateway's slot on every exit path, a client disconnect included (a finally around the "
             "proxied stream), then restart the gateway or reset its counters to free what leaked",
-            leaked * (window.end - tail).total_seconds()))
-    return findings
-
+            leaked * (window.end - tail).total_seconds())
+    return None
 
 ORPHAN_SLACK_S = 1.0  # an engine request that finished this long after its client left ran on for nobody
 

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from stepline.diagnosis.findings import Finding, Window
 from stepline.drills.scenarios import PowerCap, Scenario, ScenarioRun, run_engines
@@ -102,7 +102,22 @@ class Verdict:
     false_alarms: tuple[str, ...]  # "severity kind@engine" above info on an engine nothing was injected into
 
 
-def judge(case: Case, findings: Sequence[Finding]) -> Verdict:
+class Judged(Protocol):
+    """What `judge` reads of a case: a Case, or a generated gateway case (drills/gateway.py)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def cause(self) -> str: ...
+    @property
+    def truth_kind(self) -> str | None: ...
+    @property
+    def truth_engine(self) -> str | None: ...
+    @property
+    def engines(self) -> Sequence[tuple[str, Any]]: ...
+
+
+def judge(case: Judged, findings: Sequence[Finding]) -> Verdict:
     """Top-1: for a cause, the first (ranked) finding has the truth kind and engine; else nothing above info."""
     top = findings[0] if findings else None
     alarming = [f for f in findings if f.severity in SEVERITIES_ALARMING]
@@ -132,7 +147,7 @@ def replay_case(case: Case, store_url: str, *, end_at: float | None = None) -> t
 
 
 @dataclass
-class _Engine:
+class DrawnEngine:
     """One engine being drawn: its settings, traffic mix and what it will be sent."""
 
     name: str
@@ -178,8 +193,8 @@ def _ordinary_mix(rng: random.Random, cost: CostModel, budget: int) -> Mix:
     return Mix(max(32, median), rng.uniform(0.6, 1.0), max_prompt, cached, round(_log_uniform(rng, 40, 400)))
 
 
-def _draw_engine(rng: random.Random, name: str, duration_s: float, seed: int,
-                 speeds: tuple[float, float] = SPEED_RANGE) -> _Engine:
+def draw_engine(rng: random.Random, name: str, duration_s: float, seed: int,
+                 speeds: tuple[float, float] = SPEED_RANGE) -> DrawnEngine:
     speed = _log_uniform(rng, *speeds)
     cost = CostModel().scaled(speed)
     cost = replace(cost, step_overhead_s=max(cost.step_overhead_s, MIN_STEP_OVERHEAD_S))
@@ -189,10 +204,10 @@ def _draw_engine(rng: random.Random, name: str, duration_s: float, seed: int,
         spec = SpecDecode(rng.randint(2, 5), rng.uniform(0.55, 0.85), seed=seed)
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=rng.choice((64, 128, 256)), cost=cost,
                           speculative=spec)
-    return _Engine(name, speed, config, _ordinary_mix(rng, cost, budget), duration_s)
+    return DrawnEngine(name, speed, config, _ordinary_mix(rng, cost, budget), duration_s)
 
 
-def _ordinary(rng: random.Random, e: _Engine, start_s: float, end_s: float, prefix: str = "chat",
+def ordinary_traffic(rng: random.Random, e: DrawnEngine, start_s: float, end_s: float, prefix: str = "chat",
               load: tuple[float, float] = ORDINARY_LOAD, mix: Mix | None = None) -> list[Arrival]:
     """Ordinary traffic at a random share of the engine's capacity, with bursts that stay below saturation."""
     mix = mix or e.mix
@@ -202,7 +217,7 @@ def _ordinary(rng: random.Random, e: _Engine, start_s: float, end_s: float, pref
     return arrivals(rng, f"{e.name}-{prefix}", start_s, end_s, rate, mix, spikes)
 
 
-def _pool_output(e: _Engine, before_s: float, during_s: float, chunk_s: float) -> int:
+def _pool_output(e: DrawnEngine, before_s: float, during_s: float, chunk_s: float) -> int:
     """Tokens an answer needs to keep decoding `before_s` at full speed, then `during_s` beside prefill chunks."""
     spec = e.config.speculative
     per_step = 1 + spec.num_tokens if spec is not None else 1  # at most, with every draft accepted
@@ -210,7 +225,7 @@ def _pool_output(e: _Engine, before_s: float, during_s: float, chunk_s: float) -
     return min(40_000, round(1.5 * per_step * (before_s / alone_s + during_s / chunk_s)))
 
 
-def _decoding_pool(rng: random.Random, e: _Engine, start_s: float, end_s: float, output: int) -> list[Arrival]:
+def _decoding_pool(rng: random.Random, e: DrawnEngine, start_s: float, end_s: float, output: int) -> list[Arrival]:
     """16-48 cached requests arriving over [start_s, end_s), each answering `output` tokens."""
     count = rng.randint(16, 48)
     prompt = min(2000, e.mix.max_prompt)
@@ -218,7 +233,7 @@ def _decoding_pool(rng: random.Random, e: _Engine, start_s: float, end_s: float,
             for i in range(count)]
 
 
-def _monster(rng: random.Random, e: _Engine, in_flight: bool) -> dict[str, Any]:
+def _monster(rng: random.Random, e: DrawnEngine, in_flight: bool) -> dict[str, Any]:
     """An uncached prompt whose prefill takes tens of seconds here, beside requests that keep decoding."""
     d = e.duration_s
     target = rng.uniform(40, 90) if in_flight else rng.uniform(12, 35)
@@ -237,21 +252,21 @@ def _monster(rng: random.Random, e: _Engine, in_flight: bool) -> dict[str, Any]:
         at = rng.uniform(0.25, 0.4) * d
         at = min(at, d - 1.3 * prefill_s - 10)
     at = max(at, 15.0)
-    e.parts.append(_ordinary(rng, e, 0.0, at - 10, load=(0.15, 0.3)))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, at - 10, load=(0.15, 0.3)))
     e.parts.append(_decoding_pool(rng, e, at - 3, at - 0.5, output))
     e.parts.append([one_request(f"{e.name}-monster-{tokens // 1000}k", at, tokens, rng.randint(50, 200))])
-    e.parts.append(_ordinary(rng, e, at + prefill_s + 5, d, prefix="after", load=(0.15, 0.3)))
+    e.parts.append(ordinary_traffic(rng, e, at + prefill_s + 5, d, prefix="after", load=(0.15, 0.3)))
     return {"monster_prompt_tokens": tokens, "monster_at_s": round(at, 1), "monster_prefill_s": round(prefill_s, 1)}
 
 
-def _head_of_line(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _head_of_line(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """A long prompt, then a burst of short requests that wait behind its prefill."""
     d = e.duration_s
     tokens = tokens_for_prefill(e.cost, rng.uniform(10, 30), e.budget, 400_000)
     prefill_s = prefill_seconds(e.cost, tokens, e.budget)
     at = rng.uniform(0.25, 0.45) * d
     light = replace(e.mix, output_median=min(e.mix.output_median, 60))
-    e.parts.append(_ordinary(rng, e, 0.0, at, load=(0.05, 0.15), mix=light))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, at, load=(0.05, 0.15), mix=light))
     e.parts.append([one_request(f"{e.name}-long-{tokens // 1000}k", at, tokens, rng.randint(50, 200))])
     shorts = rng.randint(30, 100)
     span = min(0.6 * prefill_s, 15.0)
@@ -259,12 +274,12 @@ def _head_of_line(rng: random.Random, e: _Engine) -> dict[str, Any]:
                     rng.randint(20, 60))
     start = at + rng.uniform(0.5, 2.0)
     e.parts.append(arrivals(rng, f"{e.name}-short", start, start + span, shorts / span, short_mix))
-    e.parts.append(_ordinary(rng, e, at + prefill_s + 20, d, prefix="after", load=(0.05, 0.15), mix=light))
+    e.parts.append(ordinary_traffic(rng, e, at + prefill_s + 20, d, prefix="after", load=(0.05, 0.15), mix=light))
     return {"long_prompt_tokens": tokens, "long_at_s": round(at, 1), "long_prefill_s": round(prefill_s, 1),
             "shorts": shorts}
 
 
-def _overload(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _overload(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """Ordinary prompts arriving faster than the engine serves them, from part-way through to the end."""
     d = e.duration_s
     e.drain_s = 0.0
@@ -274,13 +289,13 @@ def _overload(rng: random.Random, e: _Engine) -> dict[str, Any]:
     e.config = replace(e.config, max_num_seqs=seqs)
     onset = rng.uniform(0.2, 0.45) * d
     factor = rng.uniform(1.6, 3.0)
-    e.parts.append(_ordinary(rng, e, 0.0, onset, load=(0.25, 0.4)))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, onset, load=(0.25, 0.4)))
     rate = factor * e.capacity(batch=seqs)
     e.parts.append(arrivals(rng, f"{e.name}-surge", onset, d, rate, e.mix))
     return {"onset_s": round(onset, 1), "arrivals_over_capacity": round(factor, 2)}
 
 
-def _kv_pressure(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _kv_pressure(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """Too few KV blocks for the requests in flight: the engine preempts and recomputes."""
     mix = replace(e.mix, output_median=max(e.mix.output_median, 200), max_prompt=min(e.mix.max_prompt, 8192),
                   prompt_median=min(e.mix.prompt_median, 2730))
@@ -303,7 +318,7 @@ def _kv_pressure(rng: random.Random, e: _Engine) -> dict[str, Any]:
     return {"kv_capacity_tokens": e.config.kv_capacity_tokens, "expected_kv_demand_tokens": round(need)}
 
 
-def _throttling(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _throttling(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     d = e.duration_s
     watts = rng.uniform(120, 200)
     whole = rng.random() < 0.3
@@ -311,11 +326,11 @@ def _throttling(rng: random.Random, e: _Engine) -> dict[str, Any]:
     end = d + e.drain_s if whole else start + rng.uniform(0.3, 0.5) * d
     e.power_cap = PowerCap(start, end, watts)
     e.mix = replace(e.mix, output_median=max(e.mix.output_median, 150))
-    e.parts.append(_ordinary(rng, e, 0.0, d, load=(0.2, 0.35)))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, d, load=(0.2, 0.35)))
     return {"cap_w": round(watts), "cap_start_s": round(start, 1), "cap_end_s": round(end, 1), "whole": whole}
 
 
-def _prefix_collapse(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _prefix_collapse(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     d = e.duration_s
     prompt_cap = tokens_for_prefill(e.cost, 0.5, e.budget, 8192)
     mix = Mix(max(64, min(3000, prompt_cap // 3)), 0.5, max(128, prompt_cap), (0.9, 0.99),
@@ -329,21 +344,21 @@ def _prefix_collapse(rng: random.Random, e: _Engine) -> dict[str, Any]:
     return {"collapse_at_s": round(at, 1), "rate_per_s": round(rate, 2)}
 
 
-def _wedge(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _wedge(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """Clients that disconnect early leak their slots until max_num_seqs is used up; traffic keeps arriving."""
     d = e.duration_s
     seqs = rng.randint(8, 24)
     e.config = replace(e.config, max_num_seqs=seqs, leak_aborted_slots=True)
     e.drain_s = 0.0
     e.mix = replace(e.mix, output_median=min(e.mix.output_median, 100))
-    e.parts.append(_ordinary(rng, e, 0.0, d, load=(0.1, 0.25)))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, d, load=(0.1, 0.25)))
     last = rng.uniform(0.1, 0.25) * d
     e.parts.append([Arrival(rng.uniform(0.05 * d, last), f"{e.name}-gone-{i:02d}", rng.randint(200, 1000),
                             rng.randint(1, 5), 0.5, "abort", 256) for i in range(seqs)])
     return {"max_num_seqs": seqs, "aborted": seqs, "last_abort_s": round(last, 1)}
 
 
-def _config_not_in_effect(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _config_not_in_effect(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """A long_prefill_token_threshold that is reported but not applied; documents prefill in full chunks."""
     budget = rng.choice((4096, 8192, 16384))
     threshold = budget // rng.choice((4, 8))
@@ -362,38 +377,38 @@ def _config_not_in_effect(rng: random.Random, e: _Engine) -> dict[str, Any]:
         tokens = round(budget * rng.uniform(2.0, 4.0))
         doc_s = prefill_seconds(e.cost, tokens, budget)
         at = t + rng.uniform(0.3, 0.5) * slot
-        e.parts.append(_ordinary(rng, e, t, at - drain, prefix=f"chat{i}", load=(0.1, 0.25)))
+        e.parts.append(ordinary_traffic(rng, e, t, at - drain, prefix=f"chat{i}", load=(0.1, 0.25)))
         e.parts.append([one_request(f"{e.name}-document-{i}", at, tokens, rng.randint(20, 100), 0.0)])
         placed += 1
         t = at + doc_s + 2
-    e.parts.append(_ordinary(rng, e, t, d, prefix="chat-end", load=(0.1, 0.25)))
+    e.parts.append(ordinary_traffic(rng, e, t, d, prefix="chat-end", load=(0.1, 0.25)))
     return {"threshold": threshold, "budget": budget, "documents": placed}
 
 
-def _spec_shift(rng: random.Random, e: _Engine, seed: int) -> dict[str, Any]:
+def _spec_shift(rng: random.Random, e: DrawnEngine, seed: int) -> dict[str, Any]:
     d = e.duration_s
     before, after = rng.uniform(0.7, 0.9), rng.uniform(0.1, 0.3)
     at = rng.uniform(0.35, 0.6) * d
     e.config = replace(e.config, speculative=SpecDecode(rng.randint(3, 5), before, at, after, seed=seed))
     e.mix = replace(e.mix, output_median=max(e.mix.output_median, 150))
-    e.parts.append(_ordinary(rng, e, 0.0, d, load=(0.25, 0.4)))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, d, load=(0.25, 0.4)))
     return {"acceptance_before": round(before, 2), "acceptance_after": round(after, 2), "shift_at_s": round(at, 1)}
 
 
-def _xid(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _xid(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     e.xid_at_s = rng.uniform(0.3, 0.7) * e.duration_s
-    e.parts.append(_ordinary(rng, e, 0.0, e.duration_s))
+    e.parts.append(ordinary_traffic(rng, e, 0.0, e.duration_s))
     return {"xid_at_s": round(e.xid_at_s, 1)}
 
 
-def _legitimately_slow(rng: random.Random, e: _Engine) -> dict[str, Any]:
+def _legitimately_slow(rng: random.Random, e: DrawnEngine) -> dict[str, Any]:
     """One 700k-token request alone: a long prefill and a slow decode, and nothing wrong."""
     e.config = replace(e.config, speculative=None)
     e.parts.append([one_request(f"{e.name}-long-700k", 0.5, 700_000, rng.randint(500, 3000), 0.9)])
     return {"prompt_tokens": 700_000}
 
 
-def _inject(rng: random.Random, cause: str, e: _Engine, seed: int) -> dict[str, Any]:
+def _inject(rng: random.Random, cause: str, e: DrawnEngine, seed: int) -> dict[str, Any]:
     """Inject `cause` into engine `e` (its traffic and settings); returns what was injected ("healthy": nothing)."""
     match cause:
         case "monster_finished" | "monster_in_flight":
@@ -427,7 +442,7 @@ def generate(seed: int) -> Case:
     cause = CAUSE_NAMES[seed % len(CAUSE_NAMES)]
     duration = rng.uniform(60, 180)
     count = rng.choices((1, 2, 3), weights=(0.45, 0.35, 0.2))[0]
-    engines = [_draw_engine(rng, ENGINE_NAMES[i], duration, seed) for i in range(count)]
+    engines = [draw_engine(rng, ENGINE_NAMES[i], duration, seed) for i in range(count)]
     # Fast engines step often: their windows are short (60-72 s at the fastest), so replays stay quick.
     duration = round(60 + (duration - 60) * min(1.0, min(e.speed for e in engines)))
     for e in engines:
@@ -438,7 +453,7 @@ def generate(seed: int) -> Case:
     facts = _inject(rng, cause, t, seed)
     for i, e in enumerate(engines):
         if i != target or cause == "healthy":
-            e.parts = [_ordinary(rng, e, 0.0, e.duration_s)]
+            e.parts = [ordinary_traffic(rng, e, 0.0, e.duration_s)]
     truth_engine = t.name if kind is not None else None
     where = f" on {t.name}" if cause != "healthy" else ""
     described = ", ".join(f"{e.name} x{e.speed:.2g} budget {e.budget}"
@@ -466,7 +481,7 @@ def live_case(cause: str, seed: int = 0, duration_s: float = 75.0) -> tuple[Case
     if cause not in LIVE_CAUSES:
         raise ValueError(f"unknown live cause {cause!r}; one of {', '.join(LIVE_CAUSES)}")
     rng = random.Random(f"stepline-live-{cause}-{seed}")
-    e = _draw_engine(rng, ENGINE_NAMES[0], duration_s, seed, LIVE_SPEEDS)
+    e = draw_engine(rng, ENGINE_NAMES[0], duration_s, seed, LIVE_SPEEDS)
     e.config = replace(e.config, speculative=None)
     base = "gpu_throttling" if cause.startswith("gpu_throttling") else cause
     facts = _inject(rng, base, e, seed)
@@ -476,7 +491,7 @@ def live_case(cause: str, seed: int = 0, duration_s: float = 75.0) -> tuple[Case
         e.power_cap = PowerCap(start, end, facts["cap_w"])
         facts.update(cap_start_s=start, cap_end_s=end, whole=False)
     elif base == "healthy":
-        e.parts = [_ordinary(rng, e, 0.0, duration_s)]
+        e.parts = [ordinary_traffic(rng, e, 0.0, duration_s)]
     kind = CAUSES[base]
     onset = None if kind is None else float(facts.get(_ONSET_FACT.get(base, ""), 0.0))
     description = (f"{cause} ({', '.join(f'{k}={v}' for k, v in facts.items())}); {e.name} x{e.speed:.2g} "

@@ -219,6 +219,51 @@ def scenarios() -> list[dict[str, object]]:
                 }]},
             ],
         },
+        {   # A lane whose slots leaked: the gateway holds 4 on an idle engine (critical), 4 on an engine running 1
+            # (warning, 3 leaked); a gateway in step with its engine, one request in transit, is quiet.
+            "name": "slots a gateway leaked page, one in transit does not",
+            "input_series": [
+                series("stepline_gateway_in_flight", 'gateway="router",engine="heavy",source="decisions"', "4x40"),
+                *engine("heavy", "idle", "0x40", "5x40", "0x40", "0x40", "0x40"),
+                series("stepline_gateway_in_flight", 'gateway="router",engine="busy",source="decisions"', "4x40"),
+                *engine("busy", "progressing", "0x40", "5x40", "0x40", "1x40", "0.5x40"),
+                series("stepline_gateway_in_flight",
+                       'gateway="router",engine="fast",source="vllm_router_running_requests"', "6x40"),
+                *engine("fast", "progressing", "0x40", "5x40", "1x40", "4x40", "0.6x40"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": "GatewaySlotLeak", "exp_alerts": []},
+                {"eval_time": "8m", "alertname": "GatewaySlotLeak", "exp_alerts": [
+                    {"exp_labels": labels(gateway="router", engine="busy", source="decisions", severity="warning"),
+                     "exp_annotations": expected("GatewaySlotLeak", "warning", gateway="router", source="decisions",
+                                                 engine="busy", value="3")},
+                    {"exp_labels": labels(gateway="router", engine="heavy", source="decisions", severity="critical"),
+                     "exp_annotations": expected("GatewaySlotLeak", "critical", gateway="router", source="decisions",
+                                                 engine="heavy", value="4")},
+                    {"exp_labels": labels(gateway="router", engine="heavy", source="decisions", severity="warning"),
+                     "exp_annotations": expected("GatewaySlotLeak", "warning", gateway="router", source="decisions",
+                                                 engine="heavy", value="4")},
+                ]},
+            ],
+        },
+        {   # A hook failing open on one decision every 30 s to the fast lane; the heavy lane's are answered.
+            "name": "a routing hook that fails open is ticketed",
+            "input_series": [
+                series("stepline_gateway_decisions_total", 'gateway="router",lane="fast",outcome="failed_open"',
+                       "0x10 1+1x30"),
+                series("stepline_gateway_decisions_total", 'gateway="router",lane="heavy",outcome="answered"',
+                       "0+5x40"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "GatewayFailOpen", "exp_alerts": []},
+                {"eval_time": "12m", "alertname": "GatewayFailOpen", "exp_alerts": [{
+                    "exp_labels": labels(gateway="router", lane="fast", severity="warning"),
+                    # 14 increases in the last 10 min, as increase() extrapolates them from the samples.
+                    "exp_annotations": expected("GatewayFailOpen", "warning", gateway="router", lane="fast",
+                                                value="14"),
+                }]},
+            ],
+        },
         {   # The collector drops rows (20/s) and plugin records; a machine without GPUs is not a down source.
             "name": "collector dropping data and sources down",
             "input_series": [

@@ -13,7 +13,17 @@ from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
 from stepline.core.selfmetrics import SelfMetrics
-from stepline.model.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
+from stepline.model.rows import (
+    EngineSample,
+    Event,
+    GatewayDecision,
+    GatewaySample,
+    GpuSample,
+    Request,
+    Row,
+    Step,
+    micros,
+)
 from stepline.sim.vllm_server import SimServer
 from stepline.store.reads import Reads
 from stepline.testing.sink import wait_until
@@ -422,3 +432,79 @@ def test_the_collector_exports_the_watchdog_on_its_metrics(store_url: str, stead
             "SELECT count() FROM events WHERE kind = 'engine_state' AND engine = 'dead'").result_rows[0][0] >= 1)
     finally:
         collector.stop()
+
+
+# --- gateways in front: lanes, their budgets, the gateway's slots and decisions ---
+
+def _decision(h: Harness, engine: str, lane: str, *, in_flight: int | None = None, status: int = 200,
+              sized: bool = True, swallowed: str = "", disconnected: bool = False) -> None:
+    size = 1_000 if sized else None
+    h.dog.observe([GatewayDecision(micros(h.now), "h", engine, "router", "r1", 1, lane, [], size, size, None,
+                                   400_000.0, "chars", "", in_flight, status, "", disconnected, None,
+                                   micros(h.now), swallowed)])
+
+
+@pytest.mark.parametrize(("lane", "state"), [("heavy", "progressing"), ("fast", "stalled")])
+def test_a_lane_slow_by_design_has_room_its_other_lanes_do_not(lane: str, state: str) -> None:
+    """One step of one decoding request, then 90 s of nothing: a stall on the fast lane, within the heavy
+    lane's 300 s floor (the seed's 719k-token decode outlived a 90 s probe)."""
+    h = Harness(lane_budgets={"heavy": 300.0})
+    _decision(h, E, lane)
+    h.step(decoding=1, running=1)
+    h.tick(90)
+    assert h.state() == state
+    assert h.value("stepline_engine_lane_info", gateway="router", lane=lane) == 1
+    assert h.value("stepline_engine_progress_budget_seconds") == (300.0 if lane == "heavy" else 5.0)
+
+
+def test_a_crash_pages_on_the_slow_lane_at_once() -> None:
+    h = Harness(lane_budgets={"heavy": 300.0})
+    _decision(h, E, "heavy")
+    h.step(decoding=1, running=1)
+    h.dog.observe([Event(micros(h.now), "h", E, "vllm_metrics", "engine_down", "critical", "connection refused",
+                         {})])
+    h.tick(1)
+    assert h.state() == "down"
+
+
+def test_an_engine_moved_to_another_lane_carries_only_its_latest() -> None:
+    h = Harness(lane_budgets={"heavy": 300.0})
+    _decision(h, E, "heavy")
+    _decision(h, E, "fast")
+    h.step(decoding=1, running=1)
+    h.tick(30)
+    assert h.state() == "stalled"  # the fast lane's budget: its own 5 s floor
+    assert h.value("stepline_engine_lane_info", gateway="router", lane="heavy") is None
+    assert h.value("stepline_engine_lane_info", gateway="router", lane="fast") == 1
+
+
+def test_decisions_are_counted_by_outcome() -> None:
+    h = Harness()
+    _decision(h, E, "fast")
+    _decision(h, E, "fast", sized=False)  # measured nothing against its bar: failed open
+    _decision(h, E, "fast", swallowed="KeyError: 'messages'")
+    _decision(h, E, "heavy", status=429)
+    _decision(h, E, "heavy", status=499, disconnected=True)
+    _decision(h, E, "heavy", status=502)
+    counted = {(lane, outcome): h.metrics.registry.get_sample_value(
+        "stepline_gateway_decisions_total", {"gateway": "router", "lane": lane, "outcome": outcome})
+        for lane, outcome in (("fast", "answered"), ("fast", "failed_open"), ("heavy", "refused"),
+                              ("heavy", "disconnected"), ("heavy", "error"))}
+    assert counted == {("fast", "answered"): 1, ("fast", "failed_open"): 2, ("heavy", "refused"): 1,
+                       ("heavy", "disconnected"): 1, ("heavy", "error"): 1}
+
+
+def test_the_gateways_slots_are_exported_while_fresh() -> None:
+    h = Harness()
+    _decision(h, "heavy-0", "heavy", in_flight=4, status=429)
+    h.dog.observe([GatewaySample(micros(h.now), "h", "heavy-0", "vr", "vllm_router_running_requests", "gauge",
+                                 {"worker": "http://heavy-0"}, 3.0, 0.0)])
+    h.clock.advance(1)
+    h.dog.evaluate()
+    source = {"gateway": "router", "engine": "heavy-0", "source": "decisions"}
+    scraped = {"gateway": "vr", "engine": "heavy-0", "source": "vllm_router_running_requests"}
+    assert h.metrics.registry.get_sample_value("stepline_gateway_in_flight", source) == 4
+    assert h.metrics.registry.get_sample_value("stepline_gateway_in_flight", scraped) == 3
+    h.clock.advance(61)  # no decision and no scrape for a minute: nothing said about the slots now
+    h.dog.evaluate()
+    assert h.metrics.registry.get_sample_value("stepline_gateway_in_flight", source) is None

@@ -36,9 +36,20 @@ class AlertConfig:
     page fires while the queue is still growing."""
     hol_critical_requests: int = 10
     hol_critical_for: str = "1m"
-    diagnosed_kinds: tuple[str, ...] = ("gpu_throttling", "overload", "spec_decode_acceptance_shift")
+    diagnosed_kinds: tuple[str, ...] = ("gpu_throttling", "overload", "spec_decode_acceptance_shift", "lane_leak",
+                                        "orphaned_engine_work")
     """Causes the watchdog's diagnosis names that no other alert tells (a power cap holding clocks down, arrivals
-    above capacity, speculative acceptance falling): EngineDiagnosed tickets them, its text the finding."""
+    above capacity, speculative acceptance falling, monsters a gateway sent to the fast lane under a bar in the wrong
+    unit, engine work for clients that left): EngineDiagnosed tickets them, its text the finding."""
+    gateway_leaked_slots: int = 2
+    """A gateway holding this many more requests in flight to a backend than the engine runs and queues, through
+    the whole lookback, leaked them (released on success or failure, never on a client's disconnect)."""
+    gateway_leak_lookback: str = "5m"
+    gateway_leak_for: str = "5m"
+    gateway_fail_open_decisions: int = 3
+    """Routing decisions that failed open (a hook swallowed an exception, or measured nothing against its bar) in
+    gateway_fail_open_window before a gateway is ticketed."""
+    gateway_fail_open_window: str = "10m"
     diagnosed_for: str = "1m"
     prefix_cache_drop_factor: float = 0.5
     """Hit ratio below this fraction of its own 1 h average is a collapse."""

@@ -42,7 +42,7 @@ WATCHDOG_CONTEXT = (
 def alerts(cfg: AlertConfig) -> list[Alert]:
     """Every alert, in the order they appear in the rule file."""
     return [*_engine_liveness(cfg), *_engine_latency(cfg), *_engine_cache(cfg), *_engine_diagnosis(cfg),
-            *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg), *_dead_mans_switch()]
+            *_gateways(cfg), *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg), *_dead_mans_switch()]
 
 
 def _diagnose_hint(cfg: AlertConfig) -> str:
@@ -190,6 +190,50 @@ def _engine_diagnosis(cfg: AlertConfig) -> list[Alert]:
             "The watchdog's diagnosis of engine [engine] names a cause no other alert pages on, for "
             f"{cfg.diagnosed_for}: [finding]. (GPU throttling here includes a power cap holding clocks below the "
             "GPU's maximum, which GpuThrottling leaves out because sw_power_cap alone is normal under load.) " + diag,
+        ),
+    ]
+
+
+def _gateways(cfg: AlertConfig) -> list[Alert]:
+    """The gateway in front of the engines: slots it leaked, and a routing hook that fails open."""
+    s = cfg.sel
+    diag = _diagnose_hint(cfg)
+    lookback = cfg.gateway_leak_lookback
+    # What the gateway holds at its least over the lookback, against what the engine held at its most: a lower bound
+    # of the slots leaked, whatever the traffic did meanwhile.
+    held = (f"max by (job, instance, engine) (max_over_time(stepline_engine_running_requests{s()}[{lookback}])\n"
+            f"    + max_over_time(stepline_engine_waiting_requests{s()}[{lookback}]))")
+    leaked = (f"min_over_time(stepline_gateway_in_flight{s()}[{lookback}])\n"
+              f"  - on (job, instance, engine) group_left ()\n  {held}")
+    failed_open = s('outcome="failed_open"')
+    return [
+        Alert(
+            "GatewaySlotLeak", "warning",
+            f"({leaked}) >= {cfg.gateway_leaked_slots}",
+            cfg.gateway_leak_for,
+            "Gateway [gateway] holds [value] more slots on [engine] than the engine runs.",
+            f"Gateway [gateway] ([source]) has held [value] more requests in flight to engine [engine] than the engine "
+            f"ran and queued, through the last {lookback}: slots released on success or failure but not on a "
+            "client's disconnect. The lane refuses or queues work its engine could do. " + diag,
+        ),
+        Alert(
+            "GatewaySlotLeak", "critical",
+            f"({leaked}) >= {cfg.gateway_leaked_slots}\n  and on (job, instance, engine) ({held}) == 0",
+            cfg.gateway_leak_for,
+            "Gateway [gateway] holds [value] leaked slots on [engine] while the engine is idle.",
+            f"Gateway [gateway] ([source]) holds [value] slots on engine [engine] beyond what it runs, and the "
+            f"engine has run and queued nothing for {lookback}: the lane is wedged at the gateway while its GPUs "
+            "idle. Restart the gateway or reset its counters; release slots on every exit path. " + diag,
+        ),
+        Alert(
+            "GatewayFailOpen", "warning",
+            f"sum by (job, instance, gateway, lane) (increase(stepline_gateway_decisions_total{failed_open}"
+            f"[{cfg.gateway_fail_open_window}]))\n  >= {cfg.gateway_fail_open_decisions}",
+            "0m",
+            "Gateway [gateway] failed open on [value] decisions to lane [lane].",
+            "Gateway [gateway]'s routing hook swallowed exceptions or measured nothing against its size bar on "
+            f"[value] decisions in {cfg.gateway_fail_open_window}, and routed them to lane [lane] anyway: monsters can "
+            f"land on the fast lane, unseen. Run: stepline diagnose --since {cfg.diagnose_since}",
         ),
     ]
 

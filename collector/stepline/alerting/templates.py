@@ -6,7 +6,7 @@ import re
 
 from stepline.alerting.config import AlertConfig
 
-LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind")
+LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind", "gateway", "lane")
 _TOKEN = re.compile(r"\[(" + "|".join((*LABELS, "value", "value_duration", "value_ratio", "value_rate",
                                        "state", "budget", "age", "waiting", "running", "finding")) + r")\]")
 

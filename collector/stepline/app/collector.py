@@ -91,7 +91,7 @@ class Collector:
                 self._remember_engine_models(self.store)
             self.writers.start()
             self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
-                                     reader_factory=sink.reader)
+                                     reader_factory=sink.reader, lane_budgets=s.lane_budget_map())
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()

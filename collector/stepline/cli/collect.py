@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a gateway in front of the engines whose /metrics to scrape into gateway_samples: a "
                              "LiteLLM proxy or vllm-router, e.g. router=http://127.0.0.1:29000 (repeat for several; "
                              "default $STEPLINE_GATEWAYS, comma-separated)")
+    parser.add_argument("--lane-budget", action="append", default=None, metavar="LANE=SECONDS",
+                        help="the least stall budget of the engines a gateway's decisions put in LANE, e.g. "
+                             "heavy=300 for a lane slow by design (repeatable; $STEPLINE_LANE_BUDGETS, "
+                             "comma-separated): its long work never pages, its crashes still do")
     parser.add_argument("--role", choices=ROLES,
                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
@@ -72,6 +76,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         engine_processes=tuple(args.engine_process) if args.engine_process else None,
         engines=tuple(args.engine) if args.engine else None,
         gateways=tuple(args.gateway) if args.gateway else None,
+        lane_budgets=tuple(args.lane_budget) if args.lane_budget else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
         role=args.role, pod_resources_socket=args.pod_resources_socket,
     )

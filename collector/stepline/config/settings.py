@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -49,6 +50,8 @@ class Settings:
     otlp_token: str | None = field(default=None, repr=False)
     plugin_token: str | None = field(default=None, repr=False)
     gateway_token: str | None = field(default=None, repr=False)  # sent as a Bearer token to each gateway's /metrics
+    # LANE=SECONDS: the least stall budget of the engines a gateway sends that lane to (a lane slow by design)
+    lane_budgets: tuple[str, ...] = ()
     writer_max_rows: int = 200_000
     writer_batch_rows: int = 20_000
     flush_interval_s: float = 1.0  # also the spool's sync interval: what a kill -9 can lose
@@ -130,6 +133,7 @@ class Settings:
             if not (name and sep and (how.isdigit() or (how.startswith("cmdline:") and len(how) > 8))):
                 raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
         self.engine_gpu_map()
+        self.lane_budget_map()
         if self.role not in ROLES:
             raise SettingsError(f"role {self.role!r} must be one of {', '.join(ROLES)}")
         if self.role == "node" and self.engines:
@@ -138,6 +142,20 @@ class Settings:
         if self.role == "node" and not self.pod_resources_socket:
             raise SettingsError("role node needs a pod-resources socket (STEPLINE_POD_RESOURCES_SOCKET)")
         return self
+
+    def lane_budget_map(self) -> dict[str, float]:
+        """lane -> least stall budget in seconds, from lane_budgets; raises SettingsError naming a bad entry."""
+        budgets: dict[str, float] = {}
+        for spec in self.lane_budgets:
+            lane, sep, seconds = spec.partition("=")
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = math.nan
+            if not (lane.strip() and sep and math.isfinite(value) and value > 0):
+                raise SettingsError(f"lane budget {spec!r} must be LANE=SECONDS, seconds positive (e.g. heavy=300)")
+            budgets[lane.strip()] = value
+        return budgets
 
     def engine_gpu_map(self) -> dict[str, str]:
         """GPU UUID -> engine from engine_gpus; raises SettingsError naming a bad or twice-given entry."""
@@ -248,6 +266,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("pod_resources_socket", "STEPLINE_POD_RESOURCES_SOCKET", str),
     ("engines", "STEPLINE_ENGINES", _csv),
     ("gateways", "STEPLINE_GATEWAYS", _csv),
+    ("lane_budgets", "STEPLINE_LANE_BUDGETS", _csv),
     ("host_name", "STEPLINE_HOST_NAME", str),
     ("listen", "STEPLINE_LISTEN", str),
     ("metrics_port", "STEPLINE_METRICS_PORT", int),

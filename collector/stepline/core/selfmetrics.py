@@ -132,6 +132,18 @@ class SelfMetrics:
             "stepline_gpu_row_remap", "1 while the GPU's latest row-remapping reading has the state: pending (a "
             "remap waits for a GPU reset) or failed (no spare rows left); NVML nvmlDeviceGetRemappedRows.",
             ["engine", "gpu", "state"], registry=r)
+        # The gateways in front of the engines, as their decisions and /metrics tell the watchdog.
+        self.lane_info = Gauge("stepline_engine_lane_info", "1 for the gateway and lane whose latest decision sent "
+                               "a request to the engine (a per-lane budget, when one is set, applies to it).",
+                               ["engine", "gateway", "lane"], registry=r)
+        self.gateway_in_flight = Gauge(
+            "stepline_gateway_in_flight", "Requests a gateway holds in flight to a backend engine, from the gateway's "
+            "own /metrics (source: the metric) or its latest decision's in_flight (source: decisions), while fresh "
+            "(60 s); above the engine's running + waiting, slots leaked.", ["gateway", "engine", "source"], registry=r)
+        self.gateway_decisions = Counter(
+            "stepline_gateway_decisions", "Routing decisions received, by outcome: answered, refused (429/503), error, "
+            "disconnected (the client left), failed_open (a hook swallowed an exception or measured nothing).",
+            ["gateway", "lane", "outcome"], registry=r)
         self.top_finding = Gauge("stepline_engine_top_finding_info",
                                  "The engine's top warning or critical diagnosis finding over the last 5 minutes "
                                  "(refreshed on each state change and every few seconds while work is in flight).",

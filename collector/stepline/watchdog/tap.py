@@ -14,13 +14,25 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from stepline.core.clock import Clock, SystemClock
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
-from stepline.model.rows import EngineSample, Event, GpuSample, Request, Row, Step, micros
+from stepline.diagnosis.gateway import IN_FLIGHT_METRICS
+from stepline.model.rows import (
+    EngineSample,
+    Event,
+    GatewayDecision,
+    GatewaySample,
+    GpuSample,
+    Request,
+    Row,
+    Step,
+    micros,
+)
 from stepline.store.reads import Reads
 from stepline.watchdog.budget import STATES, Assessment, EngineModel, Policy
 
@@ -31,6 +43,10 @@ SEVERITY = {"idle": "info", "progressing": "info", "slow": "warning", "stalled":
 CLOCK_REASONS = ("sw_power_cap", "hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
                  "hw_power_brake_slowdown")
 GPU_PRESENT_WINDOW_S = 60.0
+# A gateway's in-flight count is exported while its latest reading is this recent: a decision's count is true when it
+# was made, and a lane that stopped deciding says nothing about its slots now.
+GATEWAY_FRESH_S = 60.0
+_IN_FLIGHT_METRICS = frozenset(IN_FLIGHT_METRICS)
 
 Emit = Callable[[Sequence[Row]], object]
 Label = tuple[str, str, str]  # kind, severity, title
@@ -62,7 +78,11 @@ class Watchdog:
     def __init__(self, metrics: SelfMetrics, emit: Emit, *, host: str = "", clock: Clock | None = None,
                  policy: Policy | None = None, interval_s: float = 1.0,
                  reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_findings,
-                 diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0) -> None:
+                 diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0,
+                 lane_budgets: dict[str, float] | None = None) -> None:
+        """`lane_budgets`: lane -> the least stall budget (seconds) of the engines a gateway sends that lane to; a
+        lane that is slow by design (monsters pinned to it) gets room, while its crashes and refusals (EngineDown)
+        page as on any lane."""
         self._metrics = metrics
         self._emit = emit
         self._host = host
@@ -86,6 +106,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors = RateLimitedLog(log, interval_s=60.0)
+        self._lane_budgets = dict(lane_budgets or {})
+        self._lanes: dict[str, tuple[str, str]] = {}  # engine -> (gateway, lane) of its latest decision
+        self._in_flight: dict[tuple[str, str, str], tuple[float, float]] = {}  # (gateway, engine, source) -> ts, n
         metrics.gpu_present.set(0)
 
     # --- the tap: on the ingest path, so it files rows and nothing more ---
@@ -108,6 +131,10 @@ class Watchdog:
                         self._event(row)
                     elif type(row) is Request and row.engine:
                         self._model(row.engine, row.ts).request(row)
+                    elif type(row) is GatewayDecision:
+                        self._decision(row)
+                    elif type(row) is GatewaySample and row.engine and row.metric in _IN_FLIGHT_METRICS:
+                        self._held(row.gateway, row.engine, row.metric, row.ts, row.value)
         except Exception as exc:  # the watchdog must never cost the timeline a row
             self._errors.warning("observe", "watchdog could not file rows: %s: %s", type(exc).__name__, exc)
 
@@ -116,6 +143,29 @@ class Watchdog:
         if model is None:
             model = self._engines[engine] = EngineModel(engine, ts / 1e6, self._policy)
         return model
+
+    def _decision(self, d: GatewayDecision) -> None:
+        self._metrics.gateway_decisions.labels(d.gateway, d.lane, _outcome(d)).inc()
+        if not d.engine:
+            return
+        if d.in_flight is not None:
+            self._held(d.gateway, d.engine, "decisions", d.ts, float(d.in_flight))
+        lane = (d.gateway, d.lane)
+        if self._lanes.get(d.engine) != lane:
+            old = self._lanes.get(d.engine)
+            if old is not None:
+                _remove(self._metrics.lane_info, d.engine, *old)
+            self._lanes[d.engine] = lane
+            self._metrics.lane_info.labels(d.engine, *lane).set(1)
+            model = self._model(d.engine, d.ts)
+            floor = self._lane_budgets.get(d.lane)
+            model.policy = replace(self._policy, floor_s=max(self._policy.floor_s, floor)) if floor else self._policy
+
+    def _held(self, gateway: str, engine: str, source: str, ts: int, value: float) -> None:
+        key = (gateway, engine, source)
+        seconds = ts / 1e6
+        if seconds >= self._in_flight.get(key, (0.0, 0.0))[0]:
+            self._in_flight[key] = (seconds, value)
 
     def _gpu(self, g: GpuSample) -> None:
         self._gpus[(g.engine, g.gpu_index)] = g
@@ -189,6 +239,7 @@ class Watchdog:
                         events.append(self._state_event(now, a, previous))
                 self._export(a, model)
             self._export_gpus(now)
+            self._export_gateways(now)
         if events:
             self._emit(events)
         return assessments
@@ -247,6 +298,14 @@ class Watchdog:
                 if value is not None:  # None: the GPU has no row remapper, or the reading failed
                     m.gpu_row_remap.labels(engine, gpu, state).set(1 if value else 0)
 
+    def _export_gateways(self, now: float) -> None:
+        for key, (ts, value) in list(self._in_flight.items()):
+            if now - ts <= GATEWAY_FRESH_S:
+                self._metrics.gateway_in_flight.labels(*key).set(value)
+            else:
+                del self._in_flight[key]
+                _remove(self._metrics.gateway_in_flight, *key)
+
     # --- each engine's top finding ---
 
     def _due(self, now: float) -> list[str]:
@@ -294,6 +353,21 @@ class Watchdog:
         if found is not None:
             self._metrics.top_finding.labels(engine, *found).set(1)
         self._findings[engine] = (at, state, found)
+
+
+def _outcome(d: GatewayDecision) -> str:
+    """What became of a decision, for the gateway_decisions counter."""
+    # Unmeasured counts only against a bar in force: a gateway that does not route by size measures nothing.
+    unmeasured = d.size_chars is None and d.size_bytes is None and d.size_tokens is None
+    if d.swallowed_exception or (unmeasured and d.threshold is not None):
+        return "failed_open"
+    if d.client_disconnected:
+        return "disconnected"
+    if d.status in (429, 503):
+        return "refused"
+    if d.status >= 400 or d.error_type:
+        return "error"
+    return "answered"
 
 
 def _remove(gauge: Any, *labels: str) -> None:

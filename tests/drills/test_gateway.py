@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,7 +15,16 @@ import pytest
 from stepline.cli.main import main
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Finding, Window
-from stepline.drills.gateway import SEED_DISCONNECTS, SEED_HEAVY_SLOTS, SEED_MONSTERS, seed_story
+from stepline.drills.gateway import (
+    GATEWAY_CAUSE_NAMES,
+    SEED_DISCONNECTS,
+    SEED_HEAVY_SLOTS,
+    SEED_MONSTERS,
+    generate_gateway,
+    replay,
+    seed_story,
+)
+from stepline.drills.generator import REPLAY_LEAD_S, judge
 from stepline.sim.gateway import CHARS_PER_TOKEN, SimGateway
 from stepline.store.store import Store
 
@@ -82,3 +92,21 @@ def test_the_demo_prints_the_story_in_the_routers_and_the_engines_terms(
 def test_the_gateway_demo_is_a_fast_replay_only() -> None:
     with pytest.raises(SystemExit, match="give --fast"):
         main(["demo", "--gateway", "--store", "chdb:///nonexistent"])
+
+
+@pytest.mark.parametrize("seed", range(len(GATEWAY_CAUSE_NAMES)))
+def test_each_generated_gateway_cause_is_named_first(chdb_dir: Path, seed: int) -> None:
+    """One generated case per gateway cause (the seed picks it), replayed and diagnosed; healthy lanes and a
+    legitimately slow heavy lane must raise nothing above info. benchmarks/diagnosis_generated.py --family gateway
+    scores many more."""
+    case = generate_gateway(seed)
+    url = f"chdb://{chdb_dir}?database=gwcase_{seed}_{uuid.uuid4().hex[:6]}"
+    _, _, window = replay(case.case, url, end_at=time.time() + REPLAY_LEAD_S)
+    store = Store.open(url)
+    try:
+        verdict = judge(case, sorted(diagnose(store, window), key=Finding.rank_key))
+    finally:
+        store.client.command(f"DROP DATABASE IF EXISTS `{store.database}`")
+        store.close()
+    assert verdict.cause == GATEWAY_CAUSE_NAMES[seed]
+    assert verdict.correct and not verdict.false_alarms, (case.description, verdict)

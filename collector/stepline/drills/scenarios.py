@@ -300,7 +300,8 @@ def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *, end_
 
 def _report_decisions(collector: Collector, gateway: SimGateway, start_ts: dict[str, float]) -> None:
     otlp = next(s for s in collector.sources if isinstance(s, OtlpReceiver))
-    recorder = DecisionRecorder(f"{otlp.url.rstrip('/')}{TRACES_PATH}", gateway.config.name)
+    # A replay's decisions arrive all at once, on a machine busy replaying: the receiver is given its time.
+    recorder = DecisionRecorder(f"{otlp.url.rstrip('/')}{TRACES_PATH}", gateway.config.name, timeout_s=60.0)
     try:
         for record in gateway.records(start_ts):
             recorder.record(**record)

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the alert configuration's, %(default)s s)")
     parser.add_argument("--chars-per-token", type=float, metavar="N",
                         help="your prompts' characters per token, to give shape-sharding thresholds in characters "
-                             "(the store holds no prompt text)")
+                             "(the store holds no prompt text); where a gateway's decisions are in the window, its "
+                             "own bar and measured units per token are used instead")
     parser.add_argument("--jobs", type=int, help="replays run in parallel (default: one per CPU)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from stepline.whatif.core import WhatIfError, whatif
     from stepline.whatif.figures import Objectives
     from stepline.whatif.render import as_json, render
+    from stepline.whatif.router import router_bars
     from stepline.whatif.trace import load
 
     if not (args.ttft > 0 and args.tpot > 0):
@@ -52,11 +54,12 @@ def run(args: argparse.Namespace) -> int:
     reader = open_reader(args.store or default_store_url())
     try:
         traces = load(reader.client, window)
+        bars = router_bars(reader.client, window)  # a gateway's bar in front, to price sharding in its unit
     finally:
         reader.close()
     try:
         result = whatif(traces, Objectives(args.ttft, args.tpot), chars_per_token=args.chars_per_token,
-                        jobs=args.jobs)
+                        jobs=args.jobs, bars=bars)
     except WhatIfError as exc:
         print(f"stepline whatif: {exc} ({window.start:%H:%M:%S}..{window.end:%H:%M:%S} UTC)", file=sys.stderr)
         return 2

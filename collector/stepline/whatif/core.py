@@ -24,6 +24,7 @@ from stepline.sim.workloads import Arrival, Workload
 from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
 from stepline.whatif.fit import Fit, FitError, Jitter, fit
 from stepline.whatif.levers import Lever, baseline_config, candidates
+from stepline.whatif.router import RouterBar
 from stepline.whatif.trace import EngineTrace
 
 CALIBRATION_TOLERANCE = 0.15  # the replay reproduces the recording when every figure is within this
@@ -141,8 +142,10 @@ def recorded_figures(traces: Sequence[EngineTrace], objectives: Objectives) -> F
 
 
 def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequence[Lever] | None = None,
-           chars_per_token: float | None = None, jobs: int | None = None) -> WhatIf:
-    """Fit, calibrate, and price every lever (or `levers`) on the window's `traces`."""
+           chars_per_token: float | None = None, jobs: int | None = None, bars: Sequence[RouterBar] = ()
+           ) -> WhatIf:
+    """Fit, calibrate, and price every lever (or `levers`) on the window's `traces`; `bars`, the size bars of the
+    gateways in front (whatif.router), price shape-sharding in the router's unit."""
     fits: dict[str, Fit] = {}
     skipped: dict[str, str] = {}
     for t in traces:
@@ -169,7 +172,8 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
     recorded = recorded_figures(used, objectives)
     recorded_timeline = itl_timeline(((ts, itls) for t in used for ts, itls in zip(t.steps.ts, t.steps.itls,
                                                                                   strict=True)), start, end)
-    chosen = list(levers) if levers is not None else candidates(used, configs, objectives.tpot_s, chars_per_token)
+    chosen = list(levers) if levers is not None else candidates(used, configs, objectives.tpot_s, chars_per_token,
+                                                                bars)
     modes: list[list[tuple[tuple[float, tuple[float, ...]], ...]]] = [[], [fits[t.engine].residuals for t in used]]
     bases = _run_all([lanes(used, configs, None, start, m) for m in modes], start, end, span, objectives, limit,
                      jobs)

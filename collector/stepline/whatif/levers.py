@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stepline.diagnosis.common import config_int
 from stepline.sim.config import EngineConfig
+from stepline.whatif.router import RouterBar
 from stepline.whatif.trace import EngineTrace
 
 # The settings vLLM 0.33's SchedulerConfig holds, by the name the plugin reports them under (plugin/config.py).
@@ -57,7 +59,7 @@ def baseline_config(trace: EngineTrace) -> tuple[EngineConfig, list[str]]:
 
 
 def candidates(traces: list[EngineTrace], configs: list[EngineConfig], tpot_s: float,
-               chars_per_token: float | None = None) -> list[Lever]:
+               chars_per_token: float | None = None, bars: Sequence[RouterBar] = ()) -> list[Lever]:
     """Every lever worth pricing on this fleet; one the build does not accept is kept, marked unavailable."""
     first = configs[0]
     budget, seqs, block = first.max_num_batched_tokens, first.max_num_seqs, first.block_size
@@ -115,7 +117,7 @@ def candidates(traces: list[EngineTrace], configs: list[EngineConfig], tpot_s: f
     levers.append(Lever("policy=priority (shorter prompts first)", "policy", {"policy": "priority"},
                         priority_by_band=True, note="--scheduling-policy priority, the router setting each "
                         "request's priority from its prompt band", unavailable=missing("policy")))
-    levers.extend(_shards(traces, chars_per_token))
+    levers.extend(shard_levers(traces, chars_per_token, bars))
     levers.append(Lever(f"deadline-aware chunks (TPOT {tpot_s * 1e3:g} ms)", "deadline_chunk",
                         {"deadline_tpot_s": tpot_s},
                         note="each step's chunk sized to the decoding requests' slack: a scheduler change, not "
@@ -123,23 +125,35 @@ def candidates(traces: list[EngineTrace], configs: list[EngineConfig], tpot_s: f
     return levers
 
 
-def _shards(traces: list[EngineTrace], chars: float | None) -> list[Lever]:
+def shard_levers(traces: list[EngineTrace], chars: float | None, bars: Sequence[RouterBar] = ()) -> list[Lever]:
     prompts = sorted(r.prompt_tokens for t in traces for r in t.requests)
     out: list[Lever] = []
     seen: set[int] = set()
+    reason = "" if len(traces) >= 2 else (
+        "one engine in the window: shape-sharding routes prompts between at least two")
+    # The router's own bar, counted in tokens: what its lanes are meant to be, without the unit's error.
+    for bar in bars:
+        seen.add(bar.tokens)
+        at = f"{bar.threshold:,.0f} {bar.unit}" + (f", ~{bar.tokens:,} tokens at its measured {bar.per_token:.2f} "
+                                                    f"{bar.unit}/token over {bar.joined} requests"
+                                                    if bar.unit != "tokens" else "")
+        out.append(Lever(f"shard at {bar.tokens:,} tokens ({bar.gateway}'s bar)", "shard", shard_tokens=bar.tokens,
+                         note=f"{bar.gateway}'s bar ({at}) counted in engine tokens: prompts at or over it to a long "
+                              "lane of one engine, the rest round-robin over the others", unavailable=reason))
     for q in (0.9, 0.99):
         threshold = prompts[min(len(prompts) - 1, int(q * len(prompts)))] if prompts else 0
         threshold = max(1024, -(-threshold // 1024) * 1024)
         if threshold in seen:
             continue
         seen.add(threshold)
-        in_chars = (f"~{threshold * chars:,.0f} characters at {chars:g} characters per token" if chars else
-                    f"~{threshold * 3:,}-{threshold * 4:,} characters at 3 (code) to 4 (prose) per token: the store "
-                    "holds no prompt text, --chars-per-token gives yours")
-        reason = "" if len(traces) >= 2 else (
-            "one engine in the window: shape-sharding routes prompts between at least two")
+        if bars:
+            in_unit = "; ".join(bar.in_unit(threshold) for bar in bars)
+        elif chars:
+            in_unit = f"~{threshold * chars:,.0f} characters at {chars:g} characters per token"
+        else:
+            in_unit = (f"~{threshold * 3:,}-{threshold * 4:,} characters at 3 (code) to 4 (prose) per token: the "
+                       "store holds no prompt text, --chars-per-token gives yours")
         out.append(Lever(f"shard at {threshold:,} tokens", "shard", shard_tokens=threshold,
-                         note=f"prompts >= {threshold:,} tokens ({in_chars}) to a long lane of one engine, the "
+                         note=f"prompts >= {threshold:,} tokens ({in_unit}) to a long lane of one engine, the "
                               "rest round-robin over the others", unavailable=reason))
     return out
-

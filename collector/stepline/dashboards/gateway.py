@@ -19,7 +19,8 @@ from stepline.dashboards.panels import (
     series,
 )
 from stepline.dashboards.query import ClickHouseQuery, Format
-from stepline.diagnosis.gateway import IN_FLIGHT_METRICS, joined
+from stepline.diagnosis.gateway import IN_FLIGHT_METRICS
+from stepline.queries.gateway import joined
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 
 UID = "stepline-gateway-lanes"

@@ -14,48 +14,43 @@ from typing import Any
 
 from stepline.diagnosis.common import Query, clip, number, utc
 from stepline.diagnosis.findings import Finding, Window
-from stepline.queries.requests import merged_matching
+from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
-# vLLM's request id from the X-Request-Id a gateway forwards (shared/DESIGN.md, "Request identity"): completions
-# `cmpl-{id}-0` (the choice index), chat `chatcmpl-{id}`; an engine that keeps the id as it came has it bare.
-ENGINE_IDS = ("[request_id, concat('cmpl-', request_id, '-0'), concat('cmpl-', request_id), "
-              "concat('chatcmpl-', request_id)]")
 MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
-MIN_JOINED = 5  # decisions joined to their engine request before a gateway's chars per token count as a baseline
-
-
-def joined(columns: str, decided: str, request_columns: tuple[str, ...], where: str = "1") -> str:
-    """`columns` of the decisions in the window that match `decided` (d) beside the engine requests they became
-    (r: `request_columns` merged from the plugin's and the span's reports), matched by the id the gateway
-    forwarded, on the backend it chose. Only the requests decisions name are read (none where no gateway reports)."""
-    decisions = f"FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND request_id != '' AND ({decided})"
-    requests = merged_matching(f"{EACH_ENGINE} AND arrival_ts >= {{start:DateTime64(6)}} - INTERVAL 10 MINUTE"
-                               " AND arrival_ts <= {end:DateTime64(6)} AND request_id IN "
-                               f"(SELECT arrayJoin({ENGINE_IDS}) {decisions})", request_columns)
-    return (f"SELECT {columns}\nFROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id {decisions}) AS d\n"
-            f"INNER JOIN {requests} AS r ON r.engine = d.engine AND r.request_id = d.engine_id\n"
-            f"WHERE {where}\nORDER BY d.gateway, d.ts")
 
 
 # Every decision made against a bar with the engine's count of the request it became.
 _JOINED = joined("d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
-                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts", "threshold IS NOT NULL",
-                 ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
+                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts, m.matched_by",
+                 "threshold IS NOT NULL", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
+_JOIN_OUTCOMES = join_outcomes("threshold IS NOT NULL")  # how _JOINED's decisions joined, refusals included
 _UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
 
 
 def lane_leak(reader: Reads, window: Window) -> list[Finding]:
     """Requests the router measured under its bar, so sent to the lane below it, that the engine counted above
     the bar's worth of tokens."""
-    findings = []
-    for gateway, rows in _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end),
-                                  reader, 0):
-        finding = _leaks(gateway, rows, window)
-        if finding is not None:
-            findings.append(finding)
-    return findings
+    found = [(gateway, finding) for gateway, rows in
+             _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end), reader, 0)
+             if (finding := _leaks(gateway, rows, window)) is not None]
+    if found:
+        # A time match the rules refused is a request the finding could not count: say how many.
+        outcomes = {str(r[0]): dict(zip(JOIN_OUTCOMES, r[1:], strict=True)) for r in
+                    Query(_JOIN_OUTCOMES, engine=window.engine, start=window.start, end=window.end).rows(reader)}
+        for gateway, finding in found:
+            counts = outcomes.get(gateway, {})
+            finding.evidence["time_matches_refused"] = {o: int(counts.get(o, 0)) for o in ("ambiguous", "taken")}
+    return [finding for _, finding in found]
+
+
+def _matched_by(methods: list[Any]) -> dict[str, int]:
+    """How many pairs joined by id and by time and size (and by time alone, where any did)."""
+    counts = {"joined_by_id": 0, "joined_by_time_and_size": 0, "joined_by_time": 0}
+    for method in methods:
+        counts[f"joined_by_{method}"] += 1
+    return counts if counts["joined_by_time"] else {k: v for k, v in counts.items() if k != "joined_by_time"}
 
 
 def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding | None:
@@ -88,10 +83,11 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
         "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical:.2f} {unit}/token of {len(sized)} "
                                "requests joined to their engine's count)" if unit != "tokens" else f"{threshold:g}",
         f"leaked_{unit}_per_token": f"{leaked_per_token[0]:.2f}..{leaked_per_token[-1]:.2f}",
-        "largest_leak": f"{worst[0][3]}: {worst[1]:,} {unit} measured, {int(worst[0][9]):,} tokens counted",
+        "largest_leak": f"{worst[0][3] or worst[0][11]}: {worst[1]:,} {unit} measured, "
+                        f"{int(worst[0][9]):,} tokens counted",
         f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in sized if r[1] == lane]), 2)
                                       for lane in sorted({str(r[1]) for r, _ in sized})},
-        "joined_requests": len(sized),
+        "joined_requests": len(sized), **_matched_by([r[13] for r, _ in sized]),
     }
     if would_hold is not None:
         evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
@@ -126,10 +122,12 @@ MIN_FAILED_OPEN = 3  # decisions that failed open, per gateway and window, befor
 
 # Per gateway and lane: decisions whose hook swallowed an exception, those with no size measured in any unit (a
 # hook that failed before measuring), of all; the commonest swallowed exceptions.
-_FAILED = "swallowed_exception != '' OR (size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL)"
+# Unmeasured counts only against a bar in force: a gateway that does not route by size measures nothing, rightly.
+_UNMEASURED = "threshold IS NOT NULL AND size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL"
+_FAILED = f"swallowed_exception != '' OR ({_UNMEASURED})"
 _FAILED_OPEN = f"""
 SELECT gateway, lane, count() AS decisions, countIf(swallowed_exception != '') AS swallowed,
-       countIf(size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL) AS unmeasured,
+       countIf({_UNMEASURED}) AS unmeasured,
        topKIf(3)(swallowed_exception, swallowed_exception != '') AS exceptions,
        minIf(ts, {_FAILED}) AS first, maxIf(ts, {_FAILED}) AS last, topKIf(1)(engine, {_FAILED}) AS backend
 FROM gateway_decisions
@@ -137,7 +135,7 @@ WHERE {IN_WINDOW} AND {EACH_ENGINE}
 GROUP BY gateway, lane ORDER BY gateway, lane
 """
 # The engine requests that failed-open decisions became: the prefills they caused are the finding's symptoms.
-_FAILED_REQUESTS = joined("r.request_id", f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
+_FAILED_REQUESTS = joined("r.request_id, m.matched_by", f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
 
 
 def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
@@ -165,6 +163,7 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) for r in hit},
             "counted_from": f"{MIN_FAILED_OPEN} decisions in the window",
             "request_ids": sorted(str(r[0]) for r in requests)[:MAX_REQUEST_IDS],
+            **_matched_by([r[1] for r in requests]),
         }
         findings.append(Finding(
             "gateway_fail_open", "warning", str(busiest[8][0]) if busiest[8] else "", min(utc(r[6]) for r in hit),
@@ -291,7 +290,8 @@ ORPHAN_SLACK_S = 1.0  # an engine request that finished this long after its clie
 # Decisions whose client left, beside the engine request that then ran on to its end: the engine's finish, its
 # tokens generated, its time decoding. A request the engine aborted has no row (vLLM 0.32 reports no finished
 # stats and no span for an abort: shared/DESIGN.md), so what joins ran to the end.
-_ORPHANS = joined("d.gateway, d.engine, d.request_id, d.end_ts, r.ts, r.generation_tokens, r.decode_seconds",
+_ORPHANS = joined("d.gateway, d.engine, if(d.request_id = '', r.request_id, d.request_id), d.end_ts, r.ts, "
+                  "r.generation_tokens, r.decode_seconds, m.matched_by",
                   "client_disconnected", ("ts", "generation_tokens", "decode_seconds"),
                   f"r.ts > d.end_ts + toIntervalMillisecond({round(ORPHAN_SLACK_S * 1000)})")
 
@@ -311,7 +311,8 @@ def orphaned_engine_work(reader: Reads, window: Window) -> list[Finding]:
             {"orphaned_requests": len(orphans), "engine_s_after_disconnect": round(sum(after), 1),
              "tokens_generated": sum(int(r[5]) for r in orphans), "gateways": gateways,
              "longest": f"{worst[2]}: {(utc(worst[4]) - utc(worst[3])).total_seconds():.1f}s after the client left",
-             "counted_from": f"a finish {ORPHAN_SLACK_S:g}s or more after the gateway saw the client go"},
+             "counted_from": f"a finish {ORPHAN_SLACK_S:g}s or more after the gateway saw the client go",
+             **_matched_by([r[7] for r in orphans])},
             query.literal(),
             "cancel the upstream request when the client disconnects: close the connection to the engine on the "
             "gateway's disconnect path, so that vLLM aborts the request and frees its slot and KV cache",

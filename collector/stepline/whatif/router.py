@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.gateway import MIN_JOINED, joined
+from stepline.queries.gateway import MIN_JOINED, joined
 from stepline.store.reads import Reads
 
 # Per gateway: the bar in force at its latest decision, its unit, and the decisions joined to their engine count, each

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +68,18 @@ def test_a_bad_argument_is_counted_not_raised() -> None:
     recorder.record(lane="fast", start_s=time.time(), threshold="not a number")  # type: ignore[arg-type]
     assert recorder.stats()["dropped_unsent"] == 1 and recorder.stats()["recorded"] == 0
     recorder.close(timeout_s=1)
+
+
+def test_a_recorder_left_open_sends_its_queue_at_exit(tmp_path: Path, receiver: OtlpReceiver) -> None:  # noqa: F811
+    """A gateway that exits without closing its recorder: what it queued is still posted (atexit), not dropped with
+    the daemon thread."""
+    script = tmp_path / "router.py"
+    script.write_text(
+        "import sys, time\n"
+        "from stepline.gateway.record import DecisionRecorder\n"
+        "r = DecisionRecorder(sys.argv[1], gateway='router', interval_s=3600)\n"
+        "for i in range(5):\n"
+        "    r.record(request_id=f'r{i}', lane='fast', start_s=time.time())\n")
+    subprocess.run([sys.executable, str(script), f"{receiver.url}/v1/traces"], check=True, timeout=60)
+    rows = [r for r in drain(receiver) if isinstance(r, GatewayDecision)]
+    assert sorted(r.request_id for r in rows) == [f"r{i}" for i in range(5)]

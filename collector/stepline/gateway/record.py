@@ -16,6 +16,7 @@ the collector's OTLP/HTTP receiver (the same endpoint as vLLM's spans). What it 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -68,6 +69,9 @@ class DecisionRecorder:
         self._log = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="stepline-decisions", daemon=True)
         self._thread.start()
+        # A gateway that exits without closing (LiteLLM's proxy never tells its callbacks) still sends what it queued,
+        # or counts and logs what it could not: the daemon thread alone would drop the last batch unsaid.
+        atexit.register(self.close)
 
     def record(self, *, request_id: str = "", lane: str = "", backend: str = "", start_s: float,
                end_s: float | None = None, attempt: int = 1, candidates: Sequence[str] = (),
@@ -128,6 +132,7 @@ class DecisionRecorder:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued, then stop; what is still queued after `timeout_s` is counted as unsent."""
+        atexit.unregister(self.close)
         self.flush(timeout_s)
         self._closed = True
         self._wake.set()

@@ -106,6 +106,31 @@ def test_a_hook_that_swallows_its_errors_is_found(store: Store) -> None:
     assert found.title == "router: 4 of 50 routing decisions failed open (KeyError: 'messages')"
 
 
+@pytest.mark.parametrize("misrouted", [0, 2, 3])
+def test_a_hook_that_measured_over_the_bar_and_sent_it_below_failed_open(store: Store, misrouted: int) -> None:
+    """Monsters measured over the bar, nothing swallowed, yet on the fast lane: the hook failed after measuring and
+    returned the request as it came (the seed's `except: return data` with the size already logged)."""
+    decisions, _ = _traffic(dense_monsters=0)
+    over = [i for i, d in enumerate(decisions) if d.lane == "heavy"]
+    for i in over[:misrouted]:
+        decisions[i] = decisions[i]._replace(lane="fast", engine=LANES["fast"])
+    store.insert("gateway_decisions", decisions, GatewayDecision._fields)
+    found = gateway_fail_open(store, ALL)
+    if misrouted < 3:
+        assert found == []
+        return
+    [f] = found
+    assert (f.engine, f.evidence["routed_against_its_measure"], f.evidence["failed_open"]) == (LANES["fast"], 3, 3)
+    assert f.evidence["lanes_they_went_to"] == {"fast": 3}
+
+
+def test_a_gateway_that_does_not_route_by_size_never_fails_open_by_measuring_nothing(store: Store) -> None:
+    unsized = [d._replace(size_chars=None, size_bytes=None, threshold=None, threshold_unit="")
+               for d in _traffic(dense_monsters=0)[0]]
+    store.insert("gateway_decisions", unsized, GatewayDecision._fields)
+    assert gateway_fail_open(store, ALL) == []
+
+
 @pytest.mark.parametrize("n", [0, 2])
 def test_fewer_than_three_failures_open_are_no_finding(store: Store, n: int) -> None:
     store.insert("gateway_decisions", _failing_open(n), GatewayDecision._fields)

@@ -20,7 +20,8 @@ GROUP BY gateway, lane, engine ORDER BY gateway, lane, engine
 
 # The size in the bar's unit (or characters where no bar was in force) of each decision, beside the engine's count.
 _SIZE = "multiIf(d.threshold_unit = 'bytes', d.size_bytes, d.threshold_unit = 'tokens', d.size_tokens, d.size_chars)"
-_LARGEST = joined(f"if(d.request_id = '', r.request_id, d.request_id), d.lane, {_SIZE} AS measured, if(d.threshold_unit = '', 'chars', d.threshold_unit), "
+_LARGEST = joined(f"if(d.request_id = '', r.request_id, d.request_id), d.lane, {_SIZE} AS measured, "
+                  "if(d.threshold_unit = '', 'chars', d.threshold_unit), "
                   "d.threshold, r.prompt_tokens", "1", ("ts", "prompt_tokens"),
                   "r.prompt_tokens >= {min_tokens:UInt64}")
 

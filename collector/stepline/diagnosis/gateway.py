@@ -125,11 +125,19 @@ MIN_FAILED_OPEN = 3  # decisions that failed open, per gateway and window, befor
 # Unmeasured counts only against a bar in force: a gateway that does not route by size measures nothing, rightly.
 _UNMEASURED = "threshold IS NOT NULL AND size_chars IS NULL AND size_bytes IS NULL AND size_tokens IS NULL"
 _FAILED = f"swallowed_exception != '' OR ({_UNMEASURED})"
+# The size in the bar's unit (NULL where unmeasured or no bar): a decision at or over the bar sent to the lane that
+# takes what is under it was routed against the router's own measure, a hook that failed open after measuring.
+_SIZED = ("multiIf(threshold_unit = 'bytes', size_bytes, threshold_unit = 'tokens', size_tokens, "
+          "threshold_unit = 'chars', size_chars, NULL)")
 _FAILED_OPEN = f"""
 SELECT gateway, lane, count() AS decisions, countIf(swallowed_exception != '') AS swallowed,
        countIf({_UNMEASURED}) AS unmeasured,
        topKIf(3)(swallowed_exception, swallowed_exception != '') AS exceptions,
-       minIf(ts, {_FAILED}) AS first, maxIf(ts, {_FAILED}) AS last, topKIf(1)(engine, {_FAILED}) AS backend
+       minIf(ts, {_FAILED}) AS first, maxIf(ts, {_FAILED}) AS last, topKIf(1)(engine, {_FAILED}) AS backend,
+       countIf({_SIZED} < threshold) AS under_bar,
+       countIf({_SIZED} >= threshold AND swallowed_exception = '') AS over_bar,
+       minIf(ts, {_SIZED} >= threshold) AS first_over, maxIf(ts, {_SIZED} >= threshold) AS last_over,
+       topKIf(1)(engine, {_SIZED} >= threshold AND swallowed_exception = '') AS over_backend
 FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE}
 GROUP BY gateway, lane ORDER BY gateway, lane
@@ -146,28 +154,34 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
         total = sum(int(r[2]) for r in lanes)
         swallowed = sum(int(r[3]) for r in lanes)
         unmeasured = sum(int(r[4]) for r in lanes)
+        misrouted, below = _misrouted(lanes)
         # A decision both swallowed and unmeasured is one that failed open, once.
-        failed = max(swallowed, unmeasured)
+        failed = max(swallowed, unmeasured) + misrouted
         if failed < MIN_FAILED_OPEN:
             continue
-        hit = [r for r in lanes if int(r[3]) or int(r[4])]
+        hit = [r for r in lanes if int(r[3]) or int(r[4]) or (misrouted and r is below)]
         exceptions = sorted({str(e) for r in hit for e in r[5]})
         # Named after the backend most of them went to (the default lane's, as a rule).
-        busiest = max(hit, key=lambda r: max(int(r[3]), int(r[4])))
+        busiest = max(hit, key=lambda r: max(int(r[3]), int(r[4])) + (misrouted if r is below else 0))
         requests = Query(_FAILED_REQUESTS, engine=window.engine, start=window.start, end=window.end,
                          gateway=gateway).rows(reader)
         evidence: dict[str, Any] = {
             "failed_open": failed, "decisions": total, "share": f"{failed / total:.1%}",
             "swallowed_exceptions": swallowed, "unmeasured_decisions": unmeasured,
             "exceptions": exceptions[:3],
-            "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) for r in hit},
+            "routed_against_its_measure": misrouted,
+            "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) + (misrouted if r is below else 0)
+                                   for r in hit},
             "counted_from": f"{MIN_FAILED_OPEN} decisions in the window",
             "request_ids": sorted(str(r[0]) for r in requests)[:MAX_REQUEST_IDS],
             **_matched_by([r[1] for r in requests]),
         }
+        moments = [(utc(r[6]), utc(r[7])) for r in hit if int(r[3]) or int(r[4])]
+        if misrouted and below is not None:
+            moments.append((utc(below[11]), utc(below[12])))
         findings.append(Finding(
-            "gateway_fail_open", "warning", str(busiest[8][0]) if busiest[8] else "", min(utc(r[6]) for r in hit),
-            max(utc(r[7]) for r in hit),
+            "gateway_fail_open", "warning", str((busiest[8] or busiest[13] or [""])[0]), min(m[0] for m in moments),
+            max(m[1] for m in moments),
             clip(f"{gateway}: {failed} of {total} routing decisions failed open"
                  + (f" ({exceptions[0]})" if exceptions else "")),
             evidence, query.literal(),
@@ -175,6 +189,15 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             "exception, and let a request that cannot be sized fail or go to the lane that can hold any size",
             float(failed)))
     return findings
+
+
+def _misrouted(lanes: list[tuple[Any, ...]]) -> tuple[int, tuple[Any, ...] | None]:
+    """Decisions at or over the bar, nothing swallowed, sent to the lane that takes what is under it (the lane with
+    the most under the bar), where another lane takes what is over it; and that lane's row."""
+    below = max(lanes, key=lambda r: int(r[9]), default=None)
+    if below is None or not int(below[9]) or not any(int(r[10]) for r in lanes if r is not below):
+        return 0, None
+    return int(below[10]), below
 
 
 # The gateway's own count of requests in flight to one backend, as each gateway exports it: vllm-router's running

@@ -64,7 +64,7 @@ def test_dense_monsters_under_a_character_bar_leak_onto_the_fast_lane(store: Sto
     assert e["threshold_in_tokens"].startswith("100,000 (at the median 4.00 chars/token")
     assert e["leaked_chars_per_token"] == "3.00..3.00"
     assert e["threshold_that_would_have_held"] == "339,000 chars"  # 113,000 tokens at 3 chars: 339,000
-    assert e["largest_leak"] == "router-53: 339,150 chars measured, 113,050 tokens counted"
+    assert e["largest_leak"] == "cmpl-router-53-0: 339,150 chars measured, 113,050 tokens counted"
     assert found.title == "2 monsters under the 400000-chars bar of router went to fast"
     assert store.query(found.sql).result_rows  # the SQL shows the joined rows
 

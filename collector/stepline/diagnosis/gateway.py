@@ -53,7 +53,8 @@ def lane_leak(reader: Reads, window: Window) -> list[Finding]:
                     Query(_JOIN_OUTCOMES, engine=window.engine, start=window.start, end=window.end).rows(reader)}
         for gateway, finding in found:
             counts = outcomes.get(gateway, {})
-            finding.evidence["time_matches_refused"] = {o: int(counts.get(o, 0)) for o in ("ambiguous", "taken")}
+            finding.evidence["time_matches_refused"] = {o: int(counts.get(o, 0))
+                                                        for o in ("ambiguous", "taken", "unjoined")}
     return [finding for _, finding in found]
 
 
@@ -95,7 +96,7 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
         "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical:.2f} {unit}/token of {len(sized)} "
                                "requests joined to their engine's count)" if unit != "tokens" else f"{threshold:g}",
         f"leaked_{unit}_per_token": f"{leaked_per_token[0]:.2f}..{leaked_per_token[-1]:.2f}",
-        "largest_leak": f"{worst[0][3] or worst[0][11]}: {worst[1]:,} {unit} measured, "
+        "largest_leak": f"{worst[0][11]}: {worst[1]:,} {unit} measured, "
                         f"{int(worst[0][9]):,} tokens counted",
         f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in sized if r[1] == lane]), 2)
                                       for lane in sorted({str(r[1]) for r, _ in sized})},

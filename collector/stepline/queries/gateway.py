@@ -20,12 +20,16 @@ MIN_JOINED = 5  # decisions joined to their engine request before a gateway's ch
 # that no decision names by id, that arrived from MATCH_SKEW_S before the decision to as long after the gateway's
 # first byte (else the attempt's end; at most MATCH_FORWARD_S after deciding), and whose prompt tokens are within
 # MATCH_SIZE_RATIO of the decision's size in tokens: its size_tokens, else its characters or bytes at the gateway's
-# median per token over MIN_JOINED or more id-joined pairs, else at PRIOR_UNITS_PER_TOKEN. The skew: the gateway and
+# median per token over MIN_JOINED or more id-joined pairs, else at PRIOR_UNITS_PER_TOKEN (within
+# MATCH_SIZE_RATIO_PRIOR). The skew: the gateway and
 # the engine stamp times with different hosts' clocks, which NTP keeps within milliseconds and an unsynced
 # container lets drift by seconds, so an arrival can read as before the decision that caused it.
 MATCH_SKEW_S = 2.0
 MATCH_FORWARD_S = 10.0  # a gateway forwards as it decides: a first byte later than this says nothing of the arrival
 MATCH_SIZE_RATIO = 2.0  # prompt tokens off the size measured by more than this are another request
+# ... where the gateway's units per token are only the prior (no id-joined pairs to learn them from, as behind
+# LiteLLM): content runs from ~1 character per token (numeric JSON) to ~5 (prose), so the prior's 4 can be 4x off.
+MATCH_SIZE_RATIO_PRIOR = 4.0
 PRIOR_UNITS_PER_TOKEN = 4.0  # prose's ~4 characters (ASCII bytes) per token
 # Of the candidates, those that fit the size within MATCH_SIZE_TIE of the best fit fit it as well as each other
 # (content moves units per token that much: prose ~4 chars per token, code and JSON ~3), and of those the nearest
@@ -91,15 +95,18 @@ INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS bucket FROM {requests} WHERE re
     ON r.engine = d.engine AND r.bucket = d.bucket
 WHERE r.arrival_ts >= d.earliest AND r.arrival_ts <= d.latest"""
     calibrated = " ".join(
-        f"if(countIf(is_id AND size_{u} IS NOT NULL AND prompt_tokens > 0) OVER (PARTITION BY gateway) >= "
-        f"{MIN_JOINED}, quantileExactIf(0.5)(size_{u} / prompt_tokens, is_id AND size_{u} IS NOT NULL AND "
-        f"prompt_tokens > 0) OVER (PARTITION BY gateway), {PRIOR_UNITS_PER_TOKEN}) AS {u}_per_token,"
-        for u in ("chars", "bytes"))
+        f"countIf(is_id AND size_{u} IS NOT NULL AND prompt_tokens > 0) OVER (PARTITION BY gateway) >= "
+        f"{MIN_JOINED} AS {u}_learnt, if({u}_learnt, quantileExactIf(0.5)(size_{u} / prompt_tokens, is_id AND "
+        f"size_{u} IS NOT NULL AND prompt_tokens > 0) OVER (PARTITION BY gateway), {PRIOR_UNITS_PER_TOKEN}) AS "
+        f"{u}_per_token," for u in ("chars", "bytes"))
     # The decision's size in tokens, how well the request's prompt fits it, and how far apart in time they are.
     scored = f"""SELECT *, {calibrated}
        multiIf(size_tokens IS NOT NULL, toFloat64(size_tokens), size_chars IS NOT NULL, size_chars / chars_per_token,
                size_bytes IS NOT NULL, size_bytes / bytes_per_token, NULL) AS in_tokens,
        ifNull(abs(log(in_tokens / prompt_tokens)), 0) AS misfit,
+       log(multiIf(size_tokens IS NOT NULL, {MATCH_SIZE_RATIO}, size_chars IS NOT NULL AND NOT chars_learnt,
+                   {MATCH_SIZE_RATIO_PRIOR}, size_chars IS NULL AND size_bytes IS NOT NULL AND NOT bytes_learnt,
+                   {MATCH_SIZE_RATIO_PRIOR}, {MATCH_SIZE_RATIO})) AS misfit_limit,
        abs(toUnixTimestamp64Micro(arrival_ts) - toUnixTimestamp64Micro(ts)) AS gap_us
 FROM ({pairs})"""
     # The id pairs, and the candidates: the other pairs whose prompt fits the size, `tied` where it fits it as well
@@ -107,7 +114,7 @@ FROM ({pairs})"""
     kept = f"""SELECT *, NOT is_id AND misfit < minIf(misfit, NOT is_id) OVER (PARTITION BY decision_key)
                             + log({MATCH_SIZE_TIE}) AS tied
 FROM ({scored})
-WHERE is_id OR misfit <= log({MATCH_SIZE_RATIO})"""
+WHERE is_id OR misfit <= misfit_limit"""
     best = f"""SELECT decision_key, max(is_id) AS by_id, groupArrayIf((engine, request_id, arrival_ts), is_id) AS named,
        any(in_tokens IS NOT NULL) AS sized, argMinIf((engine, request_id, arrival_ts), gap_us, tied) AS chosen,
        minIf(gap_us, tied) AS nearest_us, arraySort(groupArrayIf(gap_us, tied)) AS gaps,

@@ -5,14 +5,9 @@ OTLP receiver as decision rows, with counts that match what the test sent."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,60 +15,12 @@ from stepline.model.rows import GatewayDecision
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.otlp import OtlpReceiver
-from stepline.testing.alertstack import free_port
+from tests.gateway.proxy import KEY, VENV, available, leave_mid_stream, litellm_proxy
+from tests.gateway.proxy import complete as _complete
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
-VENV = Path(os.environ.get("STEPLINE_GATEWAY_VENV", Path.home() / ".cache" / "stepline" / "gateway"))
 MODEL = "test/model"
-KEY = "sk-stepline-test"
-CALLBACK = "stepline.gateway.litellm"  # the module the proxy imports (in its own environment, not this one)
 THRESHOLD_CHARS = 4000
-# The size hook, written into the proxy's config directory (LiteLLM loads `module.instance` from there).
-SIZE_LANES = '''\
-"""The test's own size-routing hook, the seed's kind: characters against a bar set from a token estimate.
-
-Loaded by the LiteLLM proxy from its config directory (`callbacks: ["size_lanes.hook"]`). It measures the prompt in
-characters, sends it to the heavy lane at THRESHOLD_CHARS or more, and says what it measured and against what in the
-request's metadata, where stepline's callback reads it. A prompt holding RAISE makes the measurement fail: the hook
-goes on to the fast lane, as the seed's `except: return data` did, but reports what it swallowed.
-"""
-
-from __future__ import annotations
-
-import os
-from typing import Any
-
-from litellm.integrations.custom_logger import CustomLogger
-
-THRESHOLD_CHARS = int(os.environ.get("SIZE_LANES_THRESHOLD_CHARS", "4000"))
-RAISE = "<make-the-hook-raise>"
-
-
-def _measure(messages: Any) -> int:
-    text = "".join(m["content"] for m in messages) if isinstance(messages, list) else str(messages)
-    if RAISE in text:
-        raise KeyError("content")
-    return len(text)
-
-
-class SizeLanes(CustomLogger):
-    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> dict:
-        metadata = data.setdefault("metadata", {})
-        prompt = data.get("prompt") if data.get("messages") is None else data.get("messages")
-        try:
-            chars = _measure(prompt)
-        except Exception as exc:  # fails open to the fast lane, and says so
-            data["model"] = "fast"
-            metadata["stepline_swallowed"] = f"{type(exc).__name__}: {exc}"
-            return data
-        data["model"] = "heavy" if chars >= THRESHOLD_CHARS else "fast"
-        metadata.update({"stepline_size_chars": chars, "stepline_threshold": THRESHOLD_CHARS,
-                         "stepline_threshold_unit": "chars"})
-        return data
-
-
-hook = SizeLanes()
-'''
 
 
 @pytest.fixture(scope="module")
@@ -87,50 +34,11 @@ def lanes() -> Iterator[dict[str, SimServer]]:
 
 @pytest.fixture
 def proxy(tmp_path: Path, lanes: dict[str, SimServer], receiver: OtlpReceiver) -> Iterator[str]:  # noqa: F811
-    if not (VENV / "bin" / "litellm").exists():
+    if not available():
         pytest.fail(f"no LiteLLM proxy at {VENV}: run tests/gateway/install.sh (CI does)")
-    (tmp_path / "size_lanes.py").write_text(SIZE_LANES)
-    models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{MODEL}", "api_base": f"{server.url}/v1",
-                                                       "api_key": "none"}} for lane, server in lanes.items()]
-    config = {"model_list": models, "litellm_settings": {
-        "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
-    (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
-    env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
-           "STEPLINE_OTLP_URL": f"{receiver.url}/v1/traces", "STEPLINE_GATEWAY_NAME": "lanes",
-           "SIZE_LANES_THRESHOLD_CHARS": str(THRESHOLD_CHARS), "PYTHONPATH": str(tmp_path)}
-    log = (tmp_path / "proxy.log").open("w")
-    process = subprocess.Popen([str(VENV / "bin" / "litellm"), "--config", str(tmp_path / "config.yaml"),
-                                "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                               stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
-                    break
-            except OSError as exc:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    started = (tmp_path / "proxy.log").read_text()[-3000:]
-                    raise AssertionError(f"the LiteLLM proxy did not start: {started}") from exc
-                time.sleep(0.5)
+    with litellm_proxy(tmp_path, {lane: f"{server.url}/v1" for lane, server in lanes.items()}, MODEL,
+                       f"{receiver.url}/v1/traces", THRESHOLD_CHARS) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-
-
-def _complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
-    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": 4, **extra}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Authorization": f"Bearer {KEY}",
-                                                                     "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return dict(json.loads(response.read()))
 
 
 def _decisions(receiver: OtlpReceiver, n: int) -> list[GatewayDecision]:  # noqa: F811
@@ -166,15 +74,7 @@ def test_every_attempt_is_a_decision_with_its_size_lane_and_threshold(proxy: str
 
 def test_a_client_that_leaves_mid_stream_is_a_disconnected_decision(proxy: str, receiver: OtlpReceiver  # noqa: F811
                                                                     ) -> None:
-    body = json.dumps({"model": "fast", "prompt": "tell me a long story", "max_tokens": 400, "stream": True})
-    with socket.create_connection(("127.0.0.1", int(proxy.rsplit(":", 1)[1])), timeout=30) as conn:
-        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
-        seen = b""
-        while b"data:" not in seen:  # until the first chunk came; then the client goes
-            chunk = conn.recv(65536)
-            assert chunk, seen
-            seen += chunk
+    leave_mid_stream(proxy, "tell me a long story", 400)
     _complete(proxy, "after the disconnect")  # a normal request after it
     decisions = _decisions(receiver, 2)
     assert len(decisions) == 2, decisions

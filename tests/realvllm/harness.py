@@ -103,6 +103,8 @@ class Setup:
     otlp_port: int = field(default_factory=free_port)
     query_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    # What the collector, the plugin and the spans call the engine (a gateway names its backend host:port).
+    engine_name: str = SERVED_NAME
 
     @property
     def store(self) -> str:
@@ -111,6 +113,11 @@ class Setup:
     @property
     def engine_url(self) -> str:
         return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def otlp_url(self) -> str:
+        """The collector's OTLP/HTTP traces endpoint."""
+        return f"http://127.0.0.1:{self.otlp_port}/v1/traces"
 
     @property
     def socket(self) -> str:
@@ -126,7 +133,7 @@ def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
     (setup.work / "run").mkdir(exist_ok=True)
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stepline", "collect", "--engine", f"{SERVED_NAME}={setup.engine_url}",
+            [sys.executable, "-m", "stepline", "collect", "--engine", f"{setup.engine_name}={setup.engine_url}",
              "--store", setup.store, "--plugin-socket", setup.socket, "--otlp-port", str(setup.otlp_port),
              "--query-port", str(setup.query_port), "--metrics-port", str(setup.metrics_port),
              "--scrape-interval", "1", "--flush-interval", "0.5"],
@@ -140,8 +147,8 @@ def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
 
 def engine_env(setup: Setup) -> dict[str, str]:
     """The engine's environment: the plugin's socket and name, OTLP over HTTP, 1 GiB of CPU KV cache, no hub."""
-    return {**setup.env(), "STEPLINE_PLUGIN_SOCKET": setup.socket, "STEPLINE_ENGINE": SERVED_NAME,
-            "OTEL_SERVICE_NAME": SERVED_NAME, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+    return {**setup.env(), "STEPLINE_PLUGIN_SOCKET": setup.socket, "STEPLINE_ENGINE": setup.engine_name,
+            "OTEL_SERVICE_NAME": setup.engine_name, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
             "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
@@ -157,7 +164,7 @@ def engine_command(setup: Setup, extra_args: Sequence[str] = (), *, budget: int 
                "--max-num-batched-tokens", str(budget)]
     if collected:
         command += ["--enable-logging-iteration-details",
-                    "--otlp-traces-endpoint", f"http://127.0.0.1:{setup.otlp_port}/v1/traces"]
+                    "--otlp-traces-endpoint", setup.otlp_url]
     return [*command, *extra_args]
 
 

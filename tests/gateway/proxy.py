@@ -1,0 +1,151 @@
+"""The real LiteLLM proxy for the gateway tests: its environment (tests/gateway/install.sh), the tests' own size-routing
+hook, a proxy started in front of named lanes with stepline's callback, and the clients the tests send through it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from stepline.testing.alertstack import free_port
+
+HERE = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("STEPLINE_GATEWAY_VENV", Path.home() / ".cache" / "stepline" / "gateway"))
+KEY = "sk-stepline-test"
+CALLBACK = "stepline.gateway.litellm"  # the module the proxy imports (in its own environment, not this one)
+RAISE = "<make-the-hook-raise>"  # SIZE_LANES' marker: a prompt holding it makes the hook's measurement fail
+# The size hook, written into the proxy's config directory (LiteLLM loads `module.instance` from there).
+SIZE_LANES = '''\
+"""The test's own size-routing hook, the seed's kind: characters against a bar set from a token estimate.
+
+Loaded by the LiteLLM proxy from its config directory (`callbacks: ["size_lanes.hook"]`). It measures the prompt in
+characters, sends it to the heavy lane at THRESHOLD_CHARS or more, and says what it measured and against what in the
+request's metadata, where stepline's callback reads it. A prompt holding RAISE makes the measurement fail: the hook
+goes on to the fast lane, as the seed's `except: return data` did, but reports what it swallowed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from litellm.integrations.custom_logger import CustomLogger
+
+THRESHOLD_CHARS = int(os.environ.get("SIZE_LANES_THRESHOLD_CHARS", "4000"))
+RAISE = "<make-the-hook-raise>"
+
+
+def _measure(messages: Any) -> int:
+    text = "".join(m["content"] for m in messages) if isinstance(messages, list) else str(messages)
+    if RAISE in text:
+        raise KeyError("content")
+    return len(text)
+
+
+class SizeLanes(CustomLogger):
+    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> dict:
+        metadata = data.setdefault("metadata", {})
+        prompt = data.get("prompt") if data.get("messages") is None else data.get("messages")
+        try:
+            chars = _measure(prompt)
+        except Exception as exc:  # fails open to the fast lane, and says so
+            data["model"] = "fast"
+            metadata["stepline_swallowed"] = f"{type(exc).__name__}: {exc}"
+            return data
+        data["model"] = "heavy" if chars >= THRESHOLD_CHARS else "fast"
+        metadata.update({"stepline_size_chars": chars, "stepline_threshold": THRESHOLD_CHARS,
+                         "stepline_threshold_unit": "chars"})
+        return data
+
+
+hook = SizeLanes()
+'''
+
+
+def available() -> bool:
+    return (VENV / "bin" / "litellm").exists()
+
+
+@functools.cache
+def install() -> Path:
+    """The proxy's environment, refreshed (stepline's wheel reinstalled once per process, so that the callback under
+    test is this checkout's)."""
+    out = subprocess.run(["bash", str(HERE / "install.sh")], capture_output=True, text=True, timeout=1500,
+                         check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"installing the gateways failed: {out.stderr.strip()[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: str, threshold_chars: int,
+                  gateway: str = "lanes") -> Iterator[str]:
+    """The proxy, serving until the block ends (its URL): `lanes` maps each lane (a model group) to its backend's
+    OpenAI base URL (`http://host:port/v1`), each serving `model`; SIZE_LANES routes between them at
+    `threshold_chars`, stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. Its config, hook and
+    log (proxy.log) go to `work`."""
+    (work / "size_lanes.py").write_text(SIZE_LANES)
+    models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": api_base,
+                                                       "api_key": "none"}} for lane, api_base in lanes.items()]
+    config = {"model_list": models, "litellm_settings": {
+        "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
+    (work / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
+           "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": gateway,
+           "SIZE_LANES_THRESHOLD_CHARS": str(threshold_chars), "PYTHONPATH": str(work)}
+    log = (work / "proxy.log").open("w")
+    process = subprocess.Popen([str(VENV / "bin" / "litellm"), "--config", str(work / "config.yaml"),
+                                "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, cwd=work)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
+                    break
+            except OSError as exc:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    started = (work / "proxy.log").read_text()[-3000:]
+                    raise AssertionError(f"the LiteLLM proxy did not start: {started}") from exc
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    """One completion through the proxy (its response); the hook chooses the lane."""
+    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": 4, **extra}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return dict(json.loads(response.read()))
+
+
+def leave_mid_stream(url: str, prompt: str, max_tokens: int, chunks: int = 1, **extra: Any) -> bytes:
+    """A streaming completion whose client closes its socket once `chunks` chunks came (what it read)."""
+    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as conn:
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while seen.count(b"data:") < chunks:  # until the chunks came; then the client goes
+            chunk = conn.recv(65536)
+            assert chunk, seen
+            seen += chunk
+    return seen

@@ -50,7 +50,7 @@ def _ms(seconds: float) -> str:
 
 
 def _bucket(moment: str) -> str:
-    """The time match is an equi-join on (engine, bucket): a decision's window spans a few buckets, a request's
+    """The time match is an equi-join on (engine, slot): a decision's window spans a few buckets, a request's
     arrival lies in one."""
     return f"intDiv(toUnixTimestamp64Milli({moment}), {round(2000 * MATCH_SKEW_S)})"
 
@@ -89,10 +89,10 @@ UNION ALL
 SELECT {pair}, 0 AS is_id
 FROM (SELECT *, ts - {_ms(MATCH_SKEW_S)} AS earliest,
              least(coalesce(first_byte_ts, end_ts), ts + {_ms(MATCH_FORWARD_S)}) + {_ms(MATCH_SKEW_S)} AS latest,
-             arrayJoin(range({_bucket('earliest')}, {_bucket('latest')} + 1)) AS bucket
+             arrayJoin(range({_bucket('earliest')}, {_bucket('latest')} + 1)) AS slot
       FROM {_DECISIONS} WHERE engine != '') AS d
-INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS bucket FROM {requests} WHERE request_id NOT IN {_NAMED}) AS r
-    ON r.engine = d.engine AND r.bucket = d.bucket
+INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS slot FROM {requests} WHERE request_id NOT IN {_NAMED}) AS r
+    ON r.engine = d.engine AND r.slot = d.slot
 WHERE r.arrival_ts >= d.earliest AND r.arrival_ts <= d.latest"""
     calibrated = " ".join(
         f"countIf(is_id AND size_{u} IS NOT NULL AND prompt_tokens > 0) OVER (PARTITION BY gateway) >= "

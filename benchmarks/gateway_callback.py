@@ -316,7 +316,7 @@ class Proxy:
             return Timings({}, {})
         return Timings({k: int(v) for k, v in got["per_request"].items()}, dict(got["calls"]))
 
-    def settle(self, answered: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    def settle(self, answered: int, timeout_s: float = 60.0) -> dict[str, Any]:
         """The probe's counts once the recorder has every answered decision and nothing is pending."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -74,7 +74,8 @@ def test_the_store_holds_every_decision_the_router_made(demo: tuple[str, list[Fi
     _, _, store = demo
     gateway = SimGateway(seed_story().config)
     gateway.route(list(seed_story().requests), 600, 60)
-    rows = dict(store.query("SELECT status, count() FROM gateway_decisions GROUP BY status").result_rows)
+    rows = {int(status): int(n) for status, n in
+            store.query("SELECT status, count() FROM gateway_decisions GROUP BY status").result_rows}
     # Refused and disconnected heavy requests, every fast-lane request answered: none lost on the way.
     assert rows[499] == SEED_DISCONNECTS
     assert rows[429] == sum(1 for _, tokens, content in SEED_MONSTERS

@@ -207,7 +207,9 @@ def test_a_stranger_that_fits_the_size_a_little_better_is_no_reason_to_guess(sto
     decisions, requests = _without_ids(*_traffic(dense_monsters=2))
     # A prose request of the size the dense monster's characters stand for at 4 per token, 100 ms after it.
     dense = requests[DENSE[0]]
-    prose = dense._replace(request_id="cmpl-bypass-0", prompt_tokens=decisions[DENSE[0]].size_chars // 4,
+    measured = decisions[DENSE[0]].size_chars
+    assert measured is not None
+    prose = dense._replace(request_id="cmpl-bypass-0", prompt_tokens=measured // 4,
                            arrival_ts=dense.arrival_ts + 100_000)
     _insert(store, decisions, [*requests, prose])
     [found] = lane_leak(store, ALL)

@@ -20,7 +20,8 @@ from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.base import SourceContext, SourceError
 from stepline.sources.gateway_metrics import GatewayMetricsSource, build
 from stepline.testing.alertstack import free_port
-from tests.gateway.test_litellm import MODEL, VENV
+from tests.gateway.proxy import VENV
+from tests.gateway.test_litellm import MODEL
 
 CTX = SourceContext("h1", ManualClock(1_800_000_000.0))
 

@@ -59,7 +59,6 @@ import psutil  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.store.discovery import read_beside_store
-from stepline.store.store import Store
 from stepline.testing.alertstack import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -491,14 +490,14 @@ class Collector:
                 if s.name == "stepline_source_counts_total" and s.labels.get("source") == "otlp"}
 
     def stop_and_count(self) -> tuple[int, dict[str, int]]:
-        """Stop cleanly (the writers drain), then the decision rows per gateway."""
+        """Stop cleanly (the writers drain), then the decision rows per gateway, counted by `stepline query` in a
+        process of its own (chDB opens one embedded store per process, and the caller may hold another)."""
         code = _stop(self.process)
-        store = Store.open(f"chdb://{self.store_dir}")
-        try:
-            rows = store.query("SELECT gateway, count() FROM gateway_decisions GROUP BY gateway").result_rows
-        finally:
-            store.close()
-        return code, {str(g): int(n) for g, n in rows}
+        out = subprocess.run([sys.executable, "-m", "stepline", "query", "--store", f"chdb://{self.store_dir}",
+                              "SELECT gateway, count() FROM gateway_decisions GROUP BY gateway",
+                              "--format", "TabSeparated"], capture_output=True, text=True, timeout=120, check=True)
+        rows = [line.split("\t") for line in out.stdout.splitlines() if line.strip()]
+        return code, {g: int(n) for g, n in rows}
 
 
 # -- the phases ----------------------------------------------------------------------------------------------------

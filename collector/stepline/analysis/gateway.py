@@ -6,7 +6,7 @@ from __future__ import annotations
 from stepline.core.texttable import render_table
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
-from stepline.queries.gateway import joined
+from stepline.queries.gateway import joined, size_in_unit
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 from stepline.store.reads import Reads
 
@@ -19,7 +19,7 @@ GROUP BY gateway, lane, engine ORDER BY gateway, lane, engine
 """
 
 # The size in the bar's unit (or characters where no bar was in force) of each decision, beside the engine's count.
-_SIZE = "multiIf(d.threshold_unit = 'bytes', d.size_bytes, d.threshold_unit = 'tokens', d.size_tokens, d.size_chars)"
+_SIZE = f"if(d.threshold_unit = '', d.size_chars, {size_in_unit('d')})"
 _LARGEST = joined(f"if(d.request_id = '', r.request_id, d.request_id), d.lane, {_SIZE} AS measured, "
                   "if(d.threshold_unit = '', 'chars', d.threshold_unit), "
                   "d.threshold, r.prompt_tokens", "1", ("ts", "prompt_tokens"),

@@ -20,7 +20,7 @@ from stepline.dashboards.panels import (
 )
 from stepline.dashboards.query import ClickHouseQuery, Format
 from stepline.diagnosis.gateway import IN_FLIGHT_METRICS
-from stepline.queries.gateway import joined
+from stepline.queries.gateway import joined, size_in_unit
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 
 UID = "stepline-gateway-lanes"
@@ -58,8 +58,7 @@ _BOUND = {IN_WINDOW: "$__timeFilter_ms(ts)", EACH_ENGINE: f"({HOST} AND {ENGINE}
 _PARAMETER = re.compile(r"(?<!\$)\{\w+:[^{}]+\}")  # ${var:format} is a Grafana variable
 
 # The size the gateway compared with its bar, in the bar's unit; and that size per token the engine counted.
-SIZE = ("multiIf(d.threshold_unit = 'chars', d.size_chars, d.threshold_unit = 'bytes', d.size_bytes, "
-        "d.threshold_unit = 'tokens', d.size_tokens, NULL)")
+SIZE = size_in_unit("d")
 SIZED = ("d.ts AS decided, d.gateway AS gateway, d.lane AS lane, d.engine AS engine, d.request_id AS request_id, "
          f"d.threshold_unit AS unit, {SIZE} AS size, d.threshold AS threshold, r.prompt_tokens AS prompt_tokens, "
          "size / r.prompt_tokens AS units_per_token")

@@ -14,7 +14,7 @@ from typing import Any
 
 from stepline.diagnosis.common import Query, clip, number, utc
 from stepline.diagnosis.findings import Finding, Window
-from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined
+from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined, size_in_unit
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
@@ -140,8 +140,7 @@ _UNMEASURED = "threshold IS NOT NULL AND size_chars IS NULL AND size_bytes IS NU
 _FAILED = f"swallowed_exception != '' OR ({_UNMEASURED})"
 # The size in the bar's unit (NULL where unmeasured or no bar): a decision at or over the bar sent to the lane that
 # takes what is under it was routed against the router's own measure, a hook that failed open after measuring.
-_SIZED = ("multiIf(threshold_unit = 'bytes', size_bytes, threshold_unit = 'tokens', size_tokens, "
-          "threshold_unit = 'chars', size_chars, NULL)")
+_SIZED = size_in_unit()
 _FAILED_OPEN = f"""
 SELECT gateway, lane, count() AS decisions, countIf(swallowed_exception != '') AS swallowed,
        countIf({_UNMEASURED}) AS unmeasured,

@@ -45,6 +45,13 @@ MATCH_TIME_TIE_S = 0.5
 JOIN_OUTCOMES = ("id", "time_and_size", "time", "ambiguous", "taken", "unjoined")
 
 
+def size_in_unit(alias: str = "") -> str:
+    """The size a decision (columns of `alias`, e.g. 'd') compared with its bar, in the bar's unit: NULL where it
+    measured none in that unit, or no bar's unit is known."""
+    p = f"{alias}." if alias else ""
+    return (f"multiIf({p}threshold_unit = 'chars', {p}size_chars, {p}threshold_unit = 'bytes', {p}size_bytes, "
+            f"{p}threshold_unit = 'tokens', {p}size_tokens, NULL)")
+
 def _ms(seconds: float) -> str:
     return f"toIntervalMillisecond({round(seconds * 1000)})"
 

@@ -20,7 +20,7 @@ what the router saw, one per request, in DecisionRecorder.record's terms.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stepline.gateway.decisions import UNITS
@@ -214,13 +214,3 @@ def _outcome(request: GatewayRequest, finished: FinishedRequest) -> dict[str, An
     return {"first_byte_s": first_byte, "end_s": left, "status": 499, "error_type": "client_disconnected",
             "client_disconnected": True}
 
-
-@dataclass(frozen=True)
-class GatewayStory:
-    """A gateway and the requests it receives, over a window of `duration_s` (+ `drain_s`)."""
-
-    config: GatewayConfig
-    requests: tuple[GatewayRequest, ...]
-    duration_s: float
-    drain_s: float
-    facts: dict[str, Any] = field(default_factory=dict)

@@ -12,17 +12,16 @@ from dataclasses import dataclass
 
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
-from stepline.queries.gateway import MIN_JOINED, joined
+from stepline.queries.gateway import MIN_JOINED, joined, size_in_unit
 from stepline.store.reads import Reads
 
 # Per gateway: the bar in force at its latest decision, its unit, and the decisions joined to their engine count, each
 # as (size in the bar's unit, engine tokens).
-_BARS = joined(
-    "d.gateway, argMax(d.threshold, d.ts), argMax(d.threshold_unit, d.ts), "
-    "groupArray((multiIf(d.threshold_unit = 'bytes', d.size_bytes, d.threshold_unit = 'tokens', d.size_tokens, "
-    "d.size_chars), r.prompt_tokens))",
-    "threshold IS NOT NULL AND threshold_unit != ''", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
-_BARS = _BARS.replace("\nORDER BY d.gateway, d.ts", "\nGROUP BY d.gateway ORDER BY d.gateway")
+_SIZED = joined(f"d.gateway AS gateway, d.ts AS decided, d.threshold AS threshold, d.threshold_unit AS unit, "
+                f"{size_in_unit('d')} AS size, r.prompt_tokens AS prompt_tokens",
+                "threshold IS NOT NULL AND threshold_unit != ''", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
+_BARS = (f"SELECT gateway, argMax(threshold, decided), argMax(unit, decided), groupArray((size, prompt_tokens))\n"
+         f"FROM ({_SIZED})\nGROUP BY gateway ORDER BY gateway")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from stepline.analysis import gateway
@@ -17,16 +13,13 @@ from tests.diagnosis.test_gateway import LANES, _traffic
 
 
 @pytest.fixture
-def store(chdb_dir: Path) -> Iterator[Store]:
-    s = Store.open(f"chdb://{chdb_dir}?database=agw_{uuid.uuid4().hex[:10]}")
-    s.ensure_schema(30)
+def store(store: Store) -> Store:
+    """The suite's store (tests/conftest.py) holding a router's decisions, its heavy lane holding 3 slots."""
     decisions, requests = _traffic(dense_monsters=1)
     held = [d._replace(in_flight=3) if d.lane == "heavy" else d for d in decisions]
-    s.insert("gateway_decisions", held, GatewayDecision._fields)
-    s.insert("requests", requests, Request._fields)
-    yield s
-    s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
-    s.close()
+    store.insert("gateway_decisions", held, GatewayDecision._fields)
+    store.insert("requests", requests, Request._fields)
+    return store
 
 
 ALL = Window(WINDOW.start, WINDOW.end)

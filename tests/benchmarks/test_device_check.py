@@ -3,13 +3,11 @@ answered, the run section stores 10 Hz rows that follow the load, and without NV
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -24,17 +22,11 @@ from stepline.sources.gpu.nvml import (
 )
 from stepline.store.store import Store
 from stepline.testing.fake_nvml import FakeGpuState, FakeNvml
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
+from tests.benchmarks.script import BENCHMARKS, load
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load("device_check")
 
 
 class DriverClockFake(FakeNvml):
@@ -148,6 +140,7 @@ def _nvml_here() -> bool:
 def test_the_script_without_a_driver_prints_one_line() -> None:
     if _nvml_here():
         pytest.skip("this machine has NVML: the script would run the whole check")
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "device_check.py")], capture_output=True, text=True,
+                          timeout=60, check=False)
     assert done.returncode == 0
     assert done.stdout.count("\n") == 1 and done.stdout.startswith("device check: no NVML here")

@@ -4,25 +4,17 @@ and the store."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gateway_callback.py"
+from tests.benchmarks.script import load
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gateway_callback", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load("gateway_callback")
 
 
 def test_quick_mode_prints_every_figure_and_loses_no_decision(capsys: pytest.CaptureFixture[str]) -> None:

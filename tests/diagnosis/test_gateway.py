@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from stepline.diagnosis.detectors import diagnose
@@ -36,14 +32,6 @@ def _traffic(dense_monsters: int, *, gateway: str = "router") -> tuple[list[Gate
                                 _ts(at + 0.01), 0.0, 0.4, 2.5, 2.9, 2.99, 0.4, 0.01, tokens, 0, 250, 250, 0))
     return decisions, requests
 
-
-@pytest.fixture
-def store(chdb_dir: Path) -> Iterator[Store]:
-    s = Store.open(f"chdb://{chdb_dir}?database=gw_{uuid.uuid4().hex[:10]}")
-    s.ensure_schema(30)
-    yield s
-    s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
-    s.close()
 
 
 def _insert(store: Store, decisions: list[GatewayDecision], requests: list[Request]) -> None:

@@ -4,8 +4,6 @@ size on the backend chosen, one request to one decision, refused where nothing t
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,14 +22,6 @@ DENSE = (52, 53)  # _traffic's dense-JSON monsters, measured under the bar
 _PAIRS = joined("d.ts, d.request_id, r.request_id, m.matched_by", "1", ("prompt_tokens",))
 _OUTCOMES = join_outcomes("1")
 
-
-@pytest.fixture
-def store(chdb_dir: Path) -> Iterator[Store]:
-    s = Store.open(f"chdb://{chdb_dir}?database=gwj_{uuid.uuid4().hex[:10]}")
-    s.ensure_schema(30)
-    yield s
-    s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
-    s.close()
 
 
 def _engine_id(gateway: str, i: int) -> str:

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import GatewayDecision, Request
 from stepline.store.store import Store
@@ -18,14 +12,6 @@ from tests.diagnosis.test_gateway import _traffic
 
 ALL = Window(WINDOW.start, WINDOW.end)
 
-
-@pytest.fixture
-def store(chdb_dir: Path) -> Iterator[Store]:
-    s = Store.open(f"chdb://{chdb_dir}?database=wr_{uuid.uuid4().hex[:10]}")
-    s.ensure_schema(30)
-    yield s
-    s.client.command(f"DROP DATABASE IF EXISTS `{s.database}`")
-    s.close()
 
 
 def test_the_routers_bar_comes_with_its_measured_units_per_token(store: Store) -> None:

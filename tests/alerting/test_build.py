@@ -66,7 +66,13 @@ def test_inhibition_and_routing_in_alertmanager_config() -> None:
     rule = next(r for r in inhibit if r["source_matchers"] == ['alertname="EngineDown"'])
     assert rule["equal"] == ["engine"]
     assert "EngineStalled" in rule["target_matchers"][0] and "EngineWedgedWithQueue" in rule["target_matchers"][0]
-    assert CFG.webhook_url in json.dumps(am)
+    # The default tells a person through the Slack URL in a secret file, not a loopback port where nothing listens.
+    assert not re.search(r"//(127\.0\.0\.1|localhost)[:/]", json.dumps(am)), am["receivers"]
+    by_name = {r["name"]: r for r in am["receivers"]}  # type: ignore[attr-defined]
+    for name in ("stepline-page", "stepline-ticket"):
+        [slack] = by_name[name]["slack_configs"]
+        assert slack["api_url_file"] == CFG.slack_api_url_file == "/etc/alertmanager/secrets/slack_api_url"
+    assert by_name["heartbeat"] == {"name": "heartbeat"}, "no heartbeat receiver is named: it tells nobody"
 
 
 @needs_promtool
@@ -86,6 +92,7 @@ def test_amtool_check_config_and_routes() -> None:
     assert route("alertname=Watchdog", "severity=none") == "heartbeat"
     assert route("alertname=EngineStalled", "severity=critical", "engine=e1") == "stepline-page"
     assert route("alertname=DecodeStarvation", "severity=warning", "engine=e1") == "stepline-ticket"
+    assert route("alertname=Something", "severity=info") == "stepline-ticket", "an unrouted alert is ticketed"
 
 
 # --- promtool test rules -------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def test_every_subcommand_has_useful_help() -> None:
     for name, sub in subcommands.items():
         text = sub.format_help()
         assert sub.description, name
-        assert "--store" in text or name in ("schema", "sim", "alerts", "dashboards", "grafana-provisioning"), name
+        assert "--store" in text or name in ("schema", "sim", "alerts", "dashboards", "grafana-provisioning",
+                                             "docs"), name
 
 
 def test_a_command_line_builds_only_its_commands_options() -> None:

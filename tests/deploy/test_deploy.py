@@ -46,7 +46,7 @@ def mounts(svc: dict[str, Any]) -> dict[str, str]:
     """Container path -> source (named volume or host path) of a compose service."""
     out = {}
     for spec in svc.get("volumes", []):
-        source, target = spec.split(":")[:2]
+        source, target = interpolated(spec).split(":")[:2]
         out[target] = source
     return out
 
@@ -122,7 +122,7 @@ def test_compose_host_paths_and_build_contexts_exist() -> None:
 def test_compose_named_volumes_are_declared() -> None:
     declared = set(compose()["volumes"])
     used = {source for svc in compose()["services"].values() for source in mounts(svc).values()
-            if not source.startswith(".")}
+            if not source.startswith((".", "/"))}  # a host path is no volume
     assert used <= declared, used - declared
 
 
@@ -197,8 +197,13 @@ def test_prometheus_scrapes_the_sidecar_and_loads_the_generated_rules() -> None:
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     target = jobs["stepline"]["static_configs"][0]["targets"][0]
     host, port = target.split(":")
-    assert service("stepline")["network_mode"] == f"service:{host}"
-    assert int(port) == int(service("stepline")["environment"]["STEPLINE_METRICS_PORT"]) == Settings.metrics_port
+    # Through the host in both profiles: the pod publishes the bundled sidecar's port, the attach one is on the host.
+    assert f"{host}:host-gateway" in prom["extra_hosts"]
+    pod_ports = {int(p.split(":")[-1]) for p in service("pod")["ports"]}
+    assert service("stepline")["network_mode"] == "service:pod" and int(port) in pod_ports
+    assert service("stepline-attach")["network_mode"] == "host"
+    for sidecar in ("stepline", "stepline-attach"):
+        assert int(port) == int(service(sidecar)["environment"]["STEPLINE_METRICS_PORT"]) == Settings.metrics_port
     assert 'job="stepline"' in (REPO / "alerts" / "prometheus-rules.yaml").read_text(encoding="utf-8")
     am_host, am_port = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"][0].split(":")
     assert am_host in compose()["services"] and am_port == "9093"
@@ -263,7 +268,8 @@ def test_compose_passwords_reach_containers_as_files_never_as_environment(tmp_pa
     declared = compose()["secrets"]
     env_vars = {name: spec["environment"] for name, spec in declared.items()}
     assert env_vars == {"clickhouse_password": "CLICKHOUSE_PASSWORD",
-                        "grafana_admin_password": "GRAFANA_ADMIN_PASSWORD"}
+                        "grafana_admin_password": "GRAFANA_ADMIN_PASSWORD",
+                        "alertmanager_slack_api_url": "ALERTMANAGER_SLACK_API_URL"}
     example = (DEPLOY / ".env.example").read_text(encoding="utf-8").splitlines()
     assert all(f"{var}=CHANGE-ME" in example for var in env_vars.values())
     for name, svc in compose()["services"].items():
@@ -307,6 +313,14 @@ def test_compose_passwords_reach_containers_as_files_never_as_environment(tmp_pa
             for a in argv]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
     assert out == f"{password}|0"
+
+    # Alertmanager (runs as nobody): the Slack URL its generated config reads on every notification, from the file
+    # Compose makes of ALERTMANAGER_SLACK_API_URL.
+    alertmanager = service("alertmanager")
+    config = load_yaml(REPO / "alerts" / "alertmanager.example.yaml")
+    read = {c["api_url_file"] for r in config["receivers"] for c in r.get("slack_configs", [])}
+    files = _secret_files(alertmanager)
+    assert read and all(files[path][0] == "alertmanager_slack_api_url" and files[path][1] & 0o004 for path in read)
 
 
 # --- Kubernetes ------------------------------------------------------------------------------------------

@@ -120,3 +120,26 @@ def test_every_scrape_config_names_the_job_the_alert_rules_select() -> None:
     for doc in yaml.safe_load_all((K8S / "vllm.yaml").read_text()):
         if doc:
             assert not any(k.startswith("prometheus.io/") for k in doc["metadata"].get("annotations", {})), doc
+
+
+def test_compose_attach_profile_joins_a_running_vllm_with_the_bundled_sidecars_settings() -> None:
+    services = compose_services()
+    bundled, attach = services["stepline"], services["stepline-attach"]
+    assert {name for name, svc in services.items() if "bundled" in svc.get("profiles", [])} == {"pod", "vllm",
+                                                                                               "stepline"}
+    assert attach["profiles"] == ["attach"]
+    assert not {"pod", "vllm"} & set(attach.get("depends_on", {})), "attach must not need the bundled vLLM"
+    assert (attach["network_mode"], attach["pid"]) == ("host", "host")
+    assert attach["command"][attach["command"].index("--engine") + 1].endswith("=${VLLM_URL:-http://127.0.0.1:8000}")
+    # The same settings but the store, which the host's network reaches through ClickHouse's published port.
+    differ = {k for k in bundled["environment"] if bundled["environment"][k] != attach["environment"].get(k)}
+    assert differ == {"STEPLINE_STORE"}
+    store_port = attach["environment"]["STEPLINE_STORE"].rsplit(":", 1)[1].split("/")[0]
+    assert f"127.0.0.1:{store_port}:8123" in services["clickhouse"]["ports"]
+    assert "${STEPLINE_RUN_DIR:-/run/stepline}:/run/stepline" in attach["volumes"]
+    for sidecar in (bundled, attach):
+        assert sidecar["environment"]["STEPLINE_EXPECT_GPUS"] == "${STEPLINE_EXPECT_GPUS:-1}"
+    example = dict(line.split("=", 1) for line in (DEPLOY / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert example["COMPOSE_PROFILES"] == "bundled", "`docker compose up` must keep starting the whole stack"
+    assert {"VLLM_URL", "STEPLINE_RUN_DIR", "STEPLINE_EXPECT_GPUS"} <= set(example)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -87,16 +88,19 @@ def install() -> Path:
 
 @contextmanager
 def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: str, threshold_chars: int,
-                  gateway: str = "lanes") -> Iterator[str]:
+                  gateway: str = "lanes", router_settings: Mapping[str, Any] | None = None) -> Iterator[str]:
     """The proxy, serving until the block ends (its URL): `lanes` maps each lane (a model group) to its backend's
     OpenAI base URL (`http://host:port/v1`), each serving `model`; SIZE_LANES routes between them at
-    `threshold_chars`, stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. Its config, hook and
-    log (proxy.log) go to `work`."""
+    `threshold_chars`, stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. `router_settings`,
+    where given, is the config's own (`fallbacks`, `num_retries`, ...). Its config, hook and log (proxy.log) go to
+    `work`."""
     (work / "size_lanes.py").write_text(SIZE_LANES)
     models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": api_base,
                                                        "api_key": "none"}} for lane, api_base in lanes.items()]
-    config = {"model_list": models, "litellm_settings": {
+    config: dict[str, Any] = {"model_list": models, "litellm_settings": {
         "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
+    if router_settings is not None:
+        config["router_settings"] = dict(router_settings)
     (work / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
@@ -135,6 +139,21 @@ def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
                                                                      "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return dict(json.loads(response.read()))
+
+
+def send(url: str, prompt: str, **extra: Any) -> tuple[int, str]:
+    """One completion through the proxy, answered or not: its HTTP status and the proxy's request id (the
+    `x-litellm-call-id` header, LiteLLM's litellm_call_id)."""
+    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": 4, **extra}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+            return response.status, response.headers.get("x-litellm-call-id", "")
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc.code, exc.headers.get("x-litellm-call-id", "")
 
 
 def leave_mid_stream(url: str, prompt: str, max_tokens: int, chunks: int = 1, **extra: Any) -> bytes:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +18,8 @@ from stepline.model.rows import GatewayDecision
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.otlp import OtlpReceiver
-from tests.gateway.proxy import KEY, VENV, available, leave_mid_stream, litellm_proxy
+from stepline.testing.alertstack import free_port
+from tests.gateway.proxy import KEY, VENV, available, install, leave_mid_stream, litellm_proxy, send
 from tests.gateway.proxy import complete as _complete
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
@@ -34,11 +38,32 @@ def lanes() -> Iterator[dict[str, SimServer]]:
 
 @pytest.fixture
 def proxy(tmp_path: Path, lanes: dict[str, SimServer], receiver: OtlpReceiver) -> Iterator[str]:  # noqa: F811
-    if not available():
-        pytest.fail(f"no LiteLLM proxy at {VENV}: run tests/gateway/install.sh (CI does)")
+    _installed()
     with litellm_proxy(tmp_path, {lane: f"{server.url}/v1" for lane, server in lanes.items()}, MODEL,
                        f"{receiver.url}/v1/traces", THRESHOLD_CHARS) as url:
         yield url
+
+
+def _installed() -> None:
+    """The proxy's environment, with this checkout's callback in it (reinstalled once per process)."""
+    if not available():
+        pytest.fail(f"no LiteLLM proxy at {VENV}: run tests/gateway/install.sh (CI does)")
+    install()
+
+
+@pytest.fixture
+def failing_proxy(tmp_path: Path, lanes: dict[str, SimServer], receiver: OtlpReceiver  # noqa: F811
+                  ) -> Iterator[tuple[str, dict[str, str]]]:
+    """The proxy with the fast lane's deployment down (a closed local port) and `fallbacks` from it to the heavy
+    lane; a third group, `gone`, is down too. No retries unless a request asks (`num_retries`), no cooldown (a dead
+    group stays in the chain, so every request walks the same one). Its URL and each group's backend (host:port)."""
+    _installed()
+    backends = {"fast": f"http://127.0.0.1:{free_port()}/v1", "heavy": f"{lanes['heavy'].url}/v1",
+                "gone": f"http://127.0.0.1:{free_port()}/v1"}
+    settings = {"fallbacks": [{"fast": ["heavy"]}], "num_retries": 0, "disable_cooldowns": True}
+    with litellm_proxy(tmp_path, backends, MODEL, f"{receiver.url}/v1/traces", THRESHOLD_CHARS,
+                       router_settings=settings) as url:
+        yield url, {lane: b.removeprefix("http://").removesuffix("/v1") for lane, b in backends.items()}
 
 
 def _decisions(receiver: OtlpReceiver, n: int) -> list[GatewayDecision]:  # noqa: F811
@@ -98,3 +123,41 @@ def test_the_proxys_metrics_are_scraped_per_deployment(proxy: str, lanes: dict[s
     samples = [r for r in rows if isinstance(r, GatewaySample)]
     per_backend = {s.engine for s in samples if s.metric.startswith("litellm_deployment_")}
     assert {server.url.removeprefix("http://") for server in lanes.values()} <= per_backend, per_backend
+
+
+def test_fallbacks_and_retries_are_numbered_attempts_of_one_request(failing_proxy: tuple[str, dict[str, str]],
+                                                                    receiver: OtlpReceiver) -> None:  # noqa: F811
+    url, engine = failing_proxy
+    # Each kind of request, and the chain of (lane, status) the router walks for it.
+    kinds: dict[str, tuple[dict[str, Any], list[tuple[str, int]], int]] = {
+        "fallback": ({}, [("fast", 500), ("heavy", 200)], 200),
+        "retry": ({"num_retries": 1}, [("fast", 500), ("fast", 500), ("heavy", 200)], 200),
+        "all_fail": ({"fallbacks": ["gone"]}, [("fast", 500), ("gone", 500)], 500)}
+    counts = {"fallback": 3, "retry": 2, "all_fail": 1}
+    sent: dict[str, str] = {}  # request id -> kind
+    for kind, n in counts.items():
+        extra, _, answered = kinds[kind]
+        for i in range(n):
+            status, call_id = send(url, f"{kind} {i}", **extra)
+            assert status == answered and call_id, (kind, status, call_id)
+            sent[call_id] = kind
+    expected = sum(len(kinds[kind][1]) for kind in sent.values())
+    decisions = _decisions(receiver, expected)
+    time.sleep(1.5)  # anything recorded twice would come by now
+    decisions += [r for r in drain(receiver) if isinstance(r, GatewayDecision)]
+    assert len(decisions) == expected, [(d.request_id, d.attempt, d.lane, d.status) for d in decisions]
+    by_request: dict[str, list[GatewayDecision]] = defaultdict(list)
+    for d in decisions:
+        by_request[d.request_id].append(d)
+    assert set(by_request) == set(sent)
+    for request_id, attempts in by_request.items():
+        _, chain, _ = kinds[sent[request_id]]
+        attempts.sort(key=lambda d: d.attempt)
+        assert [d.attempt for d in attempts] == list(range(1, len(chain) + 1)), attempts  # once each, in order
+        assert [(d.lane, d.status) for d in attempts] == chain, attempts
+        assert [d.engine for d in attempts] == [engine[lane] for lane, _ in chain]
+        assert all(a.end_ts <= b.ts for a, b in pairwise(attempts)), attempts
+        fallback_group = "gone" if sent[request_id] == "all_fail" else "heavy"
+        assert all(d.candidates == ["fast", fallback_group] for d in attempts), attempts
+        assert all(d.error_type for d in attempts if d.status != 200)
+        assert all(d.size_chars and d.threshold == THRESHOLD_CHARS for d in attempts)

@@ -1,4 +1,5 @@
-"""The README's column reference: generated from the column comments, complete, and not drifted."""
+"""The column reference (docs/reference/schema.md, and any page with the markers): generated from the column comments,
+complete, and rewritten in place by `stepline schema --readme`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import pytest
 from stepline.cli.main import main
 from stepline.model import schema, schemadoc
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = f"# A page\n\nintro\n\n{schemadoc.BEGIN}\n| `gone` | `UInt8` | an old column |\n{schemadoc.END}\n\noutro\n"
 
 
-def test_the_readme_column_reference_matches_the_schema() -> None:
-    text = README.read_text(encoding="utf-8")
-    assert schemadoc.with_reference(text) == text, (
-        "the README's column reference drifted from schema.py: run `stepline schema --readme README.md`")
+def test_the_reference_page_carries_the_current_reference() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "schema.md").read_text(encoding="utf-8")
+    assert schemadoc.markdown() in page, "docs/reference/schema.md drifted from schema.py: run `stepline docs build`"
 
 
 def test_the_reference_lists_every_column_of_every_table_with_its_comment() -> None:
@@ -39,15 +39,16 @@ def test_every_comment_is_one_line_ending_in_a_full_stop() -> None:
 
 
 def test_the_command_rewrites_only_the_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = README.read_text(encoding="utf-8")
+    stale = tmp_path / "page.md"
+    stale.write_text(PAGE, encoding="utf-8")
+    assert main(["schema", "--readme", str(stale)]) == 0
+    text = stale.read_text(encoding="utf-8")
     head, rest = text.split(schemadoc.BEGIN, 1)
-    tail = rest.split(schemadoc.END, 1)[1]
-    stale = tmp_path / "README.md"
-    stale.write_text(f"{head}{schemadoc.BEGIN}\n| `gone` | `UInt8` | an old column |\n{schemadoc.END}{tail}",
-                     encoding="utf-8")
+    inside, tail = rest.split(schemadoc.END, 1)
+    assert head == PAGE.split(schemadoc.BEGIN)[0] and tail == PAGE.split(schemadoc.END)[1]
+    assert "`gone`" not in inside and schemadoc.markdown().strip() in inside
     assert main(["schema", "--readme", str(stale)]) == 0
     assert stale.read_text(encoding="utf-8") == text
-    assert main(["schema", "--readme", str(stale)]) == 0
     assert capsys.readouterr().out.splitlines() == [f"{stale}: column reference updated",
                                                     f"{stale}: column reference already current"]
 

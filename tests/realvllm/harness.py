@@ -322,6 +322,7 @@ class Life:
     replayed: dict[str, float]  # the counters' rise over that replay
     metrics: dict[str, float]  # the counters when everything was done
     iterations: list[int]  # the iterations vLLM's own logger printed, over its whole life
+    doctor: dict[str, subprocess.CompletedProcess[str]] = field(default_factory=dict)  # doctor_runs()
 
 
 def live(setup: Setup) -> Life:
@@ -331,6 +332,7 @@ def live(setup: Setup) -> Life:
         with engine(setup):
             # test_real_vllm.py: streams beside an uncached long prompt and its cached rerun, ids reused, a matrix.
             long_tokens = drive(setup, LONG_WORDS)
+            doctor = doctor_runs(setup)  # test_real_vllm_doctor.py; before the counters the others compare
             before = engine_metrics(setup)
             reuse_request_ids(setup, REUSED, REUSED_WORDS)
             reuse = delta(before, engine_metrics(setup))
@@ -356,4 +358,32 @@ def live(setup: Setup) -> Life:
         iterations = iterations_logged(setup)
     assert long_tokens > 8 * BUDGET_TOKENS
     return Life(setup, long_tokens, reuse, matrix, (start, end), delta(before, recorded), replay,
-               delta(recorded, metrics), metrics, iterations)
+               delta(recorded, metrics), metrics, iterations, doctor)
+
+
+def doctor(setup: Setup, *args: str) -> subprocess.CompletedProcess[str]:
+    """`stepline doctor` from the run's directory, as an operator's shell runs it (the collector found by its
+    runtime file); `args` after the defaults."""
+    return stepline(setup, "doctor", "--engine", f"{setup.engine_name}={setup.engine_url}", "--wait", "30", *args,
+                    timeout_s=120)
+
+
+def doctor_runs(setup: Setup) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The doctor against this engine and collector as they are (`wired`, with its probe), and pointed at a port
+    where no engine listens while clients keep the engine busy (`wrong_url`, no probe: it cannot send one)."""
+    runs = {"wired": doctor(setup)}
+    stop = threading.Event()
+
+    def clients() -> None:
+        while not stop.is_set():
+            _complete(setup, f"doctor traffic {time.time_ns()}", 4, False)
+
+    busy = threading.Thread(target=clients, daemon=True)
+    busy.start()
+    try:
+        runs["wrong_url"] = doctor(setup, "--engine", f"{setup.engine_name}=http://127.0.0.1:{free_port()}",
+                                   "--no-probe")
+    finally:
+        stop.set()
+        busy.join(60)
+    return runs

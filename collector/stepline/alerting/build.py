@@ -22,9 +22,17 @@ def documents(cfg: AlertConfig) -> dict[str, object]:
     }
 
 
+def headers(cfg: AlertConfig) -> dict[str, str]:
+    """Relative path -> its header comment (the generator's line, and for the Alertmanager example who it tells)."""
+    return {path: HEADER + (prometheus.alertmanager_header(cfg) if path == "alertmanager.example.yaml" else "")
+            for path in documents(cfg)}
+
+
 def render(cfg: AlertConfig | None = None) -> dict[str, str]:
     """Relative path -> file text."""
-    return {path: yamlout.dump(doc, HEADER) for path, doc in documents(cfg or AlertConfig()).items()}
+    cfg = cfg or AlertConfig()
+    header = headers(cfg)
+    return {path: yamlout.dump(doc, header[path]) for path, doc in documents(cfg).items()}
 
 
 def build(out_dir: Path | str, cfg: AlertConfig | None = None) -> list[Path]:

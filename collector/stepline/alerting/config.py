@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stepline.config.slo import Slo
+
+if TYPE_CHECKING:
+    from stepline.alerting.receivers import Receiver
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,32 @@ class AlertConfig:
     group_name: str = "stepline"
     evaluation_interval: str = "30s"
 
-    webhook_url: str = "http://127.0.0.1:9095/stepline"
-    """The Alertmanager example's page/ticket receiver (a placeholder: put your receiver here)."""
-    heartbeat_url: str = "http://127.0.0.1:9095/heartbeat"
+    receivers: tuple[Receiver, ...] = ()
+    """Who is told, per route: critical alerts page (Alertmanager receiver `stepline-page`), warnings ticket
+    (`stepline-ticket`, also whatever no route matches), the Watchdog goes to `heartbeat` (`receivers.Receiver`,
+    `stepline alerts build --receiver ROUTE=KIND:KEY=VALUE,...`). A route none is named for keeps its default: page
+    and ticket post to one Slack incoming webhook whose URL Alertmanager reads from `slack_api_url_file` on every
+    notification, and the heartbeat goes nowhere until it is pointed at a dead man's switch.
+
+    Why Slack: it reaches a person with one secret, and that secret stays in a file (a Kubernetes or Compose secret)
+    rather than in the config. Alertmanager 0.25's webhook has no `url_file`, so a webhook default would put its URL
+    in the config, or point at a port where nothing listens. Until the file exists, every notification fails naming
+    it in Alertmanager's log and in `alertmanager_notifications_failed_total{integration="slack"}`: a visible
+    failure, not a page sent nowhere."""
+    slack_api_url_file: str = "/etc/alertmanager/secrets/slack_api_url"
+    """The default receivers' Slack incoming-webhook URL, as a file in Alertmanager's container."""
+    grafana_via_alertmanager: bool = False
+    """Grafana forwards every alert to `grafana_alertmanager_url`, even on routes with receivers named (whose
+    Grafana-managed alerts Grafana otherwise delivers itself, without Alertmanager's inhibit rules)."""
+    webhook_url: str = ""
+    """When set, the page and ticket defaults post to this webhook instead of Slack (the loopback test stacks'
+    receiver, `stepline.testing.alertstack`)."""
+    heartbeat_url: str = ""
+    """When set, the heartbeat's default posts to this webhook."""
     grafana_alertmanager_url: str = "http://alertmanager:9093"
-    """Grafana's contact point forwards every Grafana-managed alert to this Alertmanager (it posts to
-    `/api/v2/alerts` under it): deploy/docker-compose.yml's `alertmanager` service, so both alert paths are
-    routed, grouped and inhibited by the same Alertmanager."""
+    """Grafana's contact point forwards the Grafana-managed alerts of every route with no receiver named to this
+    Alertmanager (it posts to `/api/v2/alerts` under it): deploy/docker-compose.yml's `alertmanager` service, so
+    both alert paths are routed, grouped and inhibited by the same Alertmanager."""
     grafana_datasource_uid: str = "${STEPLINE_PROMETHEUS_UID}"
     """Grafana expands this from its environment when it reads the provisioning file."""
     grafana_folder_uid: str = "stepline"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, cast
 
 from grafana_foundation_sdk.builders import alerting as ab
 from grafana_foundation_sdk.cog import builder as cogbuilder
@@ -23,7 +23,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.runtime import UnknownDataquery
 from grafana_foundation_sdk.models.alerting import RelativeTimeRange
 
-from stepline.alerting import templates
+from stepline.alerting import receivers, templates
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.definitions import Alert, alerts
 from stepline.alerting.prometheus import HEARTBEAT
@@ -31,6 +31,8 @@ from stepline.alerting.prometheus import HEARTBEAT
 ORG_ID = 1
 EXPR_UID = "__expr__"
 CONTACT_POINT = "stepline-alertmanager"
+CONTACT_POINTS = {"critical": "stepline-page", "warning": "stepline-ticket", "heartbeat": "stepline-heartbeat"}
+"""Route -> Grafana's own contact point for it, used when receivers are named for the route."""
 _DURATION = re.compile(r"^(\d+)([smh])$")
 
 
@@ -132,16 +134,46 @@ def rules_file(cfg: AlertConfig) -> dict[str, object]:
     return {"apiVersion": 1, "groups": [{"orgId": ORG_ID, **group_fields, "rules": file_rules}]}
 
 
-def contact_points_file(cfg: AlertConfig) -> dict[str, object]:
-    """One contact point that forwards every Grafana alert to an Alertmanager (`cfg.grafana_alertmanager_url`)."""
-    cp = _plain(ab.ContactPoint().uid(CONTACT_POINT).name(CONTACT_POINT).type("alertmanager")
-                .settings({"url": cfg.grafana_alertmanager_url})
-                .disable_resolve_message(False).build())
+def _grafana_routes(cfg: AlertConfig) -> dict[str, str]:
+    """Route -> the contact point Grafana delivers it to: its own for a route with receivers named, else the one
+    forwarding to Alertmanager (which applies the route's default there)."""
+    named = set() if cfg.grafana_via_alertmanager else receivers.named_routes(cfg)
+    return {route: CONTACT_POINTS[route] if route in named else CONTACT_POINT for route in receivers.ROUTES}
+
+
+def _integration(r: receivers.Receiver, uid: str) -> dict[str, Any]:
+    settings = receivers.grafana_settings(r)
+    for key, value in settings.items():
+        # The only `$` Grafana may expand here is the secret's `$__file{...}`.
+        if isinstance(value, str) and "$" in value.replace("$__file{", ""):
+            raise ValueError(f"contact point {uid}: {key} = {value!r}: Grafana would expand its `$`")
+    cp: dict[str, Any] = _plain(ab.ContactPoint().uid(uid).name(uid).type(cast(Any, r.kind))
+                                .settings(settings).disable_resolve_message(r.route == "heartbeat").build())
     cp.pop("name")
-    # The SDK's enum says "alertmanager"; Grafana registers the integration as "prometheus-alertmanager"
-    # (grafana/alerting receivers/alertmanager: Type), which posts to `<url>/api/v2/alerts`.
-    cp["type"] = "prometheus-alertmanager"
-    return {"apiVersion": 1, "contactPoints": [{"orgId": ORG_ID, "name": CONTACT_POINT, "receivers": [cp]}]}
+    return cp
+
+
+def contact_points_file(cfg: AlertConfig) -> dict[str, object]:
+    """The contact points the policy tree names: one per route with receivers named, holding an integration per
+    receiver (secrets as `$__file{path}`, `receivers.grafana_settings`), and the one forwarding every other alert
+    to an Alertmanager (`cfg.grafana_alertmanager_url`)."""
+    points: list[dict[str, object]] = []
+    routes = _grafana_routes(cfg)
+    if CONTACT_POINT in routes.values():
+        cp = _plain(ab.ContactPoint().uid(CONTACT_POINT).name(CONTACT_POINT).type("alertmanager")
+                    .settings({"url": cfg.grafana_alertmanager_url})
+                    .disable_resolve_message(False).build())
+        cp.pop("name")
+        # The SDK's enum says "alertmanager"; Grafana registers the integration as "prometheus-alertmanager"
+        # (grafana/alerting receivers/alertmanager: Type), which posts to `<url>/api/v2/alerts`.
+        cp["type"] = "prometheus-alertmanager"
+        points.append({"orgId": ORG_ID, "name": CONTACT_POINT, "receivers": [cp]})
+    for route, integrations in receivers.routed(cfg).items():
+        name = routes[route]
+        if name != CONTACT_POINT:
+            points.append({"orgId": ORG_ID, "name": name, "receivers": [
+                _integration(r, f"{name}-{r.kind}-{i}") for i, r in enumerate(integrations)]})
+    return {"apiVersion": 1, "contactPoints": points}
 
 
 def policies_file(cfg: AlertConfig) -> dict[str, object]:
@@ -153,13 +185,14 @@ def policies_file(cfg: AlertConfig) -> dict[str, object]:
             p = getattr(p, key)(val)
         return p
 
-    tree = (ab.NotificationPolicy().receiver(CONTACT_POINT)
+    to = _grafana_routes(cfg)
+    tree = (ab.NotificationPolicy().receiver(to["warning"])
             .group_by(["grafana_folder", "alertname", "engine"])
             .group_wait("30s").group_interval("5m").repeat_interval("4h")
             .routes([
-                route(f"alertname={HEARTBEAT}", CONTACT_POINT, group_wait="0s", group_interval="1m",
+                route(f"alertname={HEARTBEAT}", to["heartbeat"], group_wait="0s", group_interval="1m",
                       repeat_interval="1m"),
-                route("severity=critical", CONTACT_POINT, group_wait="10s", repeat_interval="1h"),
-                route("severity=warning", CONTACT_POINT),
+                route("severity=critical", to["critical"], group_wait="10s", repeat_interval="1h"),
+                route("severity=warning", to["warning"]),
             ]))
     return {"apiVersion": 1, "policies": [{"orgId": ORG_ID, **_plain(tree.build())}]}

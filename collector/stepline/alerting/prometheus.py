@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stepline.alerting import templates
+from stepline.alerting import receivers, templates
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.definitions import Alert, alerts
 
@@ -37,24 +37,24 @@ def rule_groups(cfg: AlertConfig) -> dict[str, object]:
 
 
 def alertmanager(cfg: AlertConfig) -> dict[str, object]:
-    """Routing by severity, grouped by engine, watchdog pages inhibited while the engine is down."""
-    def webhook(name: str, url: str, resolved: bool = True) -> dict[str, object]:
-        return {"name": name, "webhook_configs": [{"url": url, "send_resolved": resolved}]}
-
+    """Routing by severity to the receivers of `receivers.routed(cfg)`, grouped by engine, watchdog pages inhibited
+    while the engine is down."""
+    names = receivers.RECEIVER_NAMES
     return {
         "global": {"resolve_timeout": "5m"},
         "route": {
-            "receiver": "stepline-default",
+            # Whatever no route matches (a severity the rules do not use) is ticketed rather than dropped.
+            "receiver": names["warning"],
             "group_by": ["alertname", "engine"],
             "group_wait": "30s",
             "group_interval": "5m",
             "repeat_interval": "4h",
             "routes": [
-                {"matchers": [f'alertname="{HEARTBEAT}"'], "receiver": "heartbeat",
+                {"matchers": [f'alertname="{HEARTBEAT}"'], "receiver": names["heartbeat"],
                  "group_wait": "0s", "group_interval": "1m", "repeat_interval": "1m"},
-                {"matchers": ['severity="critical"'], "receiver": "stepline-page",
+                {"matchers": ['severity="critical"'], "receiver": names["critical"],
                  "group_wait": "10s", "repeat_interval": "1h"},
-                {"matchers": ['severity="warning"'], "receiver": "stepline-ticket"},
+                {"matchers": ['severity="warning"'], "receiver": names["warning"]},
             ],
         },
         "inhibit_rules": [
@@ -64,10 +64,35 @@ def alertmanager(cfg: AlertConfig) -> dict[str, object]:
             {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
              "equal": ["alertname", "engine", "gpu", "instance"]},
         ],
-        "receivers": [
-            webhook("stepline-default", cfg.webhook_url),
-            webhook("stepline-page", cfg.webhook_url),
-            webhook("stepline-ticket", cfg.webhook_url),
-            webhook("heartbeat", cfg.heartbeat_url, resolved=False),
-        ],
+        "receivers": [_receiver(names[route], integrations) for route, integrations in receivers.routed(cfg).items()],
     }
+
+
+def _receiver(name: str, integrations: tuple[receivers.Receiver, ...]) -> dict[str, object]:
+    """One Alertmanager receiver holding each integration (none: a receiver that tells nobody, said so in the
+    file's header)."""
+    configs: dict[str, list[dict[str, object]]] = {}
+    for r in integrations:
+        key, config = receivers.alertmanager_config(r)
+        configs.setdefault(key, []).append(config)
+    return {"name": name, **configs}
+
+
+def alertmanager_header(cfg: AlertConfig) -> str:
+    """The example's header lines after the generator's: who each route tells, and what its default needs."""
+    named = receivers.named_routes(cfg)
+    lines = ["Who is told (name receivers with `stepline alerts build --receiver ROUTE=KIND:KEY=VALUE,...`,",
+             "alerts/README.md \"Receivers\"):"]
+    for route, integrations in receivers.routed(cfg).items():
+        also = " (and whatever no route matches)" if route == "warning" else ""
+        default = " (default)" if route not in named and integrations else ""
+        lines.append(f"  {route} -> receiver {receivers.RECEIVER_NAMES[route]}{also}{default}:")
+        lines += [f"    {r.describe()}" for r in integrations] or \
+            ["    nobody: point it at a dead man's switch (--receiver heartbeat=webhook:url=...)"]
+    if not cfg.webhook_url and not named >= {"critical", "warning"}:
+        lines += ["", "The default reaches a person through one Slack incoming webhook, whose URL Alertmanager reads",
+                  f"from {cfg.slack_api_url_file} on every notification: mount it there as a secret",
+                  "(alerts/README.md); no secret is in this file. Until the file exists every notification fails,",
+                  "naming the file, in Alertmanager's log and in",
+                  'alertmanager_notifications_failed_total{integration="slack"}.']
+    return "\n\n" + "\n".join(lines)

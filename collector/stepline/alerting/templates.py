@@ -1,4 +1,5 @@
-"""Renders the `[placeholder]`s of the alert texts as Prometheus or Grafana annotation templates."""
+"""Renders the `[placeholder]`s of the alert texts as Prometheus or Grafana annotation templates, and holds the
+notification templates every receiver sends (`NOTIFICATION_TITLE`, `NOTIFICATION_TEXT`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ GRAFANA_AUX = {
 }
 _AUX_OF = {"state": "STATE", "budget": "BUDGET", "age": "AGE", "waiting": "WAITING", "running": "RUNNING",
            "finding": "FINDING"}
+
 
 
 def _per_engine(cfg: AlertConfig, metric: str, suffix: str = "") -> str:

@@ -22,6 +22,7 @@ COMMANDS = {
     "requests": "stepline.cli.requests",
     "timeline": "stepline.cli.timeline",
     "status": "stepline.cli.status",
+    "doctor": "stepline.cli.doctor",
     "schema": "stepline.cli.schema",
     "diagnose": "stepline.cli.diagnose",
     "report": "stepline.cli.report",
@@ -30,6 +31,7 @@ COMMANDS = {
     "replay": "stepline.cli.replay",
     "alerts": "stepline.cli.alerts",
     "dashboards": "stepline.cli.dashboards",
+    "docs": "stepline.cli.docs",
     "grafana-provisioning": "stepline.cli.grafana_provisioning",
     "sim": "stepline.cli.sim",
     "demo": "stepline.cli.demo",
@@ -91,5 +93,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=handler.HELP, description=handler.DESCRIPTION)
         if command is None or command == name:
             handler.add_arguments(command_parser)
-            command_parser.set_defaults(func=handler.run)
+            # `whole_parser`: every command's options, for the command that documents them (`stepline docs`).
+            command_parser.set_defaults(func=handler.run, whole_parser=build_parser)
     return parser

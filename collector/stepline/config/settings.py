@@ -27,36 +27,55 @@ class Settings:
 
     store: str = field(default_factory=default_store_url, repr=False)  # a server URL may carry a password
     retention_days: int = 30
-    role: str = "sidecar"  # sidecar: beside one engine (every source); node: one per node, GPUs and host only
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the node role's GPU -> pod map
+    role: str = "sidecar"
+    """sidecar: beside one engine (every source); node: one per node, GPUs and host only."""
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """The kubelet's pod-resources socket: the node role's GPU -> pod map."""
     engines: tuple[str, ...] = ()
-    gateways: tuple[str, ...] = ()  # [NAME=]URL of each gateway (LiteLLM proxy, vllm-router) whose /metrics to scrape
+    gateways: tuple[str, ...] = ()
+    """[NAME=]URL of each gateway (LiteLLM proxy, vllm-router) whose /metrics to scrape."""
     host_name: str = field(default_factory=socket.gethostname)
     listen: str = "127.0.0.1"
     metrics_port: int = 9465
     query_port: int = 8124
     query_password: str | None = field(default=None, repr=False)
+    """The password the read-only query endpoint asks for; None: it asks for none."""
     scrape_interval_s: float = 5.0
-    scrape_timeout_s: float | None = None  # default: 3 s, or the interval when shorter
+    scrape_timeout_s: float | None = None
+    """Seconds one scrape may take; None: 3 s, or the interval when shorter."""
     disabled_sources: frozenset[str] = frozenset()
-    engine_processes: tuple[str, ...] = ()  # NAME=PID or NAME=cmdline:TEXT, beside what --engine ports find
-    engine_gpus: tuple[str, ...] = ()  # NAME=GPU-uuid,GPU-uuid: GPUs no PID or engine environment ties to an engine
-    expect_gpus: bool = False  # GPUs are expected here: a gpu source that never reaches NVML alerts
+    engine_processes: tuple[str, ...] = ()
+    """NAME=PID or NAME=cmdline:TEXT: engine processes to sample, beside what --engine ports find."""
+    engine_gpus: tuple[str, ...] = ()
+    """NAME=GPU-uuid,GPU-uuid: GPUs no PID or engine environment ties to an engine."""
+    expect_gpus: bool = False
+    """GPUs are expected here: a gpu source that never reaches NVML alerts."""
     host_interval_s: float = 1.0
+    """Seconds between samples of the host and of the engines' processes."""
     gpu_interval_s: float = 0.1
+    """Seconds between NVML samples of every GPU."""
     plugin_socket: str = "/tmp/stepline-plugin.sock"
     otlp_port: int = 4318
-    events_port: int = 0  # the CLI's write path (matrix runs); 0: a free port, announced in the runtime file
+    events_port: int = 0
+    """The CLI's write path (matrix runs); 0: a free port, announced in the runtime file."""
     otlp_token: str | None = field(default=None, repr=False)
+    """The Bearer token the OTLP receiver requires (the events endpoint takes it too); None: none."""
     plugin_token: str | None = field(default=None, repr=False)
-    gateway_token: str | None = field(default=None, repr=False)  # sent as a Bearer token to each gateway's /metrics
-    # LANE=SECONDS: the least stall budget of the engines a gateway sends that lane to (a lane slow by design)
+    """The credential the plugin's datagrams must carry (its STEPLINE_PLUGIN_TOKEN); None: every datagram is read."""
+    gateway_token: str | None = field(default=None, repr=False)
+    """Sent as a Bearer token to each gateway's /metrics."""
     lane_budgets: tuple[str, ...] = ()
+    """LANE=SECONDS: the least stall budget of the engines a gateway sends that lane to (a lane slow by design)."""
     writer_max_rows: int = 200_000
+    """Rows each table's writer holds in memory; beyond them rows are dropped, counted (queue_full)."""
     writer_batch_rows: int = 20_000
-    flush_interval_s: float = 1.0  # also the spool's sync interval: what a kill -9 can lose
-    spool_dir: str | None = None  # default: beside the store (see spool_path)
-    spool_max_bytes: int = 1 << 30  # 0: no spool (rows wait in memory only)
+    """Rows of one insert at most; a queue this long is written without waiting for the flush interval."""
+    flush_interval_s: float = 1.0
+    """Seconds between batches cut, spooled and inserted; also the spool's sync interval: what a kill -9 can lose."""
+    spool_dir: str | None = None
+    """Where rows wait on disk until the store takes them; None: beside the store (see spool_path)."""
+    spool_max_bytes: int = 1 << 30
+    """The spool's bound, past which the oldest batches go, counted; 0: no spool (rows wait in memory only)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -358,8 +358,12 @@ class Doctor:
             if reader is not None and not ev.sql_error and ev.name:
                 self._read_steps(ev, reader, host, since)
             now = self._clock()
-            if arrived_at is None and ev.steps > 0 and (probe is None or not probe.is_alive()) and ev.after.total(
-                    "stepline_source_counts_total", source="otlp", counter="spans_accepted") > spans:
+            # An engine that answers the doctor but whose last scrape failed (it came up after the collector's
+            # latest scrape, as when the sidecar starts first) is waited for too: the next scrape says.
+            scraped = bool(ev.engine_error) or ev.after.value("stepline_source_up",
+                                                               source=f"vllm_metrics:{ev.name}") != 0
+            if arrived_at is None and ev.steps > 0 and scraped and (probe is None or not probe.is_alive()) and \
+                    ev.after.total("stepline_source_counts_total", source="otlp", counter="spans_accepted") > spans:
                 arrived_at = now
             if now >= deadline or (arrived_at is not None and now >= arrived_at + SETTLE_S):
                 return

@@ -188,3 +188,59 @@ def test_requests_that_ran_on_after_their_clients_left_are_orphaned_work(store: 
 def test_requests_that_ended_as_their_clients_left_are_not(store: Store) -> None:
     _left(store, finished_after_s=0.2)
     assert orphaned_engine_work(store, ALL) == []
+
+
+def _silent(shifted: int, *, chosen_by_client: bool = False, later_small: bool = False) -> list[GatewayDecision]:
+    """A router's first attempts, 120 over the window, measured in characters (LiteLLM's callback counts them
+    itself) with no bar recorded: every fourth a monster (over 400k characters), the rest prose. In the earlier half
+    the monsters go heavy; in the later half `shifted` of them go fast (a hook that fails open, silently). With
+    `chosen_by_client` the lanes follow no size (clients pick them); with `later_small` the later half's monsters
+    are ordinary requests (the size mix changed, not the routing)."""
+    out = []
+    monsters = 0
+    for i in range(120):
+        monster = i % 4 == 0 and not (later_small and i >= 60)
+        chars = 420_000 + 1_000 * i if monster else 2_000 + 300 * i
+        lane = "heavy" if monster else "fast"
+        if chosen_by_client:
+            lane = "heavy" if i % 3 == 0 else "fast"
+        if monster and i >= 60:
+            monsters += 1
+            if monsters <= shifted:
+                lane = "fast"
+        at = 10.0 + 4.5 * i
+        out.append(GatewayDecision(_ts(at), "h", LANES[lane], "litellm", f"call-{i}", 1, lane, list(LANES),
+                                   chars, chars, None, None, "", "", None, 200, "", False, _ts(at + 0.5),
+                                   _ts(at + 3), ""))
+    return out
+
+
+@pytest.mark.parametrize("shifted", [2, 3, 12])
+def test_monsters_the_gateway_used_to_send_heavy_going_fast_with_nothing_recorded_failed_open(
+        store: Store, shifted: int) -> None:
+    store.insert("gateway_decisions", _silent(shifted), GatewayDecision._fields)
+    found = gateway_fail_open(store, ALL)
+    if shifted < 3:
+        assert found == []
+        return
+    [f] = found
+    e = f.evidence
+    assert (f.engine, e["failed_open"], e["routed_against_its_earlier_rule"]) == (LANES["fast"], shifted, shifted)
+    assert (e["swallowed_exceptions"], e["unmeasured_decisions"], e["routed_against_its_measure"]) == (0, 0, 0)
+    assert e["went_to_instead"] == {"fast": shifted} and e["lanes_they_went_to"] == {"fast": shifted}
+    # The bar as routed is the least monster the earlier half sent heavy (call-0: 420,000 characters).
+    assert e["bar_as_routed"].startswith("420,000 (the least size heavy took before ")
+    assert "0 of 15 at or over it went elsewhere then" in e["bar_as_routed"]
+    assert e["size_mix_at_or_over_the_bar"] == "25.0% of 60 before, 25.0% of 60 after"
+    assert f.title == f"litellm: {shifted} of 120 routing decisions failed open"
+    assert store.query(f.sql).result_rows
+
+
+def test_lanes_clients_choose_set_no_rule_to_fail_against(store: Store) -> None:
+    store.insert("gateway_decisions", _silent(0, chosen_by_client=True), GatewayDecision._fields)
+    assert gateway_fail_open(store, ALL) == []
+
+
+def test_fewer_monsters_later_is_a_size_mix_that_changed_not_a_failure(store: Store) -> None:
+    store.insert("gateway_decisions", _silent(0, later_small=True), GatewayDecision._fields)
+    assert gateway_fail_open(store, ALL) == []

@@ -23,6 +23,7 @@ VENV = Path(os.environ.get("STEPLINE_GATEWAY_VENV", Path.home() / ".cache" / "st
 KEY = "sk-stepline-test"
 CALLBACK = "stepline.gateway.litellm"  # the module the proxy imports (in its own environment, not this one)
 RAISE = "<make-the-hook-raise>"  # SIZE_LANES' marker: a prompt holding it makes the hook's measurement fail
+SILENT = "<make-the-hook-fail-silently>"  # a prompt holding it makes the hook fail open and record nothing
 # The size hook, written into the proxy's config directory (LiteLLM loads `module.instance` from there).
 SIZE_LANES = '''\
 """The test's own size-routing hook, the seed's kind: characters against a bar set from a token estimate.
@@ -30,7 +31,9 @@ SIZE_LANES = '''\
 Loaded by the LiteLLM proxy from its config directory (`callbacks: ["size_lanes.hook"]`). It measures the prompt in
 characters, sends it to the heavy lane at THRESHOLD_CHARS or more, and says what it measured and against what in the
 request's metadata, where stepline's callback reads it. A prompt holding RAISE makes the measurement fail: the hook
-goes on to the fast lane, as the seed's `except: return data` did, but reports what it swallowed.
+goes on to the fast lane, as the seed's `except: return data` did, but reports what it swallowed. A prompt holding
+SILENT makes it fail the way the seed's hook did before anyone logged it: it returns the request as it came (the
+client's lane, fast) and records nothing at all.
 """
 
 from __future__ import annotations
@@ -42,12 +45,19 @@ from litellm.integrations.custom_logger import CustomLogger
 
 THRESHOLD_CHARS = int(os.environ.get("SIZE_LANES_THRESHOLD_CHARS", "4000"))
 RAISE = "<make-the-hook-raise>"
+SILENT = "<make-the-hook-fail-silently>"
+
+
+class Unmeasurable(Exception):
+    """What the silent failure raises: the hook's own except swallows it whole."""
 
 
 def _measure(messages: Any) -> int:
     text = "".join(m["content"] for m in messages) if isinstance(messages, list) else str(messages)
     if RAISE in text:
         raise KeyError("content")
+    if SILENT in text:
+        raise Unmeasurable("silent")
     return len(text)
 
 
@@ -57,6 +67,8 @@ class SizeLanes(CustomLogger):
         prompt = data.get("prompt") if data.get("messages") is None else data.get("messages")
         try:
             chars = _measure(prompt)
+        except Unmeasurable:  # fails open and says nothing: the request goes on as it came
+            return data
         except Exception as exc:  # fails open to the fast lane, and says so
             data["model"] = "fast"
             metadata["stepline_swallowed"] = f"{type(exc).__name__}: {exc}"

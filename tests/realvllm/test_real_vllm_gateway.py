@@ -6,11 +6,13 @@ engine, and "heavy", a simulated engine. The bar is set from the tiny model's to
 /tokenize: just over the dense-JSON prompts' characters, while their tokens are well over the bar's worth of tokens at
 the prose's characters per token (what lane_leak takes as the baseline). Through the proxy go ordinary prose, dense
 JSON under the bar (lane_leak), prompts that make the hook raise (gateway_fail_open), prose over the bar (the heavy
-lane), and last a stream whose client leaves after two chunks: vLLM aborts it (no request row: the finding must be
-absent) or runs it on (orphaned_engine_work). LiteLLM forwards no X-Request-Id, so every decision is joined to its
-engine request by time and size; the engine ids each response names check the join. The requests are paced a second
-apart, so that no two fit a decision's time window equally well. The same skip rule as test_real_vllm.py, for the
-gateway's environment too (tests/gateway/install.sh; .ci/run makes both).
+lane) first, prose over the bar that makes the hook fail open without a word near the end (gateway_fail_open again:
+the gateway's routing changed while the sizes did not), and last a stream whose client leaves after two chunks: vLLM
+aborts it (no request row: the finding must be absent) or runs it on (orphaned_engine_work). LiteLLM forwards no
+X-Request-Id, so every decision is joined to its engine request by time and size; the engine ids each response names
+check the join. The requests are paced a second apart, so that no two fit a decision's time window equally well.
+The same skip rule as test_real_vllm.py, for the gateway's environment too (tests/gateway/install.sh; .ci/run
+makes both).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PROSE = 6  # ordinary prose under the bar: with the dense JSON, the joined pairs
 DENSE = 3  # dense JSON under the bar in characters, over it in tokens
 RAISED = 3  # prompts holding the hook's RAISE marker (gateway_fail_open counts from 3)
 HEAVY = 2  # prose over the bar, to the simulated lane
+SILENT = 3  # prose over the bar holding the hook's SILENT marker: failed open to the fast lane, nothing recorded
 BAR_MARGIN_CHARS = 40  # the bar is this far over the largest dense prompt: "just under"
 STREAM_TOKENS = 1000  # the stream the client leaves: long enough to run on well past the disconnect
 # Prose of the tiny model's own corpus (tests/realvllm/build_model.py): ~4 characters per token, as English runs.
@@ -101,13 +104,15 @@ class Run:
 
 
 def _plan(threshold: int, dense: list[str]) -> list[tuple[str, str]]:
-    """What goes through the proxy, in order, by kind: prose with the dense JSON and the raises among it, then
-    prose over the bar."""
+    """What goes through the proxy, in order, by kind: prose over the bar (the heavy lane: the earlier half's
+    routing), prose with the dense JSON and the raises among it, then prose over the bar that the hook fails on
+    silently (the later half's)."""
     plan = [("prose", prose(f"note {i}", 4 + i % 3)) for i in range(PROSE)]
     plan[1:1] = [("dense", d) for d in dense[:1]]
     plan[4:4] = [("raised", f"{proxy.RAISE} " + prose(f"raise {i}", 4)) for i in range(RAISED)]
-    return plan + [("dense", d) for d in dense[1:]] + [("heavy", prose(f"heavy {i}", threshold // 80))
-                                                       for i in range(HEAVY)]
+    heavy = [("heavy", prose(f"heavy {i}", threshold // 80)) for i in range(HEAVY)]
+    silent = [("silent", f"{proxy.SILENT} " + prose(f"silent {i}", threshold // 80)) for i in range(SILENT)]
+    return heavy + plan + [("dense", d) for d in dense[1:]] + silent
 
 
 def _leave_mid_stream(setup: harness.Setup, url: str) -> dict[str, float]:
@@ -136,7 +141,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     setup.engine_name = f"127.0.0.1:{setup.engine_port}"  # as LiteLLM's api_base names it: the decisions join
     began = time.monotonic()
     heavy = serve(idle_workload(600), EngineConfig(model=harness.SERVED_NAME), port=0, speed=20.0)
-    sent: dict[str, list[str]] = {k: [] for k in ("prose", "dense", "raised", "heavy")}
+    sent: dict[str, list[str]] = {k: [] for k in ("prose", "dense", "raised", "heavy", "silent")}
     pairs: list[tuple[int, int]] = []
     try:
         with harness.collector(setup), harness.engine(setup):
@@ -187,7 +192,8 @@ def test_every_attempt_is_one_decision_on_the_lane_the_hook_chose(run: Run) -> N
     assert by_lane == {"fast": sent - len(run.sent["heavy"]), "heavy": len(run.sent["heavy"])}
     assert {d[1] for d in run.decisions if d[0] == "fast"} == {run.setup.engine_name}
     # vLLM finished what went to the fast lane, the stream only if it ran on.
-    assert run.finished == len(run.sent["prose"] + run.sent["dense"] + run.sent["raised"]) + run.stream_ran_on
+    assert run.finished == len(run.sent["prose"] + run.sent["dense"] + run.sent["raised"] + run.sent["silent"]) + (
+        run.stream_ran_on)
     raised = [d for d in run.decisions if d[4]]
     assert len(raised) == len(run.sent["raised"])
     assert all(d[4].replace("\\'", "'") == "KeyError: 'content'" and d[6] == "-1" for d in raised), raised
@@ -228,15 +234,21 @@ def test_dense_json_under_the_char_bar_is_a_lane_leak_of_exactly_what_was_sent(r
     assert all(chars < run.threshold_chars and tokens > run.threshold_chars / typical for chars, tokens in run.dense)
 
 
-def test_a_hook_that_raises_is_gateway_fail_open_counting_each_raise(run: Run) -> None:
+def test_a_hook_that_raises_or_fails_silently_is_gateway_fail_open_counting_each(run: Run) -> None:
     [failed] = run.found("gateway_fail_open")
     evidence = failed["evidence"]
     assert (evidence["failed_open"], evidence["swallowed_exceptions"], evidence["unmeasured_decisions"],
-            evidence["routed_against_its_measure"]) == (RAISED, RAISED, 0, 0), evidence
+            evidence["routed_against_its_measure"], evidence["routed_against_its_earlier_rule"]) == (
+        RAISED + SILENT, RAISED, 0, 0, SILENT), evidence
     assert evidence["decisions"] == len(run.decisions)
-    assert evidence["exceptions"] == ["KeyError: 'content'"] and evidence["lanes_they_went_to"] == {"fast": RAISED}
-    assert sorted(evidence["request_ids"]) == sorted(run.sent["raised"])
-    assert evidence["joined_by_time_and_size"] == RAISED
+    assert evidence["exceptions"] == ["KeyError: 'content'"]
+    assert evidence["lanes_they_went_to"] == {"fast": RAISED + SILENT}
+    # The silent ones are found from the routing alone: the earlier half sent everything this large heavy.
+    assert evidence["went_to_instead"] == {"fast": SILENT}
+    least_heavy = min(len(p) for kind, p in _plan(run.threshold_chars, []) if kind == "heavy")
+    assert evidence["bar_as_routed"].startswith(f"{least_heavy:,} (the least size heavy took before "), evidence
+    assert sorted(evidence["request_ids"]) == sorted(run.sent["raised"] + run.sent["silent"])
+    assert evidence["joined_by_time_and_size"] == RAISED + SILENT
 
 
 def test_no_slot_leak_is_found_where_the_gateway_reports_no_slots(run: Run) -> None:

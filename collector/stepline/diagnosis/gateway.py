@@ -9,10 +9,11 @@ code and JSON ~3. A monster of dense JSON then measures under a bar meant for it
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from stepline.diagnosis.common import Query, clip, number, utc
+from stepline.diagnosis.common import Query, clip, hms, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined, size_in_unit
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
@@ -157,43 +158,153 @@ GROUP BY gateway, lane ORDER BY gateway, lane
 # The engine requests that failed-open decisions became: the prefills they caused are the finding's symptoms.
 _FAILED_REQUESTS = joined("r.request_id, m.matched_by", f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
 
+# A hook that fails open and records nothing at all (no bar, no exception: the seed's bare `except: return data`
+# before it logged anything) leaves decisions that say only where each request went and, where the gateway measures
+# by itself (LiteLLM's callback counts the prompt's characters), how large it was. What gives it away is the
+# gateway's own routing changing while the sizes do not: the baseline is the earlier half of its first attempts in
+# the window, where its upper lane (the one whose sizes run largest) took everything from some size on (the least
+# size it sent there: the bar as routed). A baseline that did not route by size (more than ROUTED_BAR_NOISE of what
+# measured at or over that bar went elsewhere: clients choosing their lane, a bar in another unit) sets no rule.
+# In the later half, a decision at or over the bar as routed, with no bar and nothing swallowed of its own, that
+# went to another lane was routed against the gateway's own rule.
+
+# Of the earlier half's decisions at or over the bar as routed, the share that may have gone elsewhere with the
+# routing still taken as a rule by size
+ROUTED_BAR_NOISE = 0.05
+_SIZE = "coalesce(size_chars, size_bytes, size_tokens)"  # a gateway measures in one unit; it is compared with itself
+_ROUTED = f"attempt <= 1 AND {_SIZE} IS NOT NULL"  # routing decisions (a retry or fallback goes where it must)
+_HALVES = f"""
+SELECT gateway, min(ts), max(ts) FROM gateway_decisions
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED}
+GROUP BY gateway HAVING uniqExact(lane) >= 2 ORDER BY gateway
+"""
+_MID = "fromUnixTimestamp64Micro({mids:Array(Int64)}[indexOf({gateways:Array(String)}, gateway)], 'UTC')"
+_EARLIER_LANES = f"""
+SELECT gateway, lane, count(), quantileExact(0.5)({_SIZE}), min({_SIZE})
+FROM gateway_decisions
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway) AND ts < {_MID}
+GROUP BY gateway, lane ORDER BY gateway, lane
+"""
+_AT_THE_BAR = ("has({gateways:Array(String)}, gateway) AND "
+               f"{_SIZE} >= {{bars:Array(Float64)}}[indexOf({{gateways:Array(String)}}, gateway)]")
+_OFF_THE_RULE = "lane != {uppers:Array(String)}[indexOf({gateways:Array(String)}, gateway)]"
+_SHIFTED_NOW = (f"ts >= {_MID} AND {_OFF_THE_RULE} AND threshold IS NULL AND swallowed_exception = ''")
+_SHIFT = f"""
+SELECT gateway,
+       countIf(ts < {_MID}) AS earlier, countIf(ts < {_MID} AND {_AT_THE_BAR}) AS earlier_at_bar,
+       countIf(ts < {_MID} AND {_AT_THE_BAR} AND {_OFF_THE_RULE}) AS earlier_elsewhere,
+       countIf(ts >= {_MID}) AS later, countIf(ts >= {_MID} AND {_AT_THE_BAR}) AS later_at_bar,
+       countIf({_AT_THE_BAR} AND {_SHIFTED_NOW}) AS shifted,
+       minIf(ts, {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS first, maxIf(ts, {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS last,
+       topKIf(1)(engine, {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS backend,
+       sumMapIf([lane], [toUInt64(1)], {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS lanes
+FROM gateway_decisions
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway)
+GROUP BY gateway ORDER BY gateway
+"""
+_SHIFTED_REQUESTS = joined("r.request_id, m.matched_by",
+                           f"gateway = {{gateway:String}} AND {_ROUTED} AND {_AT_THE_BAR} AND {_SHIFTED_NOW}", ("ts",))
+
+
+@dataclass(frozen=True)
+class _Shift:
+    """A gateway whose later decisions went against the routing of its earlier ones (see ROUTED_BAR_NOISE)."""
+
+    upper: str
+    bar: float
+    mid: datetime
+    earlier: tuple[int, int, int]  # decisions, at or over the bar, of those elsewhere
+    later: tuple[int, int]  # decisions, at or over the bar
+    shifted: int
+    first: datetime
+    last: datetime
+    backend: str
+    lanes: dict[str, int]  # where the shifted decisions went, and how many each
+    params: dict[str, Any]
+
+
+def _shifts(reader: Reads, window: Window) -> dict[str, _Shift]:
+    """gateway -> its routing that changed (at least MIN_FAILED_OPEN decisions), for each gateway that has one."""
+    halves = Query(_HALVES, engine=window.engine, start=window.start, end=window.end).rows(reader)
+    if not halves:
+        return {}
+    mids = {str(g): utc(first) + (utc(last) - utc(first)) / 2 for g, first, last in halves}
+    base: dict[str, Any] = {"engine": window.engine, "start": window.start, "end": window.end,
+                            "gateways": sorted(mids), "mids": [round(mids[g].timestamp() * 1e6) for g in sorted(mids)]}
+    rules: dict[str, tuple[str, float]] = {}
+    for gateway, lanes in _grouped(Query(_EARLIER_LANES, **base), reader, 0):
+        if len(lanes) >= 2:
+            largest = max(lanes, key=lambda r: number(r[3]))  # the lane whose median size is the largest
+            rules[gateway] = (str(largest[1]), number(largest[4]))
+    if not rules:
+        return {}
+    names = sorted(rules)
+    params = {**base, "gateways": names, "mids": [round(mids[g].timestamp() * 1e6) for g in names],
+              "uppers": [rules[g][0] for g in names], "bars": [rules[g][1] for g in names]}
+    out = {}
+    for gateway, earlier, at_bar, elsewhere, later, later_at_bar, shifted, first, last, backend, lanes in Query(
+            _SHIFT, **params).rows(reader):
+        if int(shifted) < MIN_FAILED_OPEN or int(elsewhere) > ROUTED_BAR_NOISE * int(at_bar):
+            continue
+        upper, bar = rules[str(gateway)]
+        out[str(gateway)] = _Shift(upper, bar, mids[str(gateway)], (int(earlier), int(at_bar), int(elsewhere)),
+                                   (int(later), int(later_at_bar)), int(shifted), utc(first), utc(last),
+                                   str((backend or [""])[0]), {str(k): int(v) for k, v in zip(*lanes, strict=True)},
+                                   {**params, "gateway": str(gateway)})
+    return out
+
 
 def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
-    """A routing hook that caught its own errors and routed anyway: exceptions swallowed, sizes never measured."""
+    """A routing hook that caught its own errors and routed anyway: exceptions swallowed, sizes never measured,
+    sizes over the bar sent below it, or, with nothing recorded, the gateway's routing changed while sizes held."""
     query = Query(_FAILED_OPEN, engine=window.engine, start=window.start, end=window.end)
+    shifts = _shifts(reader, window)
     findings = []
     for gateway, lanes in _grouped(query, reader, 0):
         total = sum(int(r[2]) for r in lanes)
         swallowed = sum(int(r[3]) for r in lanes)
         unmeasured = sum(int(r[4]) for r in lanes)
         misrouted, below = _misrouted(lanes)
-        # A decision both swallowed and unmeasured is one that failed open, once.
-        failed = max(swallowed, unmeasured) + misrouted
+        shift = shifts.get(gateway)
+        shifted = shift.shifted if shift is not None else 0
+        # A decision both swallowed and unmeasured is one that failed open, once; a shifted one has neither.
+        failed = max(swallowed, unmeasured) + misrouted + shifted
         if failed < MIN_FAILED_OPEN:
             continue
         hit = [r for r in lanes if int(r[3]) or int(r[4]) or (misrouted and r is below)]
         exceptions = sorted({str(e) for r in hit for e in r[5]})
+        went: dict[str, int] = {str(r[1]): max(int(r[3]), int(r[4])) + (misrouted if r is below else 0)
+                                for r in hit}
         # Named after the backend most of them went to (the default lane's, as a rule).
-        busiest = max(hit, key=lambda r: max(int(r[3]), int(r[4])) + (misrouted if r is below else 0))
+        busiest = str((max(hit, key=lambda r: went[str(r[1])])[8] or [""])[0]) if hit else ""
+        if shift is not None and shifted >= max(went.values(), default=0):
+            busiest = shift.backend
+        elif hit and not busiest:
+            busiest = str((max(hit, key=lambda r: went[str(r[1])])[13] or [""])[0])
         requests = Query(_FAILED_REQUESTS, engine=window.engine, start=window.start, end=window.end,
                          gateway=gateway).rows(reader)
+        if shift is not None:
+            requests += Query(_SHIFTED_REQUESTS, **shift.params).rows(reader)
+            for lane, n in shift.lanes.items():
+                went[lane] = went.get(lane, 0) + n
         evidence: dict[str, Any] = {
             "failed_open": failed, "decisions": total, "share": f"{failed / total:.1%}",
             "swallowed_exceptions": swallowed, "unmeasured_decisions": unmeasured,
             "exceptions": exceptions[:3],
             "routed_against_its_measure": misrouted,
-            "lanes_they_went_to": {str(r[1]): max(int(r[3]), int(r[4])) + (misrouted if r is below else 0)
-                                   for r in hit},
+            "lanes_they_went_to": went,
             "counted_from": f"{MIN_FAILED_OPEN} decisions in the window",
-            "request_ids": sorted(str(r[0]) for r in requests)[:MAX_REQUEST_IDS],
+            "request_ids": sorted({str(r[0]) for r in requests})[:MAX_REQUEST_IDS],
             **_matched_by([r[1] for r in requests]),
         }
         moments = [(utc(r[6]), utc(r[7])) for r in hit if int(r[3]) or int(r[4])]
         if misrouted and below is not None:
             moments.append((utc(below[11]), utc(below[12])))
+        if shift is not None:
+            evidence.update(_shift_evidence(shift))
+            moments.append((shift.first, shift.last))
         findings.append(Finding(
-            "gateway_fail_open", "warning", str((busiest[8] or busiest[13] or [""])[0]), min(m[0] for m in moments),
-            max(m[1] for m in moments),
+            "gateway_fail_open", "warning", busiest, min(m[0] for m in moments), max(m[1] for m in moments),
             clip(f"{gateway}: {failed} of {total} routing decisions failed open"
                  + (f" ({exceptions[0]})" if exceptions else "")),
             evidence, query.literal(),
@@ -201,6 +312,21 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             "exception, and let a request that cannot be sized fail or go to the lane that can hold any size",
             float(failed)))
     return findings
+
+
+def _shift_evidence(shift: _Shift) -> dict[str, Any]:
+    """What the earlier half routed by, and how the later half went against it while the sizes held."""
+    earlier, earlier_at_bar, elsewhere = shift.earlier
+    later, later_at_bar = shift.later
+    return {
+        "routed_against_its_earlier_rule": shift.shifted,
+        "bar_as_routed": f"{shift.bar:,.0f} (the least size {shift.upper} took before {hms(shift.mid)} UTC; "
+                         f"{elsewhere} of {earlier_at_bar} at or over it went elsewhere then, noise up to "
+                         f"{ROUTED_BAR_NOISE:.0%})",
+        "size_mix_at_or_over_the_bar": f"{earlier_at_bar / earlier:.1%} of {earlier} before, "
+                                       f"{later_at_bar / later:.1%} of {later} after" if earlier and later else "",
+        "went_to_instead": dict(sorted(shift.lanes.items())),
+    }
 
 
 def _misrouted(lanes: list[tuple[Any, ...]]) -> tuple[int, tuple[Any, ...] | None]:

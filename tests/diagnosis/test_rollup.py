@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stepline.diagnosis import baseline, rollup
+from stepline.diagnosis import common, rollup
 from stepline.diagnosis.common import window_summary
 from stepline.diagnosis.detectors import as_json, diagnose
 from stepline.diagnosis.findings import Window
@@ -189,11 +189,13 @@ def test_detectors_find_the_same_through_projections(store: Store, monkeypatch: 
             "gpu_xid"} <= told
 
 
-def test_long_windows_take_baselines_from_the_minute_projection(store: Store, monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
+@pytest.mark.parametrize("limit", ["EXACT_MAX_STEPS", "EXACT_MAX_QUERY_STEPS"])
+def test_long_windows_take_baselines_from_the_minute_projection(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                                                limit: str) -> None:
     _monster(store)
     exact = next(f for f in diagnose(store, WINDOW) if f.kind == "prefill_interference")
-    monkeypatch.setattr(baseline, "EXACT_MAX_STEPS", 100)  # as if the window held a busy day
+    # As if the window held a busy day of the engine, or a fleet's half hour beside it.
+    monkeypatch.setattr(common, limit, 100)
     findings = diagnose(store, WINDOW)
     approximate = next(f for f in findings if f.kind == "prefill_interference")
     assert approximate.severity == exact.severity == "critical"
@@ -204,6 +206,18 @@ def test_long_windows_take_baselines_from_the_minute_projection(store: Store, mo
 
     def compared_with_the_baseline(key: str) -> bool:  # the baseline's figures, and the ratios taken against them
         return "outside" in key or "slowdown" in key or key == "baseline_quantiles"
-    assert {k: v for k, v in approximate.evidence.items() if not compared_with_the_baseline(k)} == {
-        k: v for k, v in exact.evidence.items() if not compared_with_the_baseline(k)}
+    # The symptoms folded in read their own baselines the same way: the same ones, each with its own figures.
+    assert {k: v for k, v in approximate.evidence.items() if not compared_with_the_baseline(k) and k != "symptoms"} == {
+        k: v for k, v in exact.evidence.items() if not compared_with_the_baseline(k) and k != "symptoms"}
+    assert [s["kind"] for s in approximate.evidence["symptoms"]] == [s["kind"] for s in exact.evidence["symptoms"]]
     assert "head_of_line_blocking" in {s["kind"] for s in approximate.evidence["symptoms"]}
+
+
+def test_the_exact_budget_goes_to_the_engines_with_the_fewest_steps() -> None:
+    steps = {f"e{i:02d}": 80_000 + 1_000 * i for i in range(13)} | {"busy": 150_000}
+    # busy is over the per-engine limit; e00..e10 fit the 1M budget (935k steps), e11 and e12 do not.
+    exact, approximate = common.exact_and_approximate(steps, True)
+    assert (exact, approximate) == ([f"e{i:02d}" for i in range(11)], ["busy", "e11", "e12"])
+    assert sum(steps[e] for e in exact) <= common.EXACT_MAX_QUERY_STEPS
+    # Without whole minutes in the window there is no projection to read: every engine is exact.
+    assert common.exact_and_approximate(steps, False) == (sorted(steps), [])

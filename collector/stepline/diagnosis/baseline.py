@@ -17,10 +17,10 @@ from typing import Any
 
 from stepline.diagnosis.common import (
     APPROXIMATE,
-    EXACT_MAX_STEPS,
     Query,
     config_int,
     engine_configs,
+    exact_and_approximate,
     number,
     window_summary,
 )
@@ -144,8 +144,8 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
     """engine -> its Baseline, for each of `names` (NO_BASELINE's figures where it has none)."""
     summary = window_summary(reader, window)
     minutes = whole_minutes(window.start, window.end)
-    big = sorted(e for e in names if summary.get(e, {}).get("steps", 0) > EXACT_MAX_STEPS and minutes is not None)
-    small = sorted(set(names) - set(big))
+    small, big = exact_and_approximate({e: int(summary.get(e, {}).get("steps", 0)) for e in names},
+                                       minutes is not None)
     figures: dict[str, tuple[float, Any, bool]] = {}
     if small:
         for engine, step_ms, itl in Query(DECODE_EXACT, engines=small, start=window.start, end=window.end).rows(reader):

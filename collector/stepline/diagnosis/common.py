@@ -123,7 +123,28 @@ def number(value: Any, default: float = 0.0) -> float:
 # Quantiles over more steps than this per engine come from the per-minute projection (bfloat16: ~3 significant
 # digits) instead of every step: exact up to about 35 minutes of a busy engine, cheap beyond.
 EXACT_MAX_STEPS = 100_000
+# ... and one query reads at most this many steps exactly, of all the engines it asks about: beyond it, the engines
+# with the most steps come from the projection, so that a fleet's window costs what a node's does (64 engines x
+# 30 min are 5.2M steps: 0.65 s exact; an 8-GPU node's half hour, 650k steps, stays exact).
+EXACT_MAX_QUERY_STEPS = 1_000_000
 APPROXIMATE = "per-minute projection, bfloat16 (within ~1%)"
+
+
+def exact_and_approximate(steps: dict[str, int], whole_minutes: bool) -> tuple[list[str], list[str]]:
+    """The engines whose quantiles a query reads from every step and those it reads from the per-minute projection
+    (only where the window holds whole minutes): exact up to EXACT_MAX_STEPS an engine and EXACT_MAX_QUERY_STEPS
+    in all, the engines with the fewest steps first."""
+    exact: list[str] = []
+    approximate: list[str] = []
+    total = 0
+    for engine in sorted(steps, key=lambda e: (steps[e], e)):
+        n = steps[engine]
+        if whole_minutes and (n > EXACT_MAX_STEPS or total + n > EXACT_MAX_QUERY_STEPS):
+            approximate.append(engine)
+        else:
+            exact.append(engine)
+            total += n
+    return sorted(exact), sorted(approximate)
 
 
 class Memo:

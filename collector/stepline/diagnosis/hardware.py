@@ -8,10 +8,10 @@ from typing import Any
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
     APPROXIMATE,
-    EXACT_MAX_STEPS,
     Query,
     clip,
     engines,
+    exact_and_approximate,
     hms,
     number,
     utc,
@@ -20,15 +20,15 @@ from stepline.diagnosis.common import (
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import whole_minutes
 from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT
-from stepline.queries.requests import MERGED, PROMPT_BAND
+from stepline.queries.requests import MERGED, PROMPT_BAND, PROMPT_BAND_INDEX, PROMPT_BANDS
 from stepline.queries.steps import OF_ENGINE, OF_ENGINES
 from stepline.queries.window import EACH_ENGINE, ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
 
-_RATES = """min(prompt_tokens) AS lo, count() AS n,
-       quantileExact(0.01)(1 / mean_tpot_seconds) AS rate_p1, quantileExact(0.5)(1 / mean_tpot_seconds) AS rate_p50"""
+# One quantilesExact for both levels (two quantileExact copy every value twice).
+_RATES = """min(prompt_tokens) AS lo, count() AS n, quantilesExact(0.01, 0.5)(1 / mean_tpot_seconds) AS rates"""
 _DECODED = "mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation_tokens > 1"
 _BANDS = f"""
 SELECT {PROMPT_BAND} AS band,
@@ -37,8 +37,10 @@ FROM {MERGED}
 WHERE {ENGINE} AND {IN_WINDOW} AND {_DECODED}
 GROUP BY band ORDER BY lo
 """
+# Every engine's bands at once, grouped by the band's index: over a day of 64 engines (16.6M requests) 0.70 s with
+# two quantileExact per string band, 0.52 s so.
 _BANDS_BY_ENGINE = f"""
-SELECT engine, {PROMPT_BAND} AS band, {_RATES}
+SELECT engine, {PROMPT_BAND_INDEX} AS band, {_RATES}
 FROM {MERGED}
 WHERE {EACH_ENGINE} AND {IN_WINDOW} AND {_DECODED}
 GROUP BY engine, band ORDER BY engine, lo
@@ -47,12 +49,11 @@ GROUP BY engine, band ORDER BY engine, lo
 
 def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, float, float], float, bool]]:
     """engine -> (quiet steps, their decode rates p10/p50/p90, their step p50 ms, approximate?), for the engines
-    with at least 20 quiet steps; exact up to EXACT_MAX_STEPS steps in the window, approximate beyond."""
+    with at least 20 quiet steps; exact, or approximate beyond the exact budget (common.exact_and_approximate)."""
     counts = {e: (int(s["steps"]), int(s["alone_steps"])) for e, s in window_summary(reader, window).items()
               if s["alone_steps"] >= 20}
     minutes = whole_minutes(window.start, window.end)
-    big = sorted(e for e, (steps, _) in counts.items() if steps > EXACT_MAX_STEPS and minutes is not None)
-    small = sorted(set(counts) - set(big))
+    small, big = exact_and_approximate({e: steps for e, (steps, _) in counts.items()}, minutes is not None)
     out: dict[str, tuple[int, tuple[float, float, float], float, bool]] = {}
     if small:
         for engine, rate, step_ms in Query(ALONE_EXACT, engines=small, start=window.start,
@@ -69,9 +70,9 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
 
 def _bands(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
     by_engine: dict[str, list[tuple[Any, ...]]] = {}
-    for engine, *row in Query(_BANDS_BY_ENGINE, engine=window.engine, start=window.start,
-                              end=window.end).rows(reader):
-        by_engine.setdefault(str(engine), []).append(tuple(row))
+    for engine, band, lo, n, rates in Query(_BANDS_BY_ENGINE, engine=window.engine, start=window.start,
+                                            end=window.end).rows(reader):
+        by_engine.setdefault(str(engine), []).append((PROMPT_BANDS[int(band)][0], lo, n, rates[0], rates[1]))
     return by_engine
 
 

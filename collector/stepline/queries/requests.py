@@ -68,5 +68,9 @@ def merged_matching(where: str, columns: Sequence[str]) -> str:
 SCHEDULED = "arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))"
 FIRST_TOKEN = "arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6))"
 # Decode rates differ by workload class: reads report them per prompt-size band, never as one number.
-PROMPT_BAND = ("multiIf(prompt_tokens < 1024, '< 1k', prompt_tokens < 8192, '1k-8k', prompt_tokens < 32768, "
-               "'8k-32k', prompt_tokens < 100000, '32k-100k', '>= 100k')")
+PROMPT_BANDS = (("< 1k", 1024), ("1k-8k", 8192), ("8k-32k", 32768), ("32k-100k", 100000), (">= 100k", None))
+PROMPT_BAND = "multiIf(" + ", ".join(f"prompt_tokens < {bar}, '{name}'" for name, bar in PROMPT_BANDS if bar) + (
+    f", '{PROMPT_BANDS[-1][0]}')")
+# The same band as its index in PROMPT_BANDS: grouping millions of requests by a number costs less than by a string.
+PROMPT_BAND_INDEX = "multiIf(" + ", ".join(f"prompt_tokens < {bar}, {i}" for i, (_, bar) in enumerate(PROMPT_BANDS)
+                                           if bar) + f", {len(PROMPT_BANDS) - 1})"

@@ -76,6 +76,12 @@ def test_a_lever_predicts_a_run_under_that_setting(recorded: Recorded, result: W
     predicted = lever.replay.figures
     for name in ("ttft_p99_s", "itl_p99_s", "goodput_rps"):
         assert getattr(predicted, name) == pytest.approx(getattr(truth, name), rel=0.15), name
+    # The run under the lever lies inside the lever's intervals (a truth of the fit's own form).
+    bands = lever.bands()
+    outside = {name: (getattr(truth, name), bands[name]) for name in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s",
+                                                                        "goodput_rps")
+               if not bands[name].low <= getattr(truth, name) <= bands[name].high}
+    assert outside == {}, outside
     # and the lever changed what it does in vLLM: capped, the queue prefills beside the monster instead of behind it
     assert predicted.ttft_p50_s < 0.1 * result.baseline.figures.ttft_p50_s
 
@@ -142,7 +148,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 def test_the_command_prints_the_calibration_and_ranked_levers(recorded: Recorded, result: WhatIf,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     window = ["--from", recorded.window.start.isoformat(), "--to", recorded.window.end.isoformat()]
-    code, out, err = _cli(capsys, "--store", recorded.store_url, *window, "--json", "--jobs", "1")
+    code, out, err = _cli(capsys, "--store", recorded.store_url, *window, "--json", "--jobs", "1", "--replays", "3")
     assert code == 0, err
     got = json.loads(out)
     assert got["reproduces"] is True
@@ -151,8 +157,42 @@ def test_the_command_prints_the_calibration_and_ranked_levers(recorded: Recorded
     goodputs = [lv["figures"]["goodput_rps"] for lv in available]
     assert goodputs == sorted(goodputs, reverse=True)
     assert got["baseline"]["requests"] == result.recorded.requests
-    code, out, _ = _cli(capsys, "--store", recorded.store_url, *window, "--jobs", "1")
+    # Every figure of every lever as {value, low, high}, and a knife-edge flag; how the intervals were made.
+    assert got["intervals"]["replays"] == 4 and got["intervals"]["nominal_coverage"] == pytest.approx(0.6)
+    for lever in available:
+        assert isinstance(lever["knife_edge"], bool)
+        for name in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "goodput_rps"):
+            band = lever["intervals"][name]
+            assert band["low"] <= band["value"] <= band["high"], (lever["lever"], name, band)
+            assert band["value"] == pytest.approx(lever["figures"][name], rel=1e-4)
+    assert got["recommended"] in {lv["lever"] for lv in available} | {"the recorded settings", None}
+    code, out, _ = _cli(capsys, "--store", recorded.store_url, *window, "--jobs", "1", "--replays", "0")
     assert code == 0 and "levers, ranked by goodput" in out and "held-out" in out
+    assert "intervals: none (--replays 0)" in out and "[" not in out.split("levers, ranked by goodput")[1]
+
+
+def test_every_figure_has_an_interval_that_holds_its_replays_and_the_recording(result: WhatIf) -> None:
+    assert result.replays == 10
+    for priced in [p for p in result.levers if p.replay is not None]:
+        assert len(priced.spread) == 9
+        for name, band in priced.bands().items():
+            assert band.low <= band.value <= band.high, (priced.lever.name, name)
+    # The truth here steps on the fit's own cost model: the recording lies inside the baseline's intervals.
+    assert result.recorded_outside() == {}
+    text = render(result)
+    assert "nominal coverage 82%" in text and "the recorded figures fall inside" in text
+    # Goodput +382% with an interval that clears every other plan's: a lever to recommend.
+    assert result.verdict().recommended == result.ranked()[0].lever.name
+    assert f"recommended: {result.ranked()[0].lever.name}" in text
+
+
+def test_a_lever_whose_replays_disagree_on_the_queue_is_a_knife_edge(result: WhatIf) -> None:
+    """A chunk threshold of 4096 on this burst sits at a cliff: in some replays the queue behind the monster
+    drains before TTFT p99 passes 5 s, in others it does not (4.3 s to 35 s)."""
+    edged = {p.lever.name: p.knife_edge for p in result.levers if p.knife_edge}
+    assert "long_prefill_token_threshold=4096" in edged, edged
+    assert edged["long_prefill_token_threshold=4096"].startswith("TTFT p99 spans ")
+    assert "(knife-edge)" in render(result)
 
 
 def test_an_empty_window_is_one_clear_line(recorded: Recorded, capsys: pytest.CaptureFixture[str]) -> None:

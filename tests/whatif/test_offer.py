@@ -68,8 +68,11 @@ def test_the_summary_says_what_the_lever_buys_and_how_far_to_trust_it(priced: Wh
     assert best is not None and best.replay is not None
     line = summary(priced, best)
     base, after = priced.baseline.figures, best.replay.figures
+    band = best.bands()["goodput_rps"]
     assert line.startswith(f"whatif: {best.lever.name} gives goodput {best.delta(base):+.0%} "
+                           f"[{band.low / base.goodput_rps - 1:+.0%}..{band.high / base.goodput_rps - 1:+.0%}] "
                            f"({base.goodput_rps:.2f} -> {after.goodput_rps:.2f}/s), ITL p99 ")
+    assert band.low <= after.goodput_rps <= band.high
     assert line.endswith("(the replay reproduces the recording)")
     stopped = replace(priced, baseline=replace(priced.baseline, stopped="step limit"))
     assert summary(stopped, best).endswith("(the replay does not reproduce the recording: a direction, not an amount)")
@@ -93,6 +96,6 @@ def test_annotate_extends_the_findings_a_lever_answers(priced: WhatIf, recorded:
     assert annotated[0].evidence == {"figure": 1, "whatif": {
         "lever": best.lever.name, "goodput_delta": round(best.delta(priced.baseline.figures), 4),
         "itl_p99_s": round(best.replay.figures.itl_p99_s, 4), "ttft_p99_s": round(best.replay.figures.ttft_p99_s, 4),
-        "reproduces": True}}
+        "reproduces": True, "knife_edge": False, "intervals": {k: b.as_json() for k, b in best.bands().items()}}}
     # No lever family for an XID, an engine the replay did not cover, a finding with no lever: left as they were.
     assert annotated[1:] == [xid, elsewhere, bare]

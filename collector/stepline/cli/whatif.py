@@ -9,6 +9,7 @@ import time
 
 from stepline.cli.diagnose import add_window_arguments, window_of
 from stepline.config.slo import Slo
+from stepline.whatif.intervals import INTERVAL_REPLAYS, nominal_coverage
 
 HELP = "what each scheduler lever would buy, replayed on the recorded window"
 DESCRIPTION = ("Fits the engine's step cost from its recorded steps (error on held-out steps), replays the window's "
@@ -33,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the store holds no prompt text); where a gateway's decisions are in the window, its "
                              "own bar and measured units per token are used instead")
     parser.add_argument("--jobs", type=int, help="replays run in parallel (default: one per CPU)")
+    parser.add_argument("--replays", type=int, default=INTERVAL_REPLAYS, metavar="N",
+                        help="perturbed replays of each plan beside its central one, for each figure's interval and "
+                             "the knife-edge and tie verdicts (default %(default)s: nominal coverage "
+                             f"{round(100 * nominal_coverage(INTERVAL_REPLAYS + 1))}%%; 0: no intervals, ten times "
+                             "faster)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -49,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.ttft > 0 and args.tpot > 0):
         raise UsageError(f"--ttft and --tpot must be positive, got {args.ttft} and {args.tpot}")
+    if args.replays < 0:
+        raise UsageError(f"--replays must be 0 or more, got {args.replays}")
     window = window_of(args)
     started = time.monotonic()
     reader = open_reader(args.store or default_store_url())
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         reader.close()
     try:
         result = whatif(traces, Objectives(args.ttft, args.tpot), chars_per_token=args.chars_per_token,
-                        jobs=args.jobs, bars=bars)
+                        jobs=args.jobs, bars=bars, replays=args.replays)
     except WhatIfError as exc:
         print(f"stepline whatif: {exc} ({window.start:%H:%M:%S}..{window.end:%H:%M:%S} UTC)", file=sys.stderr)
         return 2

@@ -7,6 +7,9 @@ The figures, per engine over the diagnosis window:
   window holds none (it lies inside a long prefill), those of the BASELINE_LOOKBACK before it;
 - its token budget: max_num_batched_tokens from its engine_config event, else the largest chunk it ran.
 Findings print the figures they compared (`Baseline.evidence`), and the limit they were compared with.
+Quantiles are exact up to `common.EXACT_MAX_STEPS` steps an engine and `common.EXACT_MAX_QUERY_STEPS` steps of all
+the engines one query reads (the engines with the fewest steps first); beyond, they come from the steps' per-minute
+projection, and the evidence says so (`baseline_quantiles`).
 """
 
 from __future__ import annotations

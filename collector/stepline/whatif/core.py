@@ -18,11 +18,22 @@ from typing import Any
 from stepline.core.clock import ManualClock
 from stepline.core.stats import nearest_rank
 from stepline.sim.config import EngineConfig
+from stepline.sim.costmodel import CostModel
 from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord
 from stepline.sim.workloads import Arrival, Workload
 from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
 from stepline.whatif.fit import Fit, FitError, Jitter, fit
+from stepline.whatif.intervals import (
+    FIGURES,
+    INTERVAL_REPLAYS,
+    Band,
+    Verdict,
+    bands,
+    knife_edge,
+    values,
+    verdict,
+)
 from stepline.whatif.levers import Lever, baseline_config, candidates
 from stepline.whatif.router import RouterBar
 from stepline.whatif.trace import EngineTrace
@@ -52,6 +63,7 @@ class Lane:
     config: EngineConfig
     arrivals: tuple[Arrival, ...]
     residuals: tuple[tuple[float, tuple[float, ...]], ...] = ()
+    seed: str = ""  # the residuals' draws (the engine's name when empty: every lever draws alike)
 
 
 @dataclass(slots=True)
@@ -62,12 +74,21 @@ class Replay:
     timeline: list[tuple[float, float]]  # (bucket start, epoch s; ITL p99 in it, s)
     steps: int
     stopped: str = ""  # why the replay stopped before draining ('' when it drained)
+    busiest: tuple[str, float] | None = None  # the engine that stepped the largest share of its time, and the share
 
 
 @dataclass(slots=True)
 class Priced:
     lever: Lever
     replay: Replay | None  # None when unavailable
+    spread: list[Replay] = field(default_factory=list)  # its perturbed replays (intervals)
+
+    def bands(self) -> dict[str, Band]:
+        return bands(self.replay.figures, [r.figures for r in self.spread]) if self.replay is not None else {}
+
+    @property
+    def knife_edge(self) -> str:
+        return _edge(self.replay, self.spread) if self.replay is not None else ""
 
     def delta(self, baseline: Figures) -> float:
         if self.replay is None or baseline.goodput_rps <= 0:
@@ -91,6 +112,37 @@ class WhatIf:
     levers: list[Priced] = field(default_factory=list)
     step_times: str = STEP_TIMES[0]  # how the replays timed each step (the mode whose baseline came closer)
     other_mode_worst: float = math.nan  # the other mode's worst calibration error
+    baseline_spread: list[Replay] = field(default_factory=list)  # the baseline's perturbed replays
+
+    @property
+    def replays(self) -> int:
+        """Replays behind each interval, the central one included (1: no intervals)."""
+        return 1 + len(self.baseline_spread)
+
+    def baseline_bands(self) -> dict[str, Band]:
+        return bands(self.baseline.figures, [r.figures for r in self.baseline_spread])
+
+    @property
+    def baseline_knife_edge(self) -> str:
+        return _edge(self.baseline, self.baseline_spread)
+
+    def recorded_outside(self) -> dict[str, tuple[float, Band]]:
+        """The calibration figures whose recorded value falls outside the baseline's interval (with intervals)."""
+        if not self.baseline_spread:
+            return {}
+        recorded = values(self.recorded)
+        return {name: (recorded[name], band) for name, band in self.baseline_bands().items()
+                if name in FIGURES and name in recorded and recorded[name] > 0
+                and not band.low <= recorded[name] <= band.high}
+
+    def verdict(self) -> Verdict:
+        """The lever to recommend, or the tie, over the replayed baseline and every available lever."""
+        plans = sorted([("the recorded settings", self.baseline, self.baseline_spread),
+                        *((p.lever.name, p.replay, p.spread) for p in self.levers if p.replay is not None)],
+                       key=lambda x: -x[1].figures.goodput_rps)
+        return verdict([n for n, _, _ in plans],
+                       [bands(r.figures, [x.figures for x in spread])["goodput_rps"] for _, r, spread in plans],
+                       [[r.figures.goodput_rps, *(x.figures.goodput_rps for x in spread)] for _, r, spread in plans])
 
     @property
     def calibration_errors(self) -> dict[str, float]:
@@ -142,10 +194,11 @@ def recorded_figures(traces: Sequence[EngineTrace], objectives: Objectives) -> F
 
 
 def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequence[Lever] | None = None,
-           chars_per_token: float | None = None, jobs: int | None = None, bars: Sequence[RouterBar] = ()
-           ) -> WhatIf:
+           chars_per_token: float | None = None, jobs: int | None = None, bars: Sequence[RouterBar] = (),
+           replays: int = INTERVAL_REPLAYS) -> WhatIf:
     """Fit, calibrate, and price every lever (or `levers`) on the window's `traces`; `bars`, the size bars of the
-    gateways in front (whatif.router), price shape-sharding in the router's unit."""
+    gateways in front (whatif.router), price shape-sharding in the router's unit; `replays` perturbed replays of
+    each plan give its figures intervals (0: none)."""
     fits: dict[str, Fit] = {}
     skipped: dict[str, str] = {}
     for t in traces:
@@ -180,13 +233,34 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
     worst = [_worst(calibration(recorded, b.figures)) for b in bases]
     pick = min(range(len(modes)), key=lambda k: worst[k])  # ties: the plain model
     plans = [lanes(used, configs, lv, start, modes[pick]) for lv in chosen if not lv.unavailable]
-    results = _run_all(plans, start, end, span, objectives, limit, jobs) if plans else []
+    # Each plan again under each of the fits' drawn costs (the same draws for every plan), with residuals drawn
+    # under another seed: the baseline's first, then each lever's.
+    draws = {t.engine: fits[t.engine].draws(replays, t.engine) for t in used} if replays > 0 else {}
+    perturbed = [[_perturbed(plan, draws, k, pick == 1) for k in range(replays)]
+                 for plan in [lanes(used, configs, None, start, modes[pick]), *plans]] if draws else []
+    results = _run_all(plans + [p for each in perturbed for p in each], start, end, span, objectives, limit, jobs)
+    central, spread = results[:len(plans)], results[len(plans):]
+    spreads = [spread[i * replays:(i + 1) * replays] for i in range(len(perturbed))]
     result = WhatIf(start, end, objectives, [t.engine for t in used], fits, skipped, assumed,
                     {t.engine: c for t, c in zip(used, configs, strict=True)}, recorded, recorded_timeline,
-                    bases[pick], step_times=STEP_TIMES[pick], other_mode_worst=worst[1 - pick])
-    it = iter(results)
-    result.levers = [Priced(lv, None if lv.unavailable else next(it)) for lv in chosen]
+                    bases[pick], step_times=STEP_TIMES[pick], other_mode_worst=worst[1 - pick],
+                    baseline_spread=spreads[0] if spreads else [])
+    it = iter(zip(central, spreads[1:] if spreads else [[] for _ in central], strict=True))
+    result.levers = [Priced(lv, None) if lv.unavailable else Priced(lv, *next(it)) for lv in chosen]
     return result
+
+
+def _perturbed(plan: list[Lane], draws: dict[str, list[CostModel]], k: int, jitter: bool) -> list[Lane]:
+    """`plan` under the k-th drawn cost of each engine, its residuals (when steps draw them) under the k-th seed."""
+    return [replace(lane, config=replace(lane.config, cost=draws[lane.engine][k]),
+                    seed=f"{lane.engine}/{k + 1}" if jitter else "") for lane in plan]
+
+
+def _edge(central: Replay, spread: Sequence[Replay]) -> str:
+    if not spread:
+        return ""
+    return knife_edge((central.figures, central.stopped), [(r.figures, r.stopped) for r in spread],
+                      central.busiest)
 
 
 def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever | None, t0: float,
@@ -232,10 +306,13 @@ def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Obj
     steps = 0
     stopped = ""
     unfinished = 0
+    busy = 0.0  # the current lane's seconds of stepping
+    shares: list[tuple[float, str]] = []
 
     def on_step(step: StepRecord) -> None:
-        nonlocal steps
+        nonlocal steps, busy
         steps += 1
+        busy += step.elapsed_ms / 1000
         stamped.append((step.ts, step.inter_token_latencies_iter))
         served.extend(Served(f.num_prompt_tokens, f.num_generation_tokens, f.time_to_first_token, f.decode_time)
                       for f in step.finished_requests)
@@ -247,16 +324,20 @@ def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Obj
             continue
         last = lane.arrivals[-1].offset_s
         sim = Simulation(Workload("whatif", last, 0.0, lane.arrivals), lane.config, ManualClock(t0),
-                         on_step=on_step, step_noise=Jitter(lane.residuals, lane.engine) if lane.residuals else None)
+                         on_step=on_step, step_noise=Jitter(lane.residuals, lane.seed or lane.engine)
+                         if lane.residuals else None)
         before = len(served)
+        busy = 0.0
         try:
             sim.advance_to(math.inf)
         except _Runaway:
             stopped = f"{lane.engine}: stopped after {limit:,} steps without draining"
         unfinished += len(lane.arrivals) - (len(served) - before)
+        shares.append((busy / max(span, stamped[-1][0] - t0 if stamped else 0.0, 1e-9), lane.engine))
     itls = (x for _, s in stamped for x in s)
+    share, engine = max(shares, default=(0.0, ""))
     return Replay(figures(served, itls, objectives, span, unfinished), itl_timeline(stamped, t0, end), steps,
-                  stopped)
+                  stopped, (engine, share) if engine else None)
 
 
 def _run_one(args: tuple[list[Lane], float, float, float, Objectives, int]) -> Replay:

@@ -33,6 +33,12 @@ HOLD_OUT_EVERY = 5
 MIN_STEPS = 20
 JITTER_BUCKETS = 8  # residuals are drawn from steps of about the same predicted time: an eighth of the steps
 JITTER_FLOOR = 0.1  # a step never takes less than this share of what the model predicts
+# How sure a fit is, as costs the perturbed replays run with (whatif's intervals): each draw refits the steps
+# resampled a run of HOLD_OUT_BLOCK at a time (a block bootstrap: the coefficients' uncertainty, with the steps'
+# dependence on their neighbours kept), then scales the whole cost by a factor spread evenly over +-E, E the fit's
+# error on its held-out steps (the total time it missed by, at least MIN_MODEL_ERROR): what a cost of the wrong
+# form costs the replay's clock, as far as steps it did not see can tell.
+MIN_MODEL_ERROR = 0.05
 
 
 class FitError(ValueError):
@@ -51,6 +57,29 @@ class Fit:
     total_error: float  # (sum predicted - sum recorded) / sum recorded over held-out steps: the replay's clock
     # (highest predicted seconds of a bucket of steps, the recorded - predicted seconds of its steps), ascending
     residuals: tuple[tuple[float, tuple[float, ...]], ...] = field(default=(), repr=False)
+    samples: tuple[tuple[tuple[float, ...], float], ...] = field(default=(), repr=False)  # (features, period)
+
+    @property
+    def model_error(self) -> float:
+        """The share by which the perturbed replays scale the cost, either way (MIN_MODEL_ERROR at least)."""
+        return max(abs(self.total_error), MIN_MODEL_ERROR)
+
+    def draws(self, n: int, seed: str) -> list[CostModel]:
+        """`n` costs as the fit might have come out: block-bootstrapped coefficients, each scaled by a factor
+        spread evenly over +-model_error (seeded: the same draws for every lever)."""
+        rng = random.Random(seed)
+        blocks = [self.samples[i:i + HOLD_OUT_BLOCK] for i in range(0, len(self.samples), HOLD_OUT_BLOCK)]
+        factors = [1.0 + self.model_error * (-1.0 + 2.0 * (k + 0.5) / n) for k in range(n)]
+        rng.shuffle(factors)
+        out = []
+        for factor in factors:
+            chosen = [x for _ in blocks for x in rng.choice(blocks)] if blocks else list(self.samples)
+            coefficients = _nnls([x for x, _ in chosen], [y for _, y in chosen]) if chosen else []
+            cost = CostModel(*coefficients) if coefficients else self.cost
+            out.append(CostModel(*(c * factor for c in (cost.step_overhead_s, cost.prefill_token_s,
+                                                        cost.prefill_attention_pair_s, cost.decode_request_s,
+                                                        cost.decode_context_token_s))))
+        return out
 
     def describe(self) -> str:
         c = self.cost
@@ -105,7 +134,7 @@ def fit(trace: EngineTrace) -> Fit:
     recorded = sum(y for _, y in scored)
     final = _nnls([x for x, _ in samples], [y for _, y in samples])
     return Fit(CostModel(*final), len(samples), len(scored), nearest_rank(errors, 0.5), nearest_rank(errors, 0.9),
-               (predicted - recorded) / recorded, _residuals(final, samples))
+               (predicted - recorded) / recorded, _residuals(final, samples), tuple(samples))
 
 
 def _residuals(coefficients: list[float], samples: Sequence[tuple[tuple[float, ...], float]]

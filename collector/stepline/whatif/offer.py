@@ -43,9 +43,17 @@ def summary(result: WhatIf, priced: Priced) -> str:
     assert priced.replay is not None
     base, f = result.baseline.figures, priced.replay.figures
     delta = priced.delta(base)
-    gain = "" if math.isnan(delta) else f"goodput {delta:+.0%} ({base.goodput_rps:.2f} -> {f.goodput_rps:.2f}/s), "
+    bands = priced.bands() if priced.spread else {}
+    sure = ""
+    if "goodput_rps" in bands and base.goodput_rps > 0:
+        band = bands["goodput_rps"]
+        sure = f" [{band.low / base.goodput_rps - 1:+.0%}..{band.high / base.goodput_rps - 1:+.0%}]"
+    gain = "" if math.isnan(delta) else (f"goodput {delta:+.0%}{sure} ({base.goodput_rps:.2f} -> "
+                                         f"{f.goodput_rps:.2f}/s), ")
     trust = ("the replay reproduces the recording" if result.reproduces else
              "the replay does not reproduce the recording: a direction, not an amount")
+    if priced.knife_edge:
+        trust += f"; knife-edge: {priced.knife_edge}"
     return (f"whatif: {priced.lever.name} gives {gain}ITL p99 {seconds(base.itl_p99_s)} -> {seconds(f.itl_p99_s)}, "
             f"TTFT p99 {seconds(base.ttft_p99_s)} -> {seconds(f.ttft_p99_s)} ({trust})")
 
@@ -62,6 +70,8 @@ def annotate(findings: Sequence[Finding], result: WhatIf) -> list[Finding]:
         assert priced.replay is not None
         evidence = {**f.evidence, "whatif": {"lever": priced.lever.name, "goodput_delta": round(
             priced.delta(result.baseline.figures), 4), "itl_p99_s": round(priced.replay.figures.itl_p99_s, 4),
-            "ttft_p99_s": round(priced.replay.figures.ttft_p99_s, 4), "reproduces": result.reproduces}}
+            "ttft_p99_s": round(priced.replay.figures.ttft_p99_s, 4), "reproduces": result.reproduces,
+            "knife_edge": bool(priced.knife_edge),
+            "intervals": {k: b.as_json() for k, b in priced.bands().items()} if priced.spread else None}}
         out.append(replace(f, lever=f"{f.lever}. {line}", evidence=evidence))
     return out

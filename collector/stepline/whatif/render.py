@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
 from stepline.core.texttable import render_table
-from stepline.whatif.core import CALIBRATION_TOLERANCE, Priced, WhatIf
+from stepline.whatif.core import CALIBRATION_TOLERANCE, STEP_TIMES, Priced, WhatIf
 from stepline.whatif.figures import BANDS, Figures
+from stepline.whatif.fit import MIN_MODEL_ERROR
+from stepline.whatif.intervals import Band, nominal_coverage
 
 FIGURE_NAMES = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99", "goodput_rps": "goodput"}
 
@@ -25,9 +28,17 @@ def rate_range(figures: Figures, name: str) -> str:
     return f"{r[0]:.1f}-{r[2]:.1f}" if r else "-"
 
 
-def _row(label: str, f: Figures, delta: str) -> list[str]:
-    return [label, seconds(f.ttft_p50_s), seconds(f.ttft_p99_s), seconds(f.itl_p99_s),
-            f"{f.goodput_rps:.3f}/s ({f.good}/{f.requests})", delta]
+def _row(label: str, f: Figures, delta: str, b: dict[str, Band] | None = None) -> list[str]:
+    """A table row: each figure, and with `b` its interval beside it ("1.20s [0.90s-1.70s]")."""
+    def shown(name: str, text: str, unit: Callable[[float], str]) -> str:
+        band = (b or {}).get(name)
+        if band is None or math.isnan(band.low):
+            return text
+        return f"{text} [{unit(band.low)}-{unit(band.high)}]"
+
+    return [label, shown("ttft_p50_s", seconds(f.ttft_p50_s), seconds),
+            shown("ttft_p99_s", seconds(f.ttft_p99_s), seconds), shown("itl_p99_s", seconds(f.itl_p99_s), seconds),
+            shown("goodput_rps", f"{f.goodput_rps:.3f}/s ({f.good}/{f.requests})", lambda x: f"{x:.3f}"), delta]
 
 
 def _rates(label: str, f: Figures, bands: list[str]) -> list[str]:
@@ -59,7 +70,8 @@ def render(result: WhatIf, *, top: int | None = None) -> str:
     lines.append(f"  each replayed step takes {result.step_times} (closer to the recording than the other way, "
                  f"whose worst figure is off by {result.other_mode_worst:.0%})")
     lines.append(render_table(header[:-1], [_row("recorded", result.recorded, "")[:-1],
-                                            _row("replayed", result.baseline.figures, "")[:-1]]))
+                                            _row("replayed", result.baseline.figures, "",
+                                                 result.baseline_bands() if result.baseline_spread else None)[:-1]]))
     lines.append(render_table(rates_header, [_rates("recorded", result.recorded, bands),
                                              _rates("replayed", result.baseline.figures, bands)]))
     errors = result.calibration_errors
@@ -73,16 +85,20 @@ def render(result: WhatIf, *, top: int | None = None) -> str:
         off = ", ".join(f"{FIGURE_NAMES[k]} {v:+.0%}" for k, v in errors.items() if abs(v) > CALIBRATION_TOLERANCE)
         lines.append(f"the replay does NOT reproduce the recording: {off} (tolerance {CALIBRATION_TOLERANCE:.0%}); "
                      "read the levers' figures as directions, not amounts")
+    lines.extend(_sureness(result))
     lines.append("")
     ranked = result.ranked()
     shown = [p for p in ranked if p.replay is not None][:top] if top else [p for p in ranked if p.replay]
     base = result.baseline.figures
     labels = ["replayed baseline", *(f"{i}. {p.lever.name}" for i, p in enumerate(shown, 1))]
     figs = [base, *(p.replay.figures for p in shown if p.replay is not None)]
-    deltas = ["", *(_delta(p, base) for p in shown)]
-    lines.append("levers, ranked by goodput")
-    lines.append(render_table(header, [_row(lb, f, d) for lb, f, d in zip(labels, figs, deltas, strict=True)],
-                              max_width=44))
+    deltas = ["", *(_delta(p, base) + (" (knife-edge)" if p.knife_edge else "") for p in shown)]
+    spread = bool(result.baseline_spread)
+    intervals = [result.baseline_bands() if spread else None, *(p.bands() if spread else None for p in shown)]
+    lines.append("levers, ranked by goodput" + (f" [lowest-highest over {result.replays} replays]" if spread else ""))
+    lines.append(render_table(header, [_row(lb, f, d, b) for lb, f, d, b in
+                                       zip(labels, figs, deltas, intervals, strict=True)], max_width=44))
+    lines.extend(_verdict(result, shown))
     lines.append("")
     lines.append(render_table(rates_header, [_rates(lb, f, bands) for lb, f in zip(labels, figs, strict=True)],
                               max_width=44))
@@ -100,6 +116,47 @@ def render(result: WhatIf, *, top: int | None = None) -> str:
         lines.append("")
         lines.extend(f"  {family}: {note}" for family, note in notes.items())
     return "\n".join(lines)
+
+
+def _sureness(result: WhatIf) -> list[str]:
+    """How the intervals are made, and whether the recording falls inside the baseline's own."""
+    if not result.baseline_spread:
+        return ["intervals: none (--replays 0)"]
+    n = result.replays
+    residuals = " and residuals drawn anew" if result.step_times == STEP_TIMES[1] else ""
+    lines = [f"intervals: each figure's lowest and highest over {n} replays of its plan: the fitted cost, and "
+             f"{n - 1} costs as the fit might have come out (its steps resampled in runs of 50, each cost scaled "
+             f"within its held-out error, at least {MIN_MODEL_ERROR:.0%}){residuals}; "
+             f"nominal coverage {nominal_coverage(n):.0%}"]
+    outside = result.recorded_outside()
+    if outside:
+        missed = ", ".join(f"{FIGURE_NAMES[k]} {_figure(k, v)} outside [{_figure(k, b.low)}-{_figure(k, b.high)}]"
+                           for k, (v, b) in outside.items())
+        lines.append(f"the recording falls outside the baseline's own intervals ({missed}): the model misses this "
+                     "engine there, so the levers' intervals are too narrow; read them as directions")
+    else:
+        lines.append("the recorded figures fall inside the replayed baseline's intervals")
+    if result.baseline_knife_edge:
+        lines.append(f"the recorded settings sit at a capacity cliff: {result.baseline_knife_edge}")
+    return lines
+
+
+def _figure(name: str, value: float) -> str:
+    return f"{value:.3f}/s" if name == "goodput_rps" else seconds(value)
+
+
+def _verdict(result: WhatIf, shown: list[Priced]) -> list[str]:
+    lines = [f"  {p.lever.name}: knife-edge: {p.knife_edge}" for p in shown if p.knife_edge]
+    if not result.baseline_spread:
+        return lines
+    v = result.verdict()
+    if v.recommended:
+        lines.append(f"recommended: {v.recommended} (its goodput interval clears every other plan's)")
+    else:
+        more = (f"; about {v.replays_to_separate} replays each would separate the first two"
+                if v.replays_to_separate else "")
+        lines.append(f"no clear winner: {', '.join(v.tied)} tie on goodput (their intervals overlap){more}")
+    return lines
 
 
 def _delta(p: Priced, base: Figures) -> str:
@@ -130,10 +187,29 @@ def as_json(result: WhatIf) -> dict[str, Any]:
         "levers": [{"lever": p.lever.name, "family": p.lever.family, "note": p.lever.note,
                     "available": p.replay is not None, "unavailable": p.lever.unavailable,
                     "figures": p.replay.figures.as_json() if p.replay else None,
+                    "intervals": {k: b.as_json() for k, b in p.bands().items()} if result.baseline_spread else None,
+                    "knife_edge": bool(p.knife_edge), "knife_edge_why": p.knife_edge,
                     "goodput_delta": None if math.isnan(p.delta(result.baseline.figures)) else
                     p.delta(result.baseline.figures),
                     "stopped": p.replay.stopped if p.replay else ""}
                    for p in result.ranked()],
+        **_intervals_json(result),
+    }
+
+
+def _intervals_json(result: WhatIf) -> dict[str, Any]:
+    if not result.baseline_spread:
+        return {"intervals": None}
+    v = result.verdict()
+    return {
+        "intervals": {"replays": result.replays, "nominal_coverage": nominal_coverage(result.replays),
+                      "how": "lowest and highest over the replays of each plan: the fitted cost, and costs drawn "
+                             "by a block bootstrap of the fit's steps, each scaled within its held-out error",
+                      "recorded_outside_baseline": {k: {"recorded": v_, **b.as_json()}
+                                                    for k, (v_, b) in result.recorded_outside().items()}},
+        "baseline_intervals": {k: b.as_json() for k, b in result.baseline_bands().items()},
+        "baseline_knife_edge": bool(result.baseline_knife_edge),
+        "recommended": v.recommended or None, "tied": v.tied, "replays_to_separate": v.replays_to_separate,
     }
 
 
@@ -153,13 +229,20 @@ def html_section(result: WhatIf | None, why_not: str = "") -> str:
     verdict = ("The replay reproduces the recording within " f"{CALIBRATION_TOLERANCE:.0%}" if result.reproduces
                else "The replay does NOT reproduce the recording: read the levers as directions, not amounts")
     calibration = ", ".join(f"{FIGURE_NAMES[k]} {v:+.0%}" for k, v in errors.items())
-    rows = [("recorded", result.recorded, ""), ("replayed baseline", base, "")]
-    rows += [(p.lever.name, p.replay.figures, _delta(p, base)) for p in ranked[:HTML_LEVERS]  # type: ignore[union-attr]
-             ]
-    cells = "".join(
-        f"<tr><td>{escape(label)}</td><td>{seconds(f.ttft_p50_s)}</td><td>{seconds(f.ttft_p99_s)}</td>"
-        f"<td>{seconds(f.itl_p99_s)}</td><td>{f.goodput_rps:.3f}/s ({f.good}/{f.requests})</td>"
-        f"<td>{escape(d)}</td></tr>" for label, f, d in rows)
+    spread = bool(result.baseline_spread)
+    rows: list[tuple[str, Figures, str, dict[str, Band] | None]] = [
+        ("recorded", result.recorded, "", None),
+        ("replayed baseline", base, "", result.baseline_bands() if spread else None)]
+    rows += [(p.lever.name, p.replay.figures, _delta(p, base) + (" (knife-edge)" if p.knife_edge else ""),
+              p.bands() if spread else None) for p in ranked[:HTML_LEVERS] if p.replay is not None]
+    cells = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in _row(label, f, d, b)) + "</tr>"
+                    for label, f, d, b in rows)
+    if spread:
+        chosen = result.verdict()
+        verdict += (f". Each figure shows [lowest-highest] over {result.replays} replays (nominal coverage "
+                    f"{nominal_coverage(result.replays):.0%}); "
+                    + (f"recommended: {chosen.recommended}" if chosen.recommended
+                       else "no clear winner: " + ", ".join(chosen.tied) + " tie on goodput"))
     unavailable = "".join(f"<li>{escape(p.lever.name)}: {escape(p.lever.unavailable)}</li>"
                           for p in result.ranked() if p.replay is None)
     series = [Series("recorded", result.recorded_timeline), Series("replayed baseline", result.baseline.timeline)]

@@ -1,0 +1,56 @@
+"""How sure a replayed figure is: intervals over perturbed replays, capacity cliffs, and rankings that separate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stepline.whatif.figures import Figures
+from stepline.whatif.intervals import Band, bands, knife_edge, nominal_coverage, verdict
+
+
+def _figures(ttft_p99: float = 1.0, goodput: float = 2.0, unfinished: int = 0, rate: float = 40.0) -> Figures:
+    return Figures(100, unfinished, 0.5, ttft_p99, 0.05, {"< 1k": (rate - 5, rate, rate + 5)}, 90, goodput)
+
+
+def test_nominal_coverage_is_that_of_the_lowest_and_highest_of_n_draws() -> None:
+    assert nominal_coverage(10) == pytest.approx(9 / 11)
+    assert nominal_coverage(20) == pytest.approx(19 / 21)
+    assert nominal_coverage(1) == 0.0
+
+
+def test_an_interval_spans_every_replay_and_keeps_the_central_value() -> None:
+    b = bands(_figures(1.0, 2.0, rate=40.0), [_figures(0.8, 2.5, rate=38.0), _figures(1.3, 1.9, rate=41.0)])
+    assert b["ttft_p99_s"] == Band(1.0, 0.8, 1.3)
+    assert b["goodput_rps"] == Band(2.0, 1.9, 2.5)
+    assert b["decode_p50 < 1k"] == Band(40.0, 38.0, 41.0)
+    # A replay without a figure (no request in a band) leaves it out; without any, the interval is unknown.
+    lone = bands(_figures(), [Figures(0, 0, math.nan, math.nan, math.nan, {}, 0, math.nan)])
+    assert lone["ttft_p99_s"] == Band(1.0, 1.0, 1.0) and lone["decode_p50 < 1k"] == Band(40.0, 40.0, 40.0)
+    assert Band(1.0, 0.5, 1.5).as_json() == {"value": 1.0, "low": 0.5, "high": 1.5}
+
+
+def test_replays_that_disagree_on_draining_are_a_knife_edge() -> None:
+    drained, backlog = (_figures(), ""), (_figures(unfinished=12), "")
+    why = knife_edge(drained, [drained, backlog, drained], ("lane-a", 0.97))
+    assert why == "the queue drains in 3 of 4 replays, lane-a busy 97% of the time (headroom 3%)"
+    assert knife_edge(backlog, [backlog, (_figures(), "lane-a: stopped after 200,000 steps")], None) == ""
+
+
+def test_a_ttft_tail_that_triples_across_replays_is_a_knife_edge_and_a_steady_one_is_not() -> None:
+    central = (_figures(ttft_p99=0.5), "")
+    assert knife_edge(central, [(_figures(ttft_p99=21.0), ""), central], None) == \
+        "TTFT p99 spans 0.50-21.00 s over 3 replays"
+    assert knife_edge(central, [(_figures(ttft_p99=0.6), ""), (_figures(ttft_p99=1.4), "")], None) == ""
+
+
+def test_the_best_is_recommended_only_where_its_interval_clears_the_others() -> None:
+    clear = verdict(["a", "b", "baseline"], [Band(3.0, 2.8, 3.2), Band(2.0, 1.8, 2.5), Band(1.0, 0.9, 1.1)],
+                    [[3.0, 2.8, 3.2], [2.0, 1.8, 2.5], [1.0, 0.9, 1.1]])
+    assert (clear.recommended, clear.tied, clear.replays_to_separate) == ("a", [], None)
+    tie = verdict(["a", "b", "baseline"], [Band(3.0, 2.4, 3.6), Band(2.9, 2.5, 3.3), Band(1.0, 0.9, 1.1)],
+                  [[3.0, 2.4, 3.6], [2.9, 2.5, 3.3], [1.0, 0.9, 1.1]])
+    assert (tie.recommended, tie.tied) == ("", ["a", "b"])
+    # A gap of 0.1 against spreads of 0.6 and 0.4 (their standard deviations): ~(1.645 x 1.0 / 0.1)^2 replays.
+    assert tie.replays_to_separate == math.ceil((1.645 * (0.6 + 0.4) / 0.1) ** 2)

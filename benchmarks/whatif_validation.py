@@ -1,6 +1,14 @@
 """Is `stepline whatif` right? Its predictions against the simulator's ground truth.
 
     python benchmarks/whatif_validation.py [--cases short-burst,steady-hot,burst,two-engines] [--tpot 0.1]
+    python benchmarks/whatif_validation.py --family shaped [--seeds 6] [--seed0 0]
+
+`--family shaped`: truths whose step cost is not of the fit's linear form (sim.costmodel.ShapedCostModel: tile
+quantisation of prefill, a per-chunk cost, decode batching that is not linear, a context term that grows
+faster than linear, multiplicative step jitter; drawn per seed, on a drawn workload). Reports the coverage of
+whatif's intervals (the share of true figures inside their predicted [low, high]) against their nominal
+coverage, the median interval width, and whether pairs of levers whose goodput intervals separate run in the
+predicted order.
 
 For each case: record a run under settings A through the normal path (plugin datagrams, OTLP spans, /metrics
 into the embedded store), run `whatif` on the recording (the fit, the calibration, every lever), then run the
@@ -14,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
+import statistics
 import tempfile
 import time
 import uuid
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 import clickhouse_connect
@@ -26,10 +37,12 @@ from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
 from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim.config import EngineConfig
+from stepline.sim.costmodel import ShapedCostModel
 from stepline.sim.workloads import Workload, make_workload, short_burst, steady
 from stepline.store.reader import open_reader
 from stepline.whatif.core import Priced, lanes, whatif
 from stepline.whatif.figures import Figures, Objectives
+from stepline.whatif.intervals import INTERVAL_REPLAYS, Band, nominal_coverage
 from stepline.whatif.levers import Lever
 from stepline.whatif.trace import EngineTrace, Steps, TracedRequest, load
 
@@ -56,6 +69,32 @@ def cases() -> dict[str, Case]:
                         ("e1", replace(steady(seed=4, duration_s=30.0, rate_per_s=8.0), drain_s=45.0),
                          EngineConfig())],
     }
+
+
+def shaped_cases(seeds: Sequence[int]) -> dict[str, Case]:
+    """One case per seed: a drawn workload on an engine whose step cost is drawn off the linear form."""
+    out: dict[str, Case] = {}
+    for seed in seeds:
+        rng = random.Random(seed)
+        cost = ShapedCostModel(prefill_tile=rng.choice((0, 256, 512, 2048)), chunk_overhead_s=rng.uniform(0.0, 0.03),
+                               decode_batch_exponent=rng.uniform(0.7, 1.3),
+                               context_knee_tokens=rng.choice((0, 65_536, 262_144)),
+                               jitter=rng.choice((0.0, 0.1, 0.25)), seed=seed)
+        workload = rng.choice([short_burst(seed=seed),
+                               steady(seed=seed, duration_s=60.0, rate_per_s=rng.uniform(6.0, 14.0))])
+        config = EngineConfig(cost=cost, num_gpu_blocks=rng.choice((12_000, 40_000)),
+                              max_num_seqs=rng.choice((64, 256)))
+        out[f"shaped-{seed}"] = [("e0", workload, config)]
+    return out
+
+
+def describe(case: Case) -> str:
+    cost = case[0][2].cost
+    if not isinstance(cost, ShapedCostModel):
+        return "linear cost"
+    return (f"tile {cost.prefill_tile}, chunk +{cost.chunk_overhead_s * 1e3:.0f} ms, decode n^"
+            f"{cost.decode_batch_exponent:.2f}, context knee {cost.context_knee_tokens or '-'}, jitter "
+            f"{cost.jitter:g}")
 
 
 def record(base: str, engines: list[tuple[str, Scenario]]) -> list[EngineTrace]:
@@ -117,25 +156,73 @@ def _kendall(a: list[float], b: list[float]) -> float:
 OBJECTIVES = Objectives(10.0, 0.1)
 
 
+@dataclass
+class Coverage:
+    """Over every tested lever (and the recorded settings) of every case: true figures inside their interval."""
+
+    inside: dict[str, int] = field(default_factory=dict)
+    total: dict[str, int] = field(default_factory=dict)
+    widths: list[float] = field(default_factory=list)
+    separated: int = 0
+    separated_agree: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def add(self, label: str, predicted: dict[str, Band], actual: Figures) -> str:
+        marks = []
+        for name in INTERVAL_FIGURES:
+            band, true = predicted[name], float(getattr(actual, name))
+            if math.isnan(true) or math.isnan(band.low):
+                continue
+            # Equal within the figures' own rounding: goodput's span is the arrivals' span as each side stored it.
+            hit = band.low * (1 - ROUNDING) <= true <= band.high * (1 + ROUNDING)
+            self.inside[name] = self.inside.get(name, 0) + hit
+            self.total[name] = self.total.get(name, 0) + 1
+            if band.value:
+                self.widths.append((band.high - band.low) / abs(band.value))
+            marks.append("in" if hit else "OUT")
+            if not hit:
+                self.misses.append(f"{label} {name}: {true:.3f} outside [{band.low:.3f}, {band.high:.3f}]")
+        return " ".join(marks)
+
+    def pairs(self, bands: list[Band], actual: list[float]) -> None:
+        for i in range(len(bands)):
+            for j in range(i + 1, len(bands)):
+                if bands[i].overlaps(bands[j]):
+                    continue
+                self.separated += 1
+                self.separated_agree += (bands[i].value - bands[j].value) * (actual[i] - actual[j]) > 0
+
+
+INTERVAL_FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "goodput_rps")
+ROUNDING = 1e-4
+
+
 def main() -> int:
     global OBJECTIVES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(cases()))
+    parser.add_argument("--family", choices=("linear", "shaped"), default="linear",
+                        help="the named cases (linear step cost), or truths drawn off the fit's form per seed")
+    parser.add_argument("--seeds", type=int, default=6, help="shaped truths to draw (--family shaped)")
+    parser.add_argument("--seed0", type=int, default=0)
+    parser.add_argument("--replays", type=int, default=INTERVAL_REPLAYS, help="whatif's perturbed replays")
     parser.add_argument("--ttft", type=float, default=10.0)
     parser.add_argument("--tpot", type=float, default=0.1)
     args = parser.parse_args()
     OBJECTIVES = Objectives(args.ttft, args.tpot)
-    chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
+    every = cases() if args.family == "linear" else shaped_cases(range(args.seed0, args.seed0 + args.seeds))
+    chosen = [c.strip() for c in args.cases.split(",") if c.strip()] if args.family == "linear" else list(every)
+    coverage = Coverage()
     all_errors: list[float] = []
     rankings: list[str] = []
     with tempfile.TemporaryDirectory(prefix="stepline-whatif-") as directory:
         base = f"chdb://{directory}"
         anchor = clickhouse_connect.get_client(dsn=base)
         for name in chosen:
-            case = cases()[name]
+            case = every[name]
             started = time.monotonic()
             recorded = record(base, [(e, Scenario(f"a-{e}", None, w, c)) for e, w, c in case])
-            result = whatif(recorded, OBJECTIVES)
+            result = whatif(recorded, OBJECTIVES, replays=args.replays)
             predicted_s = time.monotonic() - started
             families: dict[str, int] = {}
             tested: list[Priced] = []
@@ -149,23 +236,35 @@ def main() -> int:
             rows = []
             predicted_goodput, actual_goodput = [], []
             errors = result.calibration_errors
-            print(f"\n== {name}: {result.recorded.requests} requests on {len(case)} engine(s); fit median error "
-                  + ", ".join(f"{f.median_error:.1%}" for f in result.fits.values())
+            print(f"\n== {name} ({describe(case)}): {result.recorded.requests} requests on {len(case)} engine(s); "
+                  "fit median error " + ", ".join(f"{f.median_error:.1%}" for f in result.fits.values())
+                  + ", held-out total " + ", ".join(f"{f.total_error:+.1%}" for f in result.fits.values())
                   + "; calibration " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items())
                   + f" (recorded and priced in {predicted_s:.0f} s)")
+            marks = coverage.add(f"{name} recorded settings", result.baseline_bands(), result.recorded) \
+                if result.baseline_spread else ""
+            if marks:
+                print(f"recorded settings: the recording against the baseline's intervals: {marks}")
+            goodput_bands: list[Band] = []
             for p in tested:
                 assert p.replay is not None
                 actual = truth(base, case, p.lever)
                 pf = p.replay.figures
-                row = [p.lever.name]
+                row = [p.lever.name + (" (knife-edge)" if p.knife_edge else "")]
                 for attr, _ in FIGURES:
                     e = _err(getattr(pf, attr), getattr(actual, attr))
                     all_errors.append(e)
                     row += [f"{getattr(pf, attr):.3f}", f"{getattr(actual, attr):.3f}", f"{e:+.1%}"]
+                if p.spread:
+                    row.append(coverage.add(f"{name} {p.lever.name}", p.bands(), actual))
+                    goodput_bands.append(p.bands()["goodput_rps"])
                 rows.append(row)
                 predicted_goodput.append(pf.goodput_rps)
                 actual_goodput.append(actual.goodput_rps)
-            header = ["lever"] + [f"{label} {k}" for _, label in FIGURES for k in ("pred", "run", "err")]
+            if goodput_bands:
+                coverage.pairs(goodput_bands, actual_goodput)
+            header = ["lever"] + [f"{label} {k}" for _, label in FIGURES for k in ("pred", "run", "err")] + (
+                ["in interval (TTFT p50, p99, ITL p99, goodput)"] if goodput_bands else [])
             print(render_table(header, rows, max_width=40))
             tau = _kendall(predicted_goodput, actual_goodput)
             order_p = sorted(range(len(tested)), key=lambda i: -predicted_goodput[i])
@@ -182,6 +281,17 @@ def main() -> int:
           f"{max(all_errors, key=abs):+.1%}" if all_errors else "no figures")
     for line in rankings:
         print(line)
+    if coverage.total:
+        inside, total = sum(coverage.inside.values()), sum(coverage.total.values())
+        nominal = nominal_coverage(args.replays + 1)
+        print(f"\nintervals over {args.replays + 1} replays (nominal coverage {nominal:.0%}): "
+              f"{inside}/{total} true figures inside ({inside / total:.0%}); "
+              + ", ".join(f"{k} {coverage.inside.get(k, 0)}/{v}" for k, v in coverage.total.items())
+              + f"; median width {statistics.median(coverage.widths):.1%} of the value"
+              + f"; levers whose goodput intervals separate: {coverage.separated_agree}/{coverage.separated} pairs "
+                "run in the predicted order")
+        for miss in coverage.misses:
+            print(f"  outside: {miss}")
     if all_errors and within < len(all_errors):
         print(f"TARGET MISSED: {len(all_errors) - within} figures outside {TOLERANCE:.0%}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 
@@ -9,7 +10,7 @@ import pytest
 
 from stepline.core.clock import ManualClock
 from stepline.sim.config import EngineConfig
-from stepline.sim.costmodel import CostModel, attention_pairs
+from stepline.sim.costmodel import CostModel, ShapedCostModel, attention_pairs
 from stepline.sim.engine import Simulation
 from stepline.sim.records import StepRecord
 from stepline.sim.workloads import Arrival, Workload, isolated
@@ -95,3 +96,28 @@ def test_one_uncached_monster_collapses_concurrent_decode_without_queue_or_preem
     assert all(s.num_waiting_reqs == 0 and s.num_preempted_reqs == 0 for s in window)
     assert max(s.kv_cache_usage for s in window) < 0.9
     assert first_token - 5.0 > 30, "a 359k-token prefill takes tens of seconds"
+
+
+def test_a_shaped_cost_departs_from_the_linear_form_each_way_it_says() -> None:
+    linear = CostModel()
+    assert ShapedCostModel().step_seconds(1000, 5e5, 8, 40_000) == pytest.approx(
+        linear.step_seconds(1000, 5e5, 8, 40_000))
+    # 1,000 prefill tokens computed as 2,048 in tiles; a fixed cost for the step that carries prefill.
+    tiled = ShapedCostModel(prefill_tile=2048).step_seconds(1000, 0.0, 0, 0)
+    assert tiled == pytest.approx(linear.step_seconds(2048, 0.0, 0, 0))
+    chunked = ShapedCostModel(chunk_overhead_s=0.02)
+    assert chunked.step_seconds(10, 0.0, 0, 0) - linear.step_seconds(10, 0.0, 0, 0) == pytest.approx(0.02)
+    assert chunked.step_seconds(0, 0.0, 4, 0) == pytest.approx(linear.step_seconds(0, 0.0, 4, 0))
+    # 64 decoding requests cost 64^0.8 of one; a context at the knee costs twice as much per token.
+    assert ShapedCostModel(decode_batch_exponent=0.8).step_seconds(0, 0.0, 64, 0) == pytest.approx(
+        linear.step_overhead_s + linear.decode_request_s * 64 ** 0.8)
+    assert ShapedCostModel(context_knee_tokens=100_000).step_seconds(0, 0.0, 0, 100_000) == pytest.approx(
+        linear.step_overhead_s + 2 * linear.decode_context_token_s * 100_000)
+
+
+def test_a_shaped_costs_jitter_is_seeded_and_each_copy_draws_its_own_sequence() -> None:
+    cost = ShapedCostModel(jitter=0.2, seed=7)
+    first = [cost.step_seconds(0, 0.0, 8, 10_000) for _ in range(50)]
+    again = dataclasses.replace(cost)  # as a lever's settings copy the engine's configuration
+    assert [again.step_seconds(0, 0.0, 8, 10_000) for _ in range(50)] == first
+    assert len(set(first)) == 50 and 0.5 < statistics.median(first) / CostModel().step_seconds(0, 0.0, 8, 10_000) < 2

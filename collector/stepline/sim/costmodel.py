@@ -29,6 +29,8 @@ the end of a 359k-token one, so every request decoding beside it drops to 0.5-4 
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 STEP_OVERHEAD_S = 9e-3
@@ -119,3 +121,47 @@ class ThrottledCostModel(CostModel):
         # Zero-argument super() fails in slotted dataclasses: name the base explicitly.
         base = CostModel.step_seconds(self, prefill_tokens, prefill_pairs, decode_requests, decode_context_tokens)
         return base * self.throttle.factor
+
+
+@dataclass(frozen=True, slots=True)
+class ShapedCostModel(CostModel):
+    """A step cost that is not of CostModel's linear form, as real engines' are not: what `whatif`'s fit (which
+    assumes the linear form) is validated against (benchmarks/whatif_validation.py --family shaped).
+
+    - `prefill_tile`: prefill tokens are computed in tiles of this many (wave/tile quantisation; 0: none);
+    - `chunk_overhead_s`: a fixed cost for every step that carries prefill (per-chunk kernels and metadata);
+    - `decode_batch_exponent`: decoding requests cost `decode_request_s * n ** exponent` (batching that gets
+      cheaper, below 1, or dearer, above, per request as the batch grows);
+    - `context_knee_tokens`: the decode context's cost grows by a factor (1 + context / knee) (KV reads falling
+      out of cache as the batch's context grows; 0: linear);
+    - `jitter`: each step's time is multiplied by exp(N(0, jitter)) drawn from `seed` (a busy host's noise).
+    """
+
+    prefill_tile: int = 0
+    chunk_overhead_s: float = 0.0
+    decode_batch_exponent: float = 1.0
+    context_knee_tokens: int = 0
+    jitter: float = 0.0
+    seed: int = 0
+    # Each copy (dataclasses.replace: a lever's settings) draws its own sequence from `seed`.
+    _rng: random.Random = field(default_factory=random.Random, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._rng.seed(self.seed)
+
+    def step_seconds(
+        self,
+        prefill_tokens: int,
+        prefill_pairs: float,
+        decode_requests: int,
+        decode_context_tokens: int,
+    ) -> float:
+        tiled = (-(-prefill_tokens // self.prefill_tile) * self.prefill_tile if self.prefill_tile else
+                 prefill_tokens)
+        context = self.decode_context_token_s * decode_context_tokens
+        if self.context_knee_tokens:
+            context *= 1.0 + decode_context_tokens / self.context_knee_tokens
+        seconds = (self.step_overhead_s + self.prefill_token_s * tiled + self.prefill_attention_pair_s * prefill_pairs
+                   + (self.chunk_overhead_s if prefill_tokens else 0.0)
+                   + self.decode_request_s * math.pow(decode_requests, self.decode_batch_exponent) + context)
+        return seconds * math.exp(self._rng.gauss(0.0, self.jitter)) if self.jitter else seconds

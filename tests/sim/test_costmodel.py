@@ -10,7 +10,7 @@ import pytest
 
 from stepline.core.clock import ManualClock
 from stepline.sim.config import EngineConfig
-from stepline.sim.costmodel import CostModel, ShapedCostModel, attention_pairs
+from stepline.sim.costmodel import CostModel, ShapedCostModel, Throttle, ThrottledCostModel, attention_pairs
 from stepline.sim.engine import Simulation
 from stepline.sim.records import StepRecord
 from stepline.sim.workloads import Arrival, Workload, isolated
@@ -121,3 +121,11 @@ def test_a_shaped_costs_jitter_is_seeded_and_each_copy_draws_its_own_sequence() 
     again = dataclasses.replace(cost)  # as a lever's settings copy the engine's configuration
     assert [again.step_seconds(0, 0.0, 8, 10_000) for _ in range(50)] == first
     assert len(set(first)) == 50 and 0.5 < statistics.median(first) / CostModel().step_seconds(0, 0.0, 8, 10_000) < 2
+
+
+def test_a_throttled_shaped_cost_keeps_its_shape() -> None:
+    shaped = ShapedCostModel(prefill_tile=2048, chunk_overhead_s=0.02)
+    throttle = Throttle(2.0)
+    slowed = ThrottledCostModel.wrap(shaped, throttle)
+    assert slowed.step_seconds(10, 0.0, 0, 0) == pytest.approx(2 * shaped.step_seconds(10, 0.0, 0, 0))
+    assert ThrottledCostModel.wrap(CostModel(), throttle).inner is None

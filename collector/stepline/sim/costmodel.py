@@ -103,12 +103,14 @@ class ThrottledCostModel(CostModel):
     """A CostModel whose steps take `throttle.factor` times as long: clocks held down by a power cap."""
 
     throttle: Throttle = field(default_factory=Throttle)
+    inner: CostModel | None = None  # a cost of another form (ShapedCostModel) whose steps are slowed
 
     @classmethod
     def wrap(cls, cost: CostModel, throttle: Throttle) -> ThrottledCostModel:
-        """The same constants as `cost`, slowed by `throttle`."""
+        """`cost`, slowed by `throttle` (its constants, and its own step_seconds where it is of another form)."""
         return cls(cost.step_overhead_s, cost.prefill_token_s, cost.prefill_attention_pair_s,
-                   cost.decode_request_s, cost.decode_context_token_s, throttle)
+                   cost.decode_request_s, cost.decode_context_token_s, throttle,
+                   None if type(cost) is CostModel else cost)
 
     def step_seconds(
         self,
@@ -117,9 +119,11 @@ class ThrottledCostModel(CostModel):
         decode_requests: int,
         decode_context_tokens: int,
     ) -> float:
-        """As CostModel.step_seconds, times the throttle's current factor."""
+        """As the wrapped cost's step_seconds, times the throttle's current factor."""
         # Zero-argument super() fails in slotted dataclasses: name the base explicitly.
-        base = CostModel.step_seconds(self, prefill_tokens, prefill_pairs, decode_requests, decode_context_tokens)
+        base = (self.inner.step_seconds(prefill_tokens, prefill_pairs, decode_requests, decode_context_tokens)
+                if self.inner is not None else
+                CostModel.step_seconds(self, prefill_tokens, prefill_pairs, decode_requests, decode_context_tokens))
         return base * self.throttle.factor
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from stepline.whatif.figures import Figures
-from stepline.whatif.intervals import Band, bands, knife_edge, nominal_coverage, verdict
+from stepline.whatif.intervals import Band, bands, knife_edge, misses, nominal_coverage, verdict, widened
 
 
 def _figures(ttft_p99: float = 1.0, goodput: float = 2.0, unfinished: int = 0, rate: float = 40.0) -> Figures:
@@ -54,3 +54,14 @@ def test_the_best_is_recommended_only_where_its_interval_clears_the_others() -> 
     assert (tie.recommended, tie.tied) == ("", ["a", "b"])
     # A gap of 0.1 against spreads of 0.6 and 0.4 (their standard deviations): ~(1.645 x 1.0 / 0.1)^2 replays.
     assert tie.replays_to_separate == math.ceil((1.645 * (0.6 + 0.4) / 0.1) ** 2)
+
+
+def test_a_recording_outside_the_baselines_interval_widens_every_plan_by_the_miss() -> None:
+    baseline = bands(_figures(ttft_p99=1.0, goodput=2.0), [_figures(ttft_p99=1.2, goodput=2.1)])
+    # TTFT p99 recorded 25% over the baseline's highest replay; goodput inside.
+    miss = misses(_figures(ttft_p99=1.5, goodput=2.05), baseline)
+    assert miss == pytest.approx({"ttft_p99_s": 0.25})
+    assert misses(_figures(ttft_p99=0.5, goodput=2.0), baseline) == pytest.approx({"ttft_p99_s": 0.5})
+    lever = widened({"ttft_p99_s": Band(0.4, 0.36, 0.44), "goodput_rps": Band(3.0, 2.9, 3.1)}, miss)
+    assert lever["ttft_p99_s"] == Band(0.4, pytest.approx(0.27), pytest.approx(0.55))
+    assert lever["goodput_rps"] == Band(3.0, 2.9, 3.1)

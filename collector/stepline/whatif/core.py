@@ -31,8 +31,10 @@ from stepline.whatif.intervals import (
     Verdict,
     bands,
     knife_edge,
+    misses,
     values,
     verdict,
+    widened,
 )
 from stepline.whatif.levers import Lever, baseline_config, candidates
 from stepline.whatif.router import RouterBar
@@ -82,9 +84,13 @@ class Priced:
     lever: Lever
     replay: Replay | None  # None when unavailable
     spread: list[Replay] = field(default_factory=list)  # its perturbed replays (intervals)
+    widen: dict[str, float] = field(default_factory=dict)  # the calibration's misses (WhatIf.misses)
 
     def bands(self) -> dict[str, Band]:
-        return bands(self.replay.figures, [r.figures for r in self.spread]) if self.replay is not None else {}
+        """Each figure's interval over the replays, widened by what the calibration missed."""
+        if self.replay is None:
+            return {}
+        return widened(bands(self.replay.figures, [r.figures for r in self.spread]), self.widen)
 
     @property
     def knife_edge(self) -> str:
@@ -126,6 +132,10 @@ class WhatIf:
     def baseline_knife_edge(self) -> str:
         return _edge(self.baseline, self.baseline_spread)
 
+    def misses(self) -> dict[str, float]:
+        """figure -> how far the recording lies outside the replayed baseline's own interval (intervals.misses)."""
+        return misses(self.recorded, self.baseline_bands()) if self.baseline_spread else {}
+
     def recorded_outside(self) -> dict[str, tuple[float, Band]]:
         """The calibration figures whose recorded value falls outside the baseline's interval (with intervals)."""
         if not self.baseline_spread:
@@ -140,8 +150,10 @@ class WhatIf:
         plans = sorted([("the recorded settings", self.baseline, self.baseline_spread),
                         *((p.lever.name, p.replay, p.spread) for p in self.levers if p.replay is not None)],
                        key=lambda x: -x[1].figures.goodput_rps)
+        miss = self.misses()
         return verdict([n for n, _, _ in plans],
-                       [bands(r.figures, [x.figures for x in spread])["goodput_rps"] for _, r, spread in plans],
+                       [widened(bands(r.figures, [x.figures for x in spread]), miss)["goodput_rps"]
+                        for _, r, spread in plans],
                        [[r.figures.goodput_rps, *(x.figures.goodput_rps for x in spread)] for _, r, spread in plans])
 
     @property
@@ -246,7 +258,8 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
                     bases[pick], step_times=STEP_TIMES[pick], other_mode_worst=worst[1 - pick],
                     baseline_spread=spreads[0] if spreads else [])
     it = iter(zip(central, spreads[1:] if spreads else [[] for _ in central], strict=True))
-    result.levers = [Priced(lv, None) if lv.unavailable else Priced(lv, *next(it)) for lv in chosen]
+    miss = result.misses()
+    result.levers = [Priced(lv, None) if lv.unavailable else Priced(lv, *next(it), widen=miss) for lv in chosen]
     return result
 
 

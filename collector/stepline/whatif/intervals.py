@@ -5,9 +5,9 @@ Each plan (the recorded settings, and each lever) is replayed once with the fitt
 cost as the fit might have come out (fit.Fit.draws: block-bootstrapped coefficients scaled within the fit's
 held-out error) and, where steps draw recorded residuals, another seed for them. A figure's interval is the
 lowest and highest value over those n + 1 replays: for n + 1 exchangeable draws, a further draw falls inside it with
-probability n / (n + 2), the interval's nominal coverage. What the replays cannot vary (the scheduler's model of
-vLLM, the recorded arrivals) it does not cover: the calibration check says when the recorded figures fall outside
-the baseline's own interval.
+probability n / (n + 2), the interval's nominal coverage. What the replays cannot vary (a step cost of another
+form than the fit's, the scheduler's model of vLLM) they do not cover: where the recording falls outside the
+replayed baseline's own interval, by some share, every plan's interval for that figure is widened by that share.
 """
 
 from __future__ import annotations
@@ -63,6 +63,27 @@ def bands(central: Figures, spread: Sequence[Figures]) -> dict[str, Band]:
         seen = [v for v in (value, *(e.get(name, math.nan) for e in every)) if not math.isnan(v)]
         out[name] = Band(value, min(seen), max(seen)) if seen else Band(value, math.nan, math.nan)
     return out
+
+
+def misses(recorded: Figures, baseline: dict[str, Band]) -> dict[str, float]:
+    """figure -> how far (relative) the recording lies outside the replayed baseline's interval, for the FIGURES
+    where it does: what the replays do not vary (the cost's form, the scheduler's model) missed by that much."""
+    out = {}
+    for name in FIGURES:
+        true, band = float(getattr(recorded, name)), baseline.get(name)
+        if band is None or math.isnan(true) or math.isnan(band.low) or true <= 0:
+            continue
+        if true > band.high > 0:
+            out[name] = true / band.high - 1
+        elif true < band.low:
+            out[name] = 1 - true / band.low
+    return out
+
+
+def widened(b: dict[str, Band], miss: dict[str, float]) -> dict[str, Band]:
+    """`b` with each missed figure's interval widened by the miss, either way."""
+    return {name: Band(band.value, band.low * (1 - miss[name]), band.high * (1 + miss[name])) if name in miss
+            else band for name, band in b.items()}
 
 
 def knife_edge(central: tuple[Figures, str], spread: Sequence[tuple[Figures, str]],

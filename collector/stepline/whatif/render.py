@@ -132,8 +132,10 @@ def _sureness(result: WhatIf) -> list[str]:
     if outside:
         missed = ", ".join(f"{FIGURE_NAMES[k]} {_figure(k, v)} outside [{_figure(k, b.low)}-{_figure(k, b.high)}]"
                            for k, (v, b) in outside.items())
-        lines.append(f"the recording falls outside the baseline's own intervals ({missed}): the model misses this "
-                     "engine there, so the levers' intervals are too narrow; read them as directions")
+        widen = ", ".join(f"{FIGURE_NAMES[k]} +-{v:.0%}" for k, v in result.misses().items())
+        lines.append(f"the recording falls outside the baseline's own intervals ({missed}): whatif's model misses this "
+                     f"engine there, by what the replays do not vary; every lever's interval for those figures is "
+                     f"widened by the miss ({widen})")
     else:
         lines.append("the recorded figures fall inside the replayed baseline's intervals")
     if result.baseline_knife_edge:
@@ -206,7 +208,8 @@ def _intervals_json(result: WhatIf) -> dict[str, Any]:
                       "how": "lowest and highest over the replays of each plan: the fitted cost, and costs drawn "
                              "by a block bootstrap of the fit's steps, each scaled within its held-out error",
                       "recorded_outside_baseline": {k: {"recorded": v_, **b.as_json()}
-                                                    for k, (v_, b) in result.recorded_outside().items()}},
+                                                    for k, (v_, b) in result.recorded_outside().items()},
+                      "widened_by": result.misses()},
         "baseline_intervals": {k: b.as_json() for k, b in result.baseline_bands().items()},
         "baseline_knife_edge": bool(result.baseline_knife_edge),
         "recommended": v.recommended or None, "tied": v.tied, "replays_to_separate": v.replays_to_separate,

@@ -20,6 +20,7 @@ from stepline.app.doctor import CHECKS
 from tests.realvllm import harness
 
 ALL_OK = {name: "OK" for name in CHECKS} | {"prometheus": "SKIP", "alertmanager": "SKIP"}
+REMOVED_WAIT_S = 12
 
 
 def lines(run: subprocess.CompletedProcess[str]) -> dict[str, tuple[str, str]]:
@@ -46,16 +47,19 @@ def removed(life: harness.Life, tmp_path_factory: pytest.TempPathFactory) -> Ite
     def setup(name: str) -> harness.Setup:
         return harness.Setup(Path(tmp_path_factory.mktemp(name)), life.setup.venv, life.setup.model)
 
+    # What is removed never arrives, so each of these waits its whole --wait: 12 s, where the wired run (which
+    # returns as soon as the steps and a span are in) waits up to 30 s. The plugin's steps and the probe's span
+    # arrive within about 6 s of the probe on this machine under the suite's load (the wired run's clock line).
     no_otlp = setup("no-otlp")
     with harness.collector(no_otlp) as collector, harness.engine(
             no_otlp, ["--enable-logging-iteration-details"], collected=False):
-        runs["no_otlp"] = harness.doctor(no_otlp)
+        runs["no_otlp"] = harness.doctor(no_otlp, "--wait", str(REMOVED_WAIT_S))
         harness.stop(collector)
-        runs["collector_stopped"] = harness.doctor(no_otlp)
+        runs["collector_stopped"] = harness.doctor(no_otlp, "--wait", str(REMOVED_WAIT_S))
     no_details = setup("no-details")
     with harness.collector(no_details), harness.engine(
             no_details, ["--otlp-traces-endpoint", no_details.otlp_url], collected=False):
-        runs["no_details"] = harness.doctor(no_details)
+        runs["no_details"] = harness.doctor(no_details, "--wait", str(REMOVED_WAIT_S))
     for name, run in {**life.doctor, **runs}.items():  # beside the run's logs, for whoever reads them
         (life.setup.work / f"doctor-{name}.txt").write_text(run.stdout + run.stderr)
     yield runs
@@ -88,7 +92,7 @@ def test_without_the_otlp_endpoint_the_otlp_line_fails_and_the_others_hold(
     run = removed["no_otlp"]
     assert statuses(run) == ALL_OK | {"otlp": "FAIL"}, run.stdout
     assert run.returncode == 1
-    assert lines(run)["otlp"][1].startswith("no spans in 30 s — start vLLM with --otlp-traces-endpoint ")
+    assert lines(run)["otlp"][1].startswith(f"no spans in {REMOVED_WAIT_S} s — start vLLM with --otlp-traces-endpoint ")
 
 
 def test_with_the_collector_stopped_its_line_fails_and_what_needs_it_is_skipped(

@@ -19,7 +19,7 @@ from stepline.whatif.core import WhatIf, lanes, whatif
 from stepline.whatif.figures import Objectives
 from stepline.whatif.fit import FitError, fit
 from stepline.whatif.levers import Lever, baseline_config, candidates
-from stepline.whatif.render import render
+from stepline.whatif.render import envelope, html_section, render, seconds
 from stepline.whatif.trace import EngineTrace, Steps, TracedRequest, load
 
 OBJECTIVES = Objectives(ttft_s=10.0, tpot_s=0.1)
@@ -209,3 +209,18 @@ def test_arrivals_keep_their_recorded_shape(recorded: Recorded) -> None:
     assert sum(a.prompt_tokens for a in arrivals) == sum(r.prompt_tokens for r in trace.requests)
     assert sum(a.output_tokens for a in arrivals) == sum(r.generation_tokens for r in trace.requests)
     assert arrivals[0].offset_s == 0.0
+
+
+def test_the_reports_section_shows_the_bands_in_its_table_and_around_the_best_levers_line(result: WhatIf) -> None:
+    page = html_section(result)
+    best = result.ranked()[0]
+    assert best.replay is not None
+    band = best.bands()["ttft_p99_s"]
+    assert f"{seconds(best.replay.figures.ttft_p99_s)} [{seconds(band.low)}-{seconds(band.high)}]" in page
+    assert "(knife-edge)" in page and f"recommended: {best.lever.name}" in page
+    assert "nominal coverage 82%" in page
+    # The best lever's ITL p99 over time, between the lowest and the highest of its replays per bucket.
+    assert "best lever, lowest of 10 replays" in page and "best lever, highest of 10 replays" in page
+    low, high = (dict(e) for e in envelope([best.replay.timeline, *(r.timeline for r in best.spread)]))
+    assert best.replay.timeline and all(low[t] <= v <= high[t] for t, v in best.replay.timeline)
+    assert any(low[t] < high[t] for t in low)  # the replays differ somewhere

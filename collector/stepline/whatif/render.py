@@ -219,6 +219,17 @@ def _intervals_json(result: WhatIf) -> dict[str, Any]:
 HTML_LEVERS = 8
 
 
+def envelope(timelines: list[list[tuple[float, float]]]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Per bucket (the replays share their buckets: whatif.core.itl_timeline), the lowest and highest value any of
+    `timelines` has there."""
+    by_bucket: dict[float, list[float]] = {}
+    for timeline in timelines:
+        for t, v in timeline:
+            by_bucket.setdefault(t, []).append(v)
+    ordered = sorted(by_bucket.items())
+    return [(t, min(vs)) for t, vs in ordered], [(t, max(vs)) for t, vs in ordered]
+
+
 def html_section(result: WhatIf | None, why_not: str = "") -> str:
     """The report's whatif section: the calibration, the ranked levers, and ITL p99 over time recorded, replayed
     and under the best lever on one axis."""
@@ -251,6 +262,11 @@ def html_section(result: WhatIf | None, why_not: str = "") -> str:
     series = [Series("recorded", result.recorded_timeline), Series("replayed baseline", result.baseline.timeline)]
     if ranked and ranked[0].replay is not None:
         series.append(Series(f"best lever: {ranked[0].lever.name}", ranked[0].replay.timeline))
+        if ranked[0].spread:
+            low, high = envelope([ranked[0].replay.timeline, *(r.timeline for r in ranked[0].spread)])
+            n = 1 + len(ranked[0].spread)
+            series += [Series(f"best lever, lowest of {n} replays", low, dash="3 3"),
+                       Series(f"best lever, highest of {n} replays", high, dash="3 3")]
     plot = Plot("ITL p99: recorded, replayed, and under the best lever", "s", series)
     t0 = min([result.start, *(t for s in series for t, _ in s.points)])
     t1 = max([result.end, *(t for s in series for t, _ in s.points)])

@@ -23,11 +23,17 @@ FAMILIES = {
 }
 
 
+# diagnose --whatif and report price the window beside everything else they do: 1 + 4 replays a plan (intervals of
+# nominal coverage 67%, which they print), half the time of `stepline whatif`'s own 1 + 9. Each replay costs ~4 s per
+# 1,000 requests of the window (benchmarks/RESULTS.md, whatif speed), so a busy hour is minutes at 10.
+OFFER_REPLAYS = 4
+
+
 def price_window(reader: Reads, window: Window) -> WhatIf:
     """`whatif` over the window with the alert configuration's objectives, as diagnose and report offer it;
     WhatIfError when the window cannot be replayed."""
     slo = Slo()
-    return whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds))
+    return whatif(load(reader, window), Objectives(slo.ttft_p99_seconds, slo.tpot_seconds), replays=OFFER_REPLAYS)
 
 
 def best_for(result: WhatIf, kind: str) -> Priced | None:

@@ -215,12 +215,14 @@ def _silent(shifted: int, *, chosen_by_client: bool = False, later_small: bool =
     return out
 
 
-@pytest.mark.parametrize("shifted", [2, 3, 12])
+@pytest.mark.parametrize("shifted", [2, 7, 8, 15])
 def test_monsters_the_gateway_used_to_send_heavy_going_fast_with_nothing_recorded_failed_open(
         store: Store, shifted: int) -> None:
+    """Of the later half's 15 monsters, `shifted` go fast: 2 are too few, 7 a minority (a router near its bar in
+    another unit), 8 and 15 the routing moved."""
     store.insert("gateway_decisions", _silent(shifted), GatewayDecision._fields)
     found = gateway_fail_open(store, ALL)
-    if shifted < 3:
+    if shifted < 8:
         assert found == []
         return
     [f] = found

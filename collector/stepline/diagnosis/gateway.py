@@ -166,11 +166,16 @@ _FAILED_REQUESTS = joined("r.request_id, m.matched_by", f"gateway = {{gateway:St
 # size it sent there: the bar as routed). A baseline that did not route by size (more than ROUTED_BAR_NOISE of what
 # measured at or over that bar went elsewhere: clients choosing their lane, a bar in another unit) sets no rule.
 # In the later half, a decision at or over the bar as routed, with no bar and nothing swallowed of its own, that
-# went to another lane was routed against the gateway's own rule.
+# went to another lane was routed against the gateway's own rule, where most of that half's decisions at or over
+# the bar did (SHIFTED_SHARE).
 
 # Of the earlier half's decisions at or over the bar as routed, the share that may have gone elsewhere with the
 # routing still taken as a rule by size
 ROUTED_BAR_NOISE = 0.05
+# Of the later half's decisions at or over the bar as routed, the share that must have gone elsewhere: the routing
+# moved, not a few requests near the bar (a router that bars in tokens, seen here in characters, sends prose a little
+# over the bar's characters to the lower lane rightly)
+SHIFTED_SHARE = 0.5
 _SIZE = "coalesce(size_chars, size_bytes, size_tokens)"  # a gateway measures in one unit; it is compared with itself
 _ROUTED = f"attempt <= 1 AND {_SIZE} IS NOT NULL"  # routing decisions (a retry or fallback goes where it must)
 _HALVES = f"""
@@ -244,7 +249,8 @@ def _shifts(reader: Reads, window: Window) -> dict[str, _Shift]:
     out = {}
     for gateway, earlier, at_bar, elsewhere, later, later_at_bar, shifted, first, last, backend, lanes in Query(
             _SHIFT, **params).rows(reader):
-        if int(shifted) < MIN_FAILED_OPEN or int(elsewhere) > ROUTED_BAR_NOISE * int(at_bar):
+        if (int(shifted) < MIN_FAILED_OPEN or int(elsewhere) > ROUTED_BAR_NOISE * int(at_bar)
+                or int(shifted) < SHIFTED_SHARE * int(later_at_bar)):
             continue
         upper, bar = rules[str(gateway)]
         out[str(gateway)] = _Shift(upper, bar, mids[str(gateway)], (int(earlier), int(at_bar), int(elsewhere)),
@@ -326,6 +332,8 @@ def _shift_evidence(shift: _Shift) -> dict[str, Any]:
         "size_mix_at_or_over_the_bar": f"{earlier_at_bar / earlier:.1%} of {earlier} before, "
                                        f"{later_at_bar / later:.1%} of {later} after" if earlier and later else "",
         "went_to_instead": dict(sorted(shift.lanes.items())),
+        "moved_share": f"{shift.shifted} of the later half's {later_at_bar} at or over the bar went elsewhere "
+                       f"(a finding from {SHIFTED_SHARE:.0%})",
     }
 
 

@@ -25,14 +25,13 @@ from stepline.sim.workloads import Arrival, Workload
 from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
 from stepline.whatif.fit import Fit, FitError, Jitter, fit
 from stepline.whatif.intervals import (
-    FIGURES,
     INTERVAL_REPLAYS,
     Band,
     Verdict,
     bands,
     knife_edge,
     misses,
-    values,
+    outside,
     verdict,
     widened,
 )
@@ -138,23 +137,16 @@ class WhatIf:
 
     def recorded_outside(self) -> dict[str, tuple[float, Band]]:
         """The calibration figures whose recorded value falls outside the baseline's interval (with intervals)."""
-        if not self.baseline_spread:
-            return {}
-        recorded = values(self.recorded)
-        return {name: (recorded[name], band) for name, band in self.baseline_bands().items()
-                if name in FIGURES and name in recorded and recorded[name] > 0
-                and not band.low <= recorded[name] <= band.high}
+        return outside(self.recorded, self.baseline_bands()) if self.baseline_spread else {}
 
     def verdict(self) -> Verdict:
         """The lever to recommend, or the tie, over the replayed baseline and every available lever."""
-        plans = sorted([("the recorded settings", self.baseline, self.baseline_spread),
-                        *((p.lever.name, p.replay, p.spread) for p in self.levers if p.replay is not None)],
-                       key=lambda x: -x[1].figures.goodput_rps)
-        miss = self.misses()
-        return verdict([n for n, _, _ in plans],
-                       [widened(bands(r.figures, [x.figures for x in spread]), miss)["goodput_rps"]
-                        for _, r, spread in plans],
-                       [[r.figures.goodput_rps, *(x.figures.goodput_rps for x in spread)] for _, r, spread in plans])
+        base = widened(self.baseline_bands(), self.misses())["goodput_rps"]
+        plans = sorted([("the recorded settings", base, [self.baseline, *self.baseline_spread]),
+                        *((p.lever.name, p.bands()["goodput_rps"], [p.replay, *p.spread]) for p in self.levers
+                          if p.replay is not None)], key=lambda x: -x[1].value)
+        return verdict([name for name, _, _ in plans], [band for _, band, _ in plans],
+                       [[r.figures.goodput_rps for r in runs if r is not None] for _, _, runs in plans])
 
     @property
     def calibration_errors(self) -> dict[str, float]:
@@ -240,8 +232,8 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
     chosen = list(levers) if levers is not None else candidates(used, configs, objectives.tpot_s, chars_per_token,
                                                                 bars)
     modes: list[list[tuple[tuple[float, tuple[float, ...]], ...]]] = [[], [fits[t.engine].residuals for t in used]]
-    bases = _run_all([lanes(used, configs, None, start, m) for m in modes], start, end, span, objectives, limit,
-                     jobs)
+    base_plans = [lanes(used, configs, None, start, m) for m in modes]
+    bases = _run_all(base_plans, start, end, span, objectives, limit, jobs)
     worst = [_worst(calibration(recorded, b.figures)) for b in bases]
     pick = min(range(len(modes)), key=lambda k: worst[k])  # ties: the plain model
     plans = [lanes(used, configs, lv, start, modes[pick]) for lv in chosen if not lv.unavailable]
@@ -249,7 +241,7 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
     # under another seed: the baseline's first, then each lever's.
     draws = {t.engine: fits[t.engine].draws(replays, t.engine) for t in used} if replays > 0 else {}
     perturbed = [[_perturbed(plan, draws, k, pick == 1) for k in range(replays)]
-                 for plan in [lanes(used, configs, None, start, modes[pick]), *plans]] if draws else []
+                 for plan in [base_plans[pick], *plans]] if draws else []
     results = _run_all(plans + [p for each in perturbed for p in each], start, end, span, objectives, limit, jobs)
     central, spread = results[:len(plans)], results[len(plans):]
     spreads = [spread[i * replays:(i + 1) * replays] for i in range(len(perturbed))]

@@ -65,13 +65,23 @@ def bands(central: Figures, spread: Sequence[Figures]) -> dict[str, Band]:
     return out
 
 
+def outside(recorded: Figures, baseline: dict[str, Band]) -> dict[str, tuple[float, Band]]:
+    """figure -> (its recorded value, the replayed baseline's interval), for the FIGURES whose recorded value (a
+    positive one) falls outside that interval."""
+    out = {}
+    for name in FIGURES:
+        true, band = float(getattr(recorded, name)), baseline.get(name)
+        if band is not None and true > 0 and not band.low <= true <= band.high:
+            out[name] = (true, band)
+    return out
+
+
 def misses(recorded: Figures, baseline: dict[str, Band]) -> dict[str, float]:
     """figure -> how far (relative) the recording lies outside the replayed baseline's interval, for the FIGURES
     where it does: what the replays do not vary (the cost's form, the scheduler's model) missed by that much."""
     out = {}
-    for name in FIGURES:
-        true, band = float(getattr(recorded, name)), baseline.get(name)
-        if band is None or math.isnan(true) or math.isnan(band.low) or true <= 0:
+    for name, (true, band) in outside(recorded, baseline).items():
+        if math.isnan(band.low):
             continue
         if true > band.high > 0:
             out[name] = true / band.high - 1

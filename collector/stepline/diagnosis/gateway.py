@@ -282,11 +282,10 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
         went: dict[str, int] = {str(r[1]): max(int(r[3]), int(r[4])) + (misrouted if r is below else 0)
                                 for r in hit}
         # Named after the backend most of them went to (the default lane's, as a rule).
-        busiest = str((max(hit, key=lambda r: went[str(r[1])])[8] or [""])[0]) if hit else ""
+        top = max(hit, key=lambda r: went[str(r[1])], default=None)
+        busiest = str((top[8] or top[13] or [""])[0]) if top is not None else ""
         if shift is not None and shifted >= max(went.values(), default=0):
             busiest = shift.backend
-        elif hit and not busiest:
-            busiest = str((max(hit, key=lambda r: went[str(r[1])])[13] or [""])[0])
         requests = Query(_FAILED_REQUESTS, engine=window.engine, start=window.start, end=window.end,
                          gateway=gateway).rows(reader)
         if shift is not None:

@@ -162,10 +162,10 @@ class ShapedCostModel(CostModel):
     ) -> float:
         tiled = (-(-prefill_tokens // self.prefill_tile) * self.prefill_tile if self.prefill_tile else
                  prefill_tokens)
-        context = self.decode_context_token_s * decode_context_tokens
+        # The linear model's overhead, prefill and context terms (its decoding requests' term is replaced below).
+        seconds = CostModel.step_seconds(self, tiled, prefill_pairs, 0, decode_context_tokens)
         if self.context_knee_tokens:
-            context *= 1.0 + decode_context_tokens / self.context_knee_tokens
-        seconds = (self.step_overhead_s + self.prefill_token_s * tiled + self.prefill_attention_pair_s * prefill_pairs
-                   + (self.chunk_overhead_s if prefill_tokens else 0.0)
-                   + self.decode_request_s * math.pow(decode_requests, self.decode_batch_exponent) + context)
+            seconds += self.decode_context_token_s * decode_context_tokens ** 2 / self.context_knee_tokens
+        seconds += ((self.chunk_overhead_s if prefill_tokens else 0.0)
+                    + self.decode_request_s * math.pow(decode_requests, self.decode_batch_exponent))
         return seconds * math.exp(self._rng.gauss(0.0, self.jitter)) if self.jitter else seconds

@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING
 
 from stepline.cli.replay import add_replay_arguments, replay_window, window_of
 from stepline.config.settings import split_named_url
+from stepline.config.slo import Slo
+
+MATRIX_REPEAT = 3  # --repeat's default for the matrix: each run three times
+REPLAY_REPEAT = 1  # and for a launched sweep's replays: once a value
 
 if TYPE_CHECKING:
     from stepline.diagnosis.findings import Window
@@ -18,6 +22,9 @@ if TYPE_CHECKING:
     from stepline.loadgen.replay import Recorded, ReplayReport
     from stepline.loadgen.sweep import Measure
     from stepline.model.rows import Event
+    from stepline.whatif.core import WhatIf
+    from stepline.whatif.figures import Objectives
+    from stepline.whatif.levers import Lever
 
 HELP = "interference test: decode-only vs + long uncached prompt vs + cached prompt"
 DESCRIPTION = ("Against any OpenAI-compatible streaming endpoint: N decode-only streams; the same plus one long "
@@ -46,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the long prompt, in tokens: about one token per word of generated text (default: "
                              f"{DEFAULT_LONG_PROMPT_TOKENS}; always cut to fit the model's max_model_len as "
                              "/v1/models reports it, with room for its output)")
-    parser.add_argument("--repeat", type=int, default=3, help="times each run is repeated (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help=f"times each run of the matrix is repeated (default: {MATRIX_REPEAT}); with --replay, "
+                             f"times each launched engine replays the window, for a mean and its 95%% confidence "
+                             f"interval per figure (default: {REPLAY_REPEAT})")
     parser.add_argument("--timeout", type=float, default=300.0, dest="timeout_s", metavar="SECONDS",
                         help="longest wait for any answer or token (default: %(default)s)")
     parser.add_argument("--sweep", metavar="NAME=V1,V2",
@@ -71,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--replay", action="store_true",
                         help="measure each value with a `stepline replay` of the recorded window (the options "
                              "below; read from --store once) instead of the matrix")
+    launch.add_argument("--whatif", action="store_true",
+                        help="with --replay: before the launches, price each value with `stepline whatif` over the "
+                             "recorded window, and after them print each figure's predicted interval beside the "
+                             "runs' mean and confidence interval (needs --speed 1: whatif predicts the recorded "
+                             "pace)")
+    slo = Slo()
+    launch.add_argument("--ttft", type=float, default=slo.ttft_p99_seconds, metavar="SECONDS",
+                        help="--whatif's goodput objective: time to first token (default: %(default)g)")
+    launch.add_argument("--tpot", type=float, default=slo.tpot_seconds, metavar="SECONDS",
+                        help="--whatif's goodput objective: time per output token (default: %(default)g)")
     add_replay_arguments(launch)
 
 
@@ -140,12 +160,18 @@ def _launched(args: argparse.Namespace) -> int:
         name, settings = parse_sweep(args.sweep)
         sweep.launch_words(args.launch, name, settings[0])
         Endpoint(url, 1.0)
+        levers = _whatif_levers(args, name, settings) if args.whatif else []
+        predicted: WhatIf | None = None
         if args.replay:
             window = window_of(args)
-            measure = _replay_measure(args, url, load_window(args.store, window), window)
+            recorded = load_window(args.store, window)
+            if args.whatif:
+                predicted = _predict(args, window, name, levers)
+            measure = _replay_measure(args, url, recorded, window)
         else:
             measure = _matrix_measure(args, url)
-        for value in sweep.launch_each(args.launch, name, settings, url, measure, args.launch_timeout):
+        repeat = (args.repeat or REPLAY_REPEAT) if args.replay else 1
+        for value in sweep.launch_each(args.launch, name, settings, url, measure, args.launch_timeout, repeat):
             values.append(value)  # one at a time: the values measured stay in the table when a later one raises
     except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
         print(f"stepline matrix: {exc}", file=sys.stderr)
@@ -154,6 +180,10 @@ def _launched(args: argparse.Namespace) -> int:
         failed = True
     if values:
         print(sweep.render_sweep(values, name), flush=True)
+    if predicted is not None and values:
+        from stepline.whatif.checked import checks, render_checks
+
+        print("\n" + render_checks(checks(predicted, values, _objectives(args)), predicted), flush=True)
     measured = [v for v in values if not v.error]
     if measured and not args.no_store:
         engine = split_named_url(args.engine)[0] or Endpoint(url, 1.0).host_port
@@ -162,19 +192,66 @@ def _launched(args: argparse.Namespace) -> int:
     return 2 if failed or any(v.failed for v in values) else 0
 
 
+def _objectives(args: argparse.Namespace) -> Objectives:
+    from stepline.core.usage import UsageError
+    from stepline.whatif.figures import Objectives
+
+    if not (args.ttft > 0 and args.tpot > 0):
+        raise UsageError(f"--ttft and --tpot must be positive, got {args.ttft} and {args.tpot}")
+    return Objectives(args.ttft, args.tpot)
+
+
+def _whatif_levers(args: argparse.Namespace, name: str, settings: Sequence[str]) -> list[Lever]:
+    """--whatif's lever per value, once the options allow it; MatrixError or UsageError otherwise."""
+    from stepline.loadgen.client import MatrixError
+    from stepline.whatif.checked import sweep_levers
+
+    if not args.replay:
+        raise MatrixError("--whatif checks its prediction against --replay runs of the recorded window: add "
+                          "--replay")
+    if args.speed != 1:
+        raise MatrixError(f"--whatif predicts the window at its recorded pace: run it with --speed 1, not "
+                          f"{args.speed:g}")
+    _objectives(args)
+    return sweep_levers(name, settings)
+
+
+def _predict(args: argparse.Namespace, window: Window, name: str, levers: Sequence[Lever]) -> WhatIf:
+    """whatif's price of each value over the recorded window, printed; MatrixError where it cannot price them."""
+    from stepline.loadgen.client import MatrixError
+    from stepline.store.reader import open_located
+    from stepline.whatif.checked import render_predicted
+    from stepline.whatif.core import WhatIfError, whatif
+    from stepline.whatif.trace import load
+
+    objectives = _objectives(args)
+    reader, _ = open_located(args.store)
+    try:
+        traces = load(reader.client, window)
+    finally:
+        reader.close()
+    try:
+        result = whatif(traces, objectives, levers=levers)
+    except WhatIfError as exc:
+        raise MatrixError(f"--whatif: {exc}") from None
+    print(render_predicted(result, name), flush=True)
+    return result
+
+
 def _matrix(args: argparse.Namespace, url: str, label: str | None) -> MatrixResult:
     """One matrix run as the options say, printed; `label` names the --sweep value it measures."""
     from stepline.loadgen.matrix import render, run_matrix
 
     result = run_matrix(url, streams=args.streams, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                        long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat, timeout_s=args.timeout_s,
+                        long_prompt_tokens=args.long_prompt_tokens, repeat=args.repeat or MATRIX_REPEAT,
+                        timeout_s=args.timeout_s,
                         model=args.model, sweep=label)
     print(render(result), flush=True)
     return result
 
 
 def _matrix_measure(args: argparse.Namespace, url: str) -> Measure:
-    def measure(label: str) -> tuple[MatrixResult | None, ReplayReport | None]:
+    def measure(label: str, repeat: int) -> tuple[MatrixResult | None, ReplayReport | None]:
         return _matrix(args, url, label), None
 
     return measure
@@ -183,8 +260,8 @@ def _matrix_measure(args: argparse.Namespace, url: str) -> Measure:
 def _replay_measure(args: argparse.Namespace, url: str, recorded: Sequence[Recorded], window: Window) -> Measure:
     from stepline.loadgen.replay import render
 
-    def measure(label: str) -> tuple[MatrixResult | None, ReplayReport | None]:
-        report = replay_window(args, url, recorded, window)
+    def measure(label: str, repeat: int) -> tuple[MatrixResult | None, ReplayReport | None]:
+        report = replay_window(args, url, recorded, window, repeat=repeat)
         print(f"{label}:\n{render(report)}", flush=True)
         return None, report
 

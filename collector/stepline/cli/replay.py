@@ -69,13 +69,15 @@ def window_of(args: argparse.Namespace) -> Window:
 
 
 def replay_window(args: argparse.Namespace, url: str, recorded: Sequence[Recorded], window: Window,
-                  stop: threading.Event | None = None) -> ReplayReport:
-    """Replay `recorded` against `url` as add_replay_arguments, --model and --timeout say."""
+                  stop: threading.Event | None = None, repeat: int = 0) -> ReplayReport:
+    """Replay `recorded` against `url` as add_replay_arguments, --model and --timeout say; `repeat` > 0 draws its
+    shared prefix anew, so that it finds nothing of the earlier repeats in the engine's prefix cache."""
     from stepline.loadgen import replay
 
+    seed = replay.CORPUS_SEED if repeat == 0 else f"{replay.CORPUS_SEED}-repeat-{repeat}"
     return replay.replay_window(url, recorded, window, speed=args.speed, vocab=args.vocab,
                                 max_requests=args.max_requests, max_seconds=args.max_seconds,
-                                timeout_s=args.timeout_s, model=args.model, stop=stop)
+                                timeout_s=args.timeout_s, model=args.model, stop=stop, corpus_seed=seed)
 
 
 def run(args: argparse.Namespace) -> int:

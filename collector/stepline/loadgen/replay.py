@@ -42,6 +42,7 @@ from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import Endpoint, MatrixError, StreamResult
 from stepline.loadgen.replay_plan import (
     BLOCK_TOKENS,
+    CORPUS_SEED,
     DEFAULT_MAX_REQUESTS,
     DEFAULT_VOCAB,
     Plan,
@@ -58,8 +59,8 @@ from stepline.loadgen.replay_plan import (
 
 # The plan's names too: `stepline.loadgen.replay` is the one module its users import.
 __all__ = [
-    "BLOCK_TOKENS", "DEFAULT_MAX_REQUESTS", "DEFAULT_VOCAB", "Plan", "Planned", "Recorded", "ReplayError",
-    "ReplayReport", "Sent", "corpus_tokens", "load_window", "plan", "read_window", "render", "replay",
+    "BLOCK_TOKENS", "CORPUS_SEED", "DEFAULT_MAX_REQUESTS", "DEFAULT_VOCAB", "Plan", "Planned", "Recorded",
+    "ReplayError", "ReplayReport", "Sent", "corpus_tokens", "load_window", "plan", "read_window", "render", "replay",
     "replay_window", "shared_prefix_tokens", "suffix_tokens",
 ]
 
@@ -309,9 +310,11 @@ def render(report: ReplayReport) -> str:
 def replay_window(url: str, recorded: Sequence[Recorded], window: Window, *, speed: float = 1.0,
                   vocab: int = DEFAULT_VOCAB, max_requests: int = DEFAULT_MAX_REQUESTS,
                   max_seconds: float = DEFAULT_MAX_SECONDS, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  model: str | None = None, stop: threading.Event | None = None) -> ReplayReport:
-    """Replay `recorded` against `url`, asking for `model` (default: the first one /v1/models lists)."""
-    the_plan = plan(recorded, speed=speed, vocab=vocab, max_requests=max_requests)
+                  model: str | None = None, stop: threading.Event | None = None,
+                  corpus_seed: str = CORPUS_SEED) -> ReplayReport:
+    """Replay `recorded` against `url`, asking for `model` (default: the first one /v1/models lists); `corpus_seed`
+    as replay_plan.plan takes it."""
+    the_plan = plan(recorded, speed=speed, vocab=vocab, max_requests=max_requests, corpus_seed=corpus_seed)
     endpoint = Endpoint(url, timeout_s)
     listed = endpoint.models()  # an engine that does not answer fails here, before anything is sent
     return replay(endpoint, the_plan, model=model or next(iter(listed)), window=describe(window),

@@ -116,9 +116,9 @@ def shared_prefix_tokens(cached_tokens: int, prompt_tokens: int) -> int:
     return max(0, min(-(-cached_tokens // BLOCK_TOKENS) * BLOCK_TOKENS, prompt_tokens - 1))
 
 
-def corpus_tokens(length: int, vocab: int) -> tuple[int, ...]:
-    """The shared sequence's first `length` token ids: the same for every replay."""
-    rng = random.Random(CORPUS_SEED)
+def corpus_tokens(length: int, vocab: int, seed: str = CORPUS_SEED) -> tuple[int, ...]:
+    """The shared sequence's first `length` token ids: the same for every replay of the same `seed`."""
+    rng = random.Random(seed)
     return tuple(rng.randrange(vocab) for _ in range(length))
 
 
@@ -129,8 +129,9 @@ def suffix_tokens(nonce: str, index: int, length: int, vocab: int) -> list[int]:
 
 
 def plan(recorded: Sequence[Recorded], *, speed: float = 1.0, vocab: int = DEFAULT_VOCAB,
-         max_requests: int = DEFAULT_MAX_REQUESTS, nonce: str | None = None) -> Plan:
-    """The requests to send for `recorded`, in arrival order, the first `max_requests` of them."""
+         max_requests: int = DEFAULT_MAX_REQUESTS, nonce: str | None = None, corpus_seed: str = CORPUS_SEED) -> Plan:
+    """The requests to send for `recorded`, in arrival order, the first `max_requests` of them; `corpus_seed`
+    another shared sequence, so that a repeated replay on the same engine finds none of the last one's cached."""
     for name, value in (("speed", speed), ("max_requests", max_requests)):
         if not value > 0:
             raise ReplayError(f"{name} must be positive, got {value}")
@@ -144,5 +145,5 @@ def plan(recorded: Sequence[Recorded], *, speed: float = 1.0, vocab: int = DEFAU
                             shared_prefix_tokens(r.cached_tokens, r.prompt_tokens), r.generation_tokens,
                             r.cached_tokens) for i, r in enumerate(chosen))
     longest = max((p.shared_tokens for p in planned), default=0)
-    return Plan(planned, corpus_tokens(longest, vocab), vocab, nonce or uuid.uuid4().hex[:12], speed,
+    return Plan(planned, corpus_tokens(longest, vocab, corpus_seed), vocab, nonce or uuid.uuid4().hex[:12], speed,
                 len(recorded), len(recorded) - len(replayable), len(replayable) - len(chosen))

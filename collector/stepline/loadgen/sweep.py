@@ -6,6 +6,11 @@ starts in a process group of its own with its output in a log file. Once GET /he
 once before the first launch); then the engine's own counters are read from its /metrics, and its group gets
 SIGINT, then SIGKILL after STOP_GRACE_S. After the last value, one table holds every value's figures, with the
 engine's counters beside what was sent: an engine that did not take a value shows it there, not only in a label.
+
+With --replay and --repeat N, each value's engine replays the window N times in a row (each repeat with a shared
+prefix of its own, so none finds an earlier one's in the prefix cache), the engine's counters read around each;
+a second table gives each figure's mean over the N replays with its 95% confidence interval (Student's t): the
+engine's own run-to-run noise, which any prediction of the value is to be read against.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from stepline.core.stats import MEAN_CONFIDENCE, mean_interval
 from stepline.loadgen import replay
 from stepline.loadgen.client import Endpoint, MatrixError
 from stepline.loadgen.matrix import MatrixResult
@@ -40,8 +46,8 @@ STOP_GRACE_S = 30.0  # a launched engine's time to stop on SIGINT before its pro
 INTERRUPTED = "interrupted (Ctrl-C)"  # the error of the value the user stopped the sweep at: not a failure
 
 # How a value is measured once its engine answers (the matrix, or a replay of the recorded window): given the
-# value's label, it prints and returns what it measured.
-Measure = Callable[[str], tuple[MatrixResult | None, replay.ReplayReport | None]]
+# value's label and the repeat's index (from 0), it prints and returns what it measured.
+Measure = Callable[[str, int], tuple[MatrixResult | None, replay.ReplayReport | None]]
 
 
 class LaunchRefused(MatrixError):
@@ -59,14 +65,25 @@ class EngineCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class Repeat:
+    """One replay of the recorded window on a value's engine, and the engine's counters' increase over it (None
+    where its /metrics did not say)."""
+
+    report: replay.ReplayReport
+    counters: EngineCounters | None
+    finished_ts: float
+
+
+@dataclass(frozen=True, slots=True)
 class SweepValue:
-    """One value of the sweep: what measured it, the engine's counters, or why it could not."""
+    """One value of the sweep: what measured it (the matrix, or its replays), the engine's counters at the end, or
+    why it could not be measured."""
 
     label: str
     value: str
     log: Path
     matrix: MatrixResult | None = None
-    replay: replay.ReplayReport | None = None
+    replays: tuple[Repeat, ...] = ()
     counters: EngineCounters | None = None
     error: str = ""
     finished_ts: float = 0.0
@@ -75,6 +92,10 @@ class SweepValue:
     def failed(self) -> bool:
         """It was not measured, and not because the user stopped the sweep."""
         return bool(self.error) and self.error != INTERRUPTED
+
+    @property
+    def interrupted(self) -> bool:
+        return self.error == INTERRUPTED or any(r.report.stopped_by == "interrupted" for r in self.replays)
 
 
 def launch_words(command: str, name: str, value: str) -> list[str]:
@@ -176,6 +197,13 @@ def _group_alive(group: int) -> bool:
     return False
 
 
+def increase(before: EngineCounters | None, after: EngineCounters | None) -> EngineCounters | None:
+    """What the counters grew by between two reads; None when either read said nothing."""
+    if before is None or after is None:
+        return None
+    return EngineCounters(*(getattr(after, k) - getattr(before, k) for k in COUNTERS))
+
+
 def engine_counters(url: str, timeout_s: float = 5.0) -> EngineCounters | None:
     """The engine's token and request counters from its /metrics; None when it has none to give."""
     base = url.rstrip("/").removesuffix("/v1")
@@ -200,17 +228,21 @@ def engine_counters(url: str, timeout_s: float = 5.0) -> EngineCounters | None:
 
 
 def launch_each(command: str, name: str, values: Sequence[str], url: str, measure: Measure,
-                launch_timeout_s: float) -> Iterator[SweepValue]:
-    """Per value: launch `command` with it in place of `{name}`, measure the engine once it answers at `url`, stop it.
+                launch_timeout_s: float, repeat: int = 1) -> Iterator[SweepValue]:
+    """Per value: launch `command` with it in place of `{name}`, measure the engine `repeat` times once it answers at
+    `url`, stop it.
 
     Yields each value as it is done, its error set where it could not be measured; stops after a Ctrl-C. Raises
     LaunchRefused when no value could be: the command cannot start, or something else already answers at `url`."""
+    if repeat < 1:
+        raise MatrixError(f"--repeat must be at least 1, got {repeat}")
     logs = Path(tempfile.mkdtemp(prefix="stepline-sweep-"))
     for value in values:
         label = f"{name}={value}"
         log = logs / f"{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.log"
         try:
-            done = _one_value(launch_words(command, name, value), url, label, value, log, measure, launch_timeout_s)
+            done = _one_value(launch_words(command, name, value), url, label, value, log, measure, launch_timeout_s,
+                              repeat)
         except LaunchRefused:
             raise  # every value would meet it
         except MatrixError as exc:
@@ -220,12 +252,12 @@ def launch_each(command: str, name: str, values: Sequence[str], url: str, measur
             yield SweepValue(label, value, log, error=INTERRUPTED)
             return
         yield done
-        if done.replay is not None and done.replay.stopped_by == "interrupted":
+        if done.interrupted:
             return
 
 
 def _one_value(words: list[str], url: str, label: str, value: str, log: Path, measure: Measure,
-               launch_timeout_s: float) -> SweepValue:
+               launch_timeout_s: float, repeat: int) -> SweepValue:
     if Endpoint(url, 2.0).healthy():
         raise LaunchRefused(f"something already answers at {url}: stop it first (each --sweep value must be measured "
                           "on the engine launched for it)")
@@ -233,8 +265,21 @@ def _one_value(words: list[str], url: str, label: str, value: str, log: Path, me
     engine = LaunchedEngine(words, log)
     try:
         engine.wait_healthy(Endpoint(url, 2.0), launch_timeout_s, label)
-        result, report = measure(label)
-        return SweepValue(label, value, log, result, report, engine_counters(url), finished_ts=time.time())
+        matrix: MatrixResult | None = None
+        replays: list[Repeat] = []
+        # The engine was launched for this value: before the first measure it has served nothing, whether or not
+        # its /metrics lists the counters yet.
+        before: EngineCounters | None = engine_counters(url) or EngineCounters(0, 0, 0, 0)
+        for k in range(repeat):
+            result, report = measure(label if repeat == 1 else f"{label} (run {k + 1} of {repeat})", k)
+            after = engine_counters(url)
+            matrix = matrix or result
+            if report is not None:
+                replays.append(Repeat(report, increase(before, after), time.time()))
+                if report.stopped_by == "interrupted":
+                    break
+            before = after
+        return SweepValue(label, value, log, matrix, tuple(replays), engine_counters(url), finished_ts=time.time())
     finally:
         code = engine.stop()
         print(f"stepline matrix: {label}: the engine stopped (exit code {code}); its log: {log}", flush=True)
@@ -246,29 +291,32 @@ def sweep_events(values: list[SweepValue], engine: str, host: str) -> list[Event
     for value in values:
         if value.matrix is not None:
             rows.extend(matrix_events(value.matrix, engine, host))
-        if value.replay is not None:
-            rows.append(replay_event(value, engine, host))
+        rows.extend(replay_event(value, k, engine, host) for k in range(len(value.replays)))
     return rows
 
 
-def replay_event(value: SweepValue, engine: str, host: str) -> Event:
-    """The replay's report, and the engine's counters, as one `replay_run` event's attributes."""
-    report = value.replay
-    assert report is not None
-    attributes = {"sweep": value.label, **{k: "" if v is None else str(v) for k, v in report.as_dict().items()}}
-    if value.counters is not None:
-        attributes.update({f"engine_{k}": str(getattr(value.counters, k)) for k in COUNTERS})
-    message = (f"replay {value.label}: {report.completed}/{report.planned} completed, TTFT p99 "
+def replay_event(value: SweepValue, k: int, engine: str, host: str) -> Event:
+    """The value's k-th replay, and the engine's counters' increase over it, as one `replay_run` event's
+    attributes."""
+    run = value.replays[k]
+    report = run.report
+    attributes = {"sweep": value.label, "run": f"{k + 1}/{len(value.replays)}",
+                  **{key: "" if v is None else str(v) for key, v in report.as_dict().items()}}
+    if run.counters is not None:
+        attributes.update({f"engine_{key}": str(getattr(run.counters, key)) for key in COUNTERS})
+    runs = f" (run {k + 1} of {len(value.replays)})" if len(value.replays) > 1 else ""
+    message = (f"replay {value.label}{runs}: {report.completed}/{report.planned} completed, TTFT p99 "
                f"{report.ttft_p99_s * 1e3:.1f} ms, ITL p50/p99 {report.itl_p50_s * 1e3:.1f}/"
                f"{report.itl_p99_s * 1e3:.1f} ms")
-    return Event(micros(value.finished_ts), host, engine, "matrix", "replay_run", "info", message, attributes)
+    return Event(micros(run.finished_ts), host, engine, "matrix", "replay_run", "info", message, attributes)
 
 
 def render_sweep(values: list[SweepValue], name: str) -> str:
     """One table of every value's figures, milliseconds, client-side; the engine's own counters beside them."""
-    width = max(8, *(len(v.value) + 2 for v in values))
+    width = max(8, *(len(v.value) + 6 for v in values))
     lines = [f"sweep of {name}: one engine launched per value; milliseconds, client-side"]
-    if any(v.replay is not None for v in values):
+    replayed = any(v.replays for v in values)
+    if replayed:
         lines.append(f"{'value':<{width}}{'sent':>6}{'done':>6}{'failed':>7}{'TTFT p50':>10}{'p99':>8}"
                      f"{'ITL p50':>9}{'p99':>8}{'prompt sent/engine':>21}{'output got/engine':>20}"
                      f"{'prefix hits':>13}{'s':>7}")
@@ -278,13 +326,16 @@ def render_sweep(values: list[SweepValue], name: str) -> str:
     for v in values:
         if v.error:
             lines.append(f"{v.value:<{width}}not measured: {v.error[:160]}")
-        elif v.replay is not None:
-            r, c = v.replay, v.counters
-            prompt = f"{r.prompt_tokens_sent + r.warmup_prompt_tokens}/{c.prompt_tokens if c else '?'}"
-            output = f"{r.generation_tokens_received}/{c.generation_tokens if c else '?'}"
-            lines.append(f"{v.value:<{width}}{r.sent:>6}{r.completed:>6}{r.failed:>7}{r.ttft_p50_s * 1e3:>10.1f}"
-                         f"{r.ttft_p99_s * 1e3:>8.1f}{r.itl_p50_s * 1e3:>9.1f}{r.itl_p99_s * 1e3:>8.1f}"
-                         f"{prompt:>21}{output:>20}{c.prefix_cache_hits if c else '?':>13}{r.duration_s:>7.1f}")
+        elif v.replays:
+            for k, repeated in enumerate(v.replays):
+                r, c = repeated.report, repeated.counters
+                shown = v.value if len(v.replays) == 1 else f"{v.value} #{k + 1}"
+                prompt = f"{r.prompt_tokens_sent + r.warmup_prompt_tokens}/{c.prompt_tokens if c else '?'}"
+                output = f"{r.generation_tokens_received}/{c.generation_tokens if c else '?'}"
+                lines.append(f"{shown:<{width}}{r.sent:>6}{r.completed:>6}{r.failed:>7}"
+                             f"{r.ttft_p50_s * 1e3:>10.1f}{r.ttft_p99_s * 1e3:>8.1f}{r.itl_p50_s * 1e3:>9.1f}"
+                             f"{r.itl_p99_s * 1e3:>8.1f}{prompt:>21}{output:>20}"
+                             f"{c.prefix_cache_hits if c else '?':>13}{r.duration_s:>7.1f}")
         elif v.matrix is not None:
             c = v.counters
             counted = f"{c.prompt_tokens}/{c.generation_tokens}" if c else "?"
@@ -292,7 +343,32 @@ def render_sweep(values: list[SweepValue], name: str) -> str:
                 lines.append(f"{v.value if i == 0 else '':<{width}}{run.key + ' ' + run.label:<27}"
                              f"{run.ttft_p50 * 1e3:>10.1f}{run.ttft_p99 * 1e3:>8.1f}{run.itl_p50 * 1e3:>9.1f}"
                              f"{run.itl_p99 * 1e3:>8.1f}{run.worst_gap * 1e3:>8.1f}{counted if i == 0 else '':>29}")
-    if any(v.replay is not None for v in values):
+    if replayed:
         lines.append("prompt sent includes the warm-up request (the longest shared prefix); 'engine' columns are "
-                     "the engine's own vllm:prompt_tokens_total, generation_tokens_total and prefix_cache_hits_total")
+                     "the engine's own vllm:prompt_tokens_total, generation_tokens_total and prefix_cache_hits_total "
+                     "(their increase over each run)")
+    if any(len(v.replays) > 1 for v in values):
+        lines += ["", render_means(values, width)]
+    return "\n".join(lines)
+
+
+# The client-side figures a repeated replay gives a mean and an interval for: (ReplayReport field, heading).
+REPEATED_FIGURES = (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("itl_p50_s", "ITL p50"),
+                    ("itl_p99_s", "ITL p99"))
+
+
+def render_means(values: Sequence[SweepValue], width: int) -> str:
+    """Each replayed value's figures as mean [low-high] over its runs, the 95% interval of the mean."""
+    cell = 24
+    lines = [f"mean [{MEAN_CONFIDENCE:.0%} confidence interval of the mean, Student's t] over each value's runs; "
+             "milliseconds, client-side",
+             f"{'value':<{width}}{'runs':>5}  " + "".join(f"{heading:<{cell}}" for _, heading in REPEATED_FIGURES)]
+    for v in values:
+        if not v.replays or v.error:
+            continue
+        cells = []
+        for field_name, _ in REPEATED_FIGURES:
+            m = mean_interval([getattr(r.report, field_name) * 1e3 for r in v.replays if r.report.completed])
+            cells.append(f"{m.mean:.1f}" + (f" [{m.low:.1f}-{m.high:.1f}]" if m.n > 1 else ""))
+        lines.append(f"{v.value:<{width}}{len(v.replays):>5}  " + "".join(f"{c:<{cell}}" for c in cells))
     return "\n".join(lines)

@@ -69,15 +69,22 @@ def test_replay_makes_the_engine_count_the_recorded_tokens_and_hits(recording: R
     assert hits == recording.cached_tokens > 0, (hits, recording.cached_tokens)  # the recorded hits, no others
 
 
+RUNS = 4  # --repeat: replays of the window on each launched engine (each about a second here)
+
+
 def test_a_sweep_launches_an_engine_per_value_and_replays_the_window_on_each(recording: Recording) -> None:
+    """Each value's engine replays the window RUNS times, at the recorded pace; whatif priced each value first, and
+    its intervals are set beside the runs' means."""
     setup = recording.setup
     command = shlex.join(harness.engine_command(setup, budget="{max_num_batched_tokens}", collected=False))
     out = harness.stepline(setup, "matrix", "--engine", setup.engine_url, "--sweep", "max_num_batched_tokens=512,2048",
                            "--launch", command, "--launch-timeout", "240", "--replay", *recording.window,
-                           "--vocab", recording.vocab, "--speed", "2", "--store", setup.store,
-                           timeout_s=600, env=harness.engine_env(setup))
+                           "--vocab", recording.vocab, "--speed", "1", "--repeat", str(RUNS), "--whatif",
+                           "--store", setup.store, timeout_s=600, env=harness.engine_env(setup))
     print(f"\n{out.stdout}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # whatif's prices come before the first launch.
+    assert out.stdout.index("whatif, before the launches") < out.stdout.index("launching")
     logs = re.findall(r"max_num_batched_tokens=(\d+): the engine stopped \(exit code -?\d+\); its log: (\S+)",
                       out.stdout)
     assert [value for value, _ in logs] == ["512", "2048"]
@@ -85,15 +92,31 @@ def test_a_sweep_launches_an_engine_per_value_and_replays_the_window_on_each(rec
         text = Path(log).read_text(errors="replace")
         assert f"'max_num_batched_tokens': {value}" in text  # vLLM's "non-default args" line: it took the value
     table = out.stdout[out.stdout.index("sweep of max_num_batched_tokens"):]
-    assert re.search(r"^512 ", table, re.M) and re.search(r"^2048 ", table, re.M), table
+    for value in ("512", "2048"):
+        for k in range(1, RUNS + 1):
+            assert re.search(rf"^{value} #{k} ", table, re.M), table
     rows = harness.query(setup, (
-        "SELECT attributes['sweep'], attributes['completed'], attributes['prompt_tokens_sent'], "
+        "SELECT attributes['sweep'], attributes['run'], attributes['completed'], attributes['prompt_tokens_sent'], "
         "attributes['warmup_prompt_tokens'], attributes['engine_prompt_tokens'], "
         "attributes['generation_tokens_received'], attributes['engine_generation_tokens'], "
-        "attributes['engine_prefix_cache_hits'] FROM events WHERE kind = 'replay_run' ORDER BY ts"))
-    assert [r[0] for r in rows] == ["max_num_batched_tokens=512", "max_num_batched_tokens=2048"]
-    for _, completed, sent, warmup, engine_prompt, received, engine_generated, hits in rows:
+        "attributes['engine_prefix_cache_hits'], attributes['ttft_p99_s'] FROM events WHERE kind = 'replay_run' "
+        "ORDER BY ts"))
+    assert [(r[0], r[1]) for r in rows] == [(f"max_num_batched_tokens={v}", f"{k}/{RUNS}") for v in ("512", "2048")
+                                            for k in range(1, RUNS + 1)]
+    for _, _, completed, sent, warmup, engine_prompt, received, engine_generated, hits, _ in rows:
+        # vLLM's own counters, read around each run: what it sent, its warm-up, and exactly the recorded hits (each
+        # run warms a shared prefix of its own, so none hits what the run before left in the cache).
         assert int(completed) == recording.requests
         assert int(sent) == recording.prompt_tokens and int(engine_prompt) == int(sent) + int(warmup)
         assert int(received) == recording.generation_tokens and int(engine_generated) == int(received) + 1
         assert int(hits) == recording.cached_tokens
+    # whatif's interval beside the runs' mean for each value and figure; TTFT p99's mean is the runs' own.
+    check = out.stdout[out.stdout.index("whatif against the runs"):]
+    for value in ("512", "2048"):
+        ttft_p99 = [float(r[9]) * 1e3 for r in rows if r[0] == f"max_num_batched_tokens={value}"]
+        line = next(x for x in check.splitlines() if x.startswith(value) and "TTFT p99" in x)
+        assert f"{sum(ttft_p99) / RUNS:.1f} [" in line, (line, ttft_p99)
+        assert sum(1 for x in check.splitlines() if re.match(rf"{value}\s+(TTFT|ITL|goodput)", x)) == 4
+    summary = re.search(r"^(\d+) of 8 runs' means inside whatif's intervals; (\d+) more overlap them; (\d+) apart$",
+                        check, re.M)
+    assert summary is not None, check

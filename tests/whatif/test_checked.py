@@ -16,7 +16,7 @@ from stepline.loadgen.client import Endpoint, MatrixError
 from stepline.loadgen.sweep import Repeat, SweepValue
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
-from stepline.whatif.checked import Check, checks, render_checks, run_figures, sweep_levers
+from stepline.whatif.checked import Check, checks, render_checks, render_predicted, run_figures, sweep_levers
 from stepline.whatif.core import Priced, Replay, WhatIf
 from stepline.whatif.figures import Figures, Objectives, quantile
 from stepline.whatif.intervals import Band
@@ -105,3 +105,12 @@ def test_the_check_sets_every_measured_value_beside_its_levers_interval(server: 
     inside = sum(c.inside for c in found)
     assert text.splitlines()[-1].startswith(f"{inside} of 4 runs' means inside whatif's intervals")
     assert render_checks([], result) == "whatif against the runs: no value was measured"
+    # Before the launches: the recording and the replayed baseline above each value's interval; the lever's
+    # replays span TTFT p99 0.01-0.04 s, four times: a knife-edge, said in full below the table.
+    before = render_predicted(result, "max_num_seqs").splitlines()
+    assert before[0].startswith("whatif, before the launches: each max_num_seqs value replayed") and "3 replays" \
+        in before[0]
+    rows = {line.split("  ")[0]: line for line in before[3:]}
+    assert "20.0 [20.0-20.0]" in rows["replayed at its own settings"]
+    assert "20.0 [10.0-40.0]" in rows["max_num_seqs=4"]
+    assert before[-1] == "max_num_seqs=4: knife-edge: TTFT p99 spans 0.01-0.04 s over 3 replays"

@@ -49,8 +49,9 @@ class MeanInterval:
     n: int
 
 
-def mean_interval(values: Sequence[float]) -> MeanInterval:
-    """The mean of `values` (NaN ones left out) with its 95% interval: mean -/+ t(n-1) * sd / sqrt(n)."""
+def mean_interval(values: Sequence[float], floor: float | None = None) -> MeanInterval:
+    """The mean of `values` (NaN ones left out) with its 95% interval: mean -/+ t(n-1) * sd / sqrt(n), its low end
+    no lower than `floor` where one is given (a latency's interval from two runs can otherwise reach below 0)."""
     seen = [v for v in values if not math.isnan(v)]
     if not seen:
         return MeanInterval(math.nan, math.nan, math.nan, 0)
@@ -59,4 +60,5 @@ def mean_interval(values: Sequence[float]) -> MeanInterval:
         return MeanInterval(mean, math.nan, math.nan, 1)
     sd = math.sqrt(sum((v - mean) ** 2 for v in seen) / (len(seen) - 1))
     half = t_975(len(seen) - 1) * sd / math.sqrt(len(seen))
-    return MeanInterval(mean, mean - half, mean + half, len(seen))
+    low = mean - half if floor is None else max(floor, mean - half)
+    return MeanInterval(mean, low, mean + half, len(seen))

@@ -368,7 +368,7 @@ def render_means(values: Sequence[SweepValue], width: int) -> str:
             continue
         cells = []
         for field_name, _ in REPEATED_FIGURES:
-            m = mean_interval([getattr(r.report, field_name) * 1e3 for r in v.replays if r.report.completed])
+            m = mean_interval([getattr(r.report, field_name) * 1e3 for r in v.replays if r.report.completed], 0.0)
             cells.append(f"{m.mean:.1f}" + (f" [{m.low:.1f}-{m.high:.1f}]" if m.n > 1 else ""))
         lines.append(f"{v.value:<{width}}{len(v.replays):>5}  " + "".join(f"{c:<{cell}}" for c in cells))
     return "\n".join(lines)

@@ -119,24 +119,29 @@ def checks(result: WhatIf, values: Sequence[SweepValue], objectives: Objectives)
         predicted = p.bands()
         for name in FIGURES:
             out.append(Check(v.value, name, predicted[name],
-                             mean_interval([float(getattr(f, name)) for f in runs])))
+                             mean_interval([float(getattr(f, name)) for f in runs], 0.0)))
     return out
 
 
 def render_predicted(result: WhatIf, name: str) -> str:
     """What whatif predicts for each value, printed before the first launch."""
     coverage = nominal_coverage(result.replays)
-    rows = []
+    recorded = {f: float(getattr(result.recorded, f)) for f in FIGURES}
+    baseline = result.baseline_bands()
+    rows = [["the recording (engine-side)"] + [_fmt(recorded[f], f) for f in FIGURES],
+            ["replayed at its own settings"] + [_band(baseline[f], f) for f in FIGURES]]
+    notes = []
     for p in result.levers:
         if p.replay is None:
-            rows.append([p.lever.name, f"not priced: {p.lever.unavailable}"])
+            notes.append(f"{p.lever.name}: not priced: {p.lever.unavailable}")
             continue
         b = p.bands()
-        rows.append([p.lever.name] + [_band(b[f], f) for f in FIGURES]
-                    + [f"knife-edge: {p.knife_edge}" if p.knife_edge else ""])
+        rows.append([p.lever.name] + [_band(b[f], f) for f in FIGURES])
+        if p.knife_edge:
+            notes.append(f"{p.lever.name}: knife-edge: {p.knife_edge}")
     head = (f"whatif, before the launches: each {name} value replayed in the simulator over the recorded window, "
             f"{result.replays} replays each (interval: lowest-highest, nominal coverage {coverage:.0%})")
-    return head + "\n" + render_table(["value"] + [_heading(f) for f in FIGURES] + [""], rows, max_width=60)
+    return "\n".join([head, render_table(["plan"] + [_heading(f) for f in FIGURES], rows, max_width=60), *notes])
 
 
 def render_checks(found: Sequence[Check], result: WhatIf) -> str:

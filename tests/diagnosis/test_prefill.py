@@ -4,10 +4,14 @@ steps show are not in effect."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
+from clickhouse_connect.driver.query import QueryResult
 
+from stepline.diagnosis.common import Query
 from stepline.diagnosis.prefill import (
+    _LONG_PREFILLS,
     LongPrefill,
     config_not_in_effect,
     head_of_line_blocking,
@@ -15,6 +19,7 @@ from stepline.diagnosis.prefill import (
     prefill_interference,
 )
 from stepline.model.rows import Event
+from stepline.model.schema import REQUESTS_BY_PROMPT
 from stepline.store.store import Store
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import T0, WINDOW, _monster, config, insert, request, steady, step
@@ -89,3 +94,31 @@ def test_a_budget_that_never_binds_while_requests_wait_is_told(timelines: Timeli
 def test_without_configured_limits_there_is_nothing_to_check(timelines: Timelines) -> None:
     rows = [r for r in steady() if not isinstance(r, Event)] + [step(300.0, 900.0, prefill=9000, n=9000)]
     assert config_not_in_effect(timelines.store, timelines.add("unconfigured", rows)) == []
+
+
+def test_the_long_prefill_candidates_are_read_from_the_requests_by_prompt_projection(store: Store) -> None:
+    # Enough requests (many granules) that the projection reads fewer marks than the table: short ones, and in
+    # every granule a long one served from the cache (read, then ruled out); two long uncached ones, one reported
+    # twice (the plugin's report, then OTLP's without cached tokens): merged as from the table, never twice.
+    store.client.command(
+        "INSERT INTO requests (ts, host, engine, request_id, source, arrival_ts, queue_seconds, ttft_seconds, "
+        "prompt_tokens, cached_tokens) SELECT {t0:DateTime64(6)} + toIntervalMillisecond(number), 'h', 'e0', "
+        "concat('r', toString(number)), 'plugin', {t0:DateTime64(6)}, 0.01, 0.1, "
+        "if(number % 1000 = 0, 300000, 100) AS prompt, prompt FROM numbers(200000)",
+        parameters={"t0": T0 + timedelta(seconds=10)})
+    insert(store, [request("long1", 100, 0.5, 20, 5, 200_000, cached=1000),
+                   request("long2", 110, 0.5, 10, 5, 50_000)])
+    insert(store, [request("long1", 100, 0.5, 20, 5, 200_000)._replace(source="otlp", cached_tokens=0)])
+    query = Query(_LONG_PREFILLS, engine="", start=WINDOW.start, end=WINDOW.end, budget_engines=["e0"],
+                  min_uncached=[32_768], unknown=2**63, least_uncached=32_768)
+
+    class ByPrompt:
+        """The store's client, told to fail any query that does not read the projection."""
+
+        def query(self, sql: str, parameters: dict[str, Any] | None = None) -> QueryResult:
+            return store.client.query(sql, parameters=parameters,
+                                      settings={"force_optimize_projection_name": REQUESTS_BY_PROMPT.name})
+
+    rows = [(r[1], r[2], r[3]) for r in query.rows(ByPrompt())]
+    assert rows == [("long1", 200_000, 1000), ("long2", 50_000, 0)]
+    assert rows == [(r[1], r[2], r[3]) for r in query.rows(store)]  # the same as from the table's rows

@@ -289,3 +289,26 @@ def test_a_version_4_store_gets_requests_keyed_by_arrival_in_place(store: Store)
     assert store.query("SELECT count(), sum(prompt_tokens) FROM requests FINAL").result_rows == [(3, 15_000)]
     store.ensure_schema(30)  # and nothing is rebuilt twice
     assert "requests_rebuild" not in _tables(store)
+
+
+def test_a_store_made_before_requests_by_prompt_gets_it_in_place(store: Store) -> None:
+    db = store.database
+    store.client.command(f"ALTER TABLE `{db}`.requests DROP PROJECTION `{schema.REQUESTS_BY_PROMPT.name}`")
+    store.client.command(f"ALTER TABLE `{db}`.requests MODIFY SETTING deduplicate_merge_projection_mode = 'throw'")
+    store.insert("requests", [request_report("r1", "plugin", time.time())],
+                 schema.TABLE_BY_NAME["requests"].column_names)
+    store.ensure_schema(30)
+    engine_full, = store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} "
+                               "AND name = 'requests'", parameters={"db": db}).result_rows[0]
+    assert "deduplicate_merge_projection_mode = 'rebuild'" in engine_full
+    projections = [r[0] for r in store.query("SELECT name FROM system.projections WHERE database = {db:String} "
+                                             "AND table = 'requests'", parameters={"db": db}).result_rows]
+    assert projections == [schema.REQUESTS_BY_PROMPT.name]
+    for _ in range(100):  # MATERIALIZE PROJECTION is a background mutation
+        if not store.query("SELECT count() FROM system.mutations WHERE database = {db:String} AND NOT is_done",
+                           parameters={"db": db}).result_rows[0][0]:
+            break
+        time.sleep(0.05)
+    built = store.query("SELECT sum(rows) FROM system.projection_parts WHERE database = {db:String} AND active "
+                        "AND table = 'requests'", parameters={"db": db}).result_rows[0][0]
+    assert built == 1  # the row written before is in it

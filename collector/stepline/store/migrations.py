@@ -53,6 +53,7 @@ class Migration:
             self._make_nullable()
             self._rebuild_outdated_engines(retention_days)
             self._describe()
+            self._set_projection_mode()
             self._add_missing_projections()
             for statement in views:  # over the tables as they now are
                 self.client.command(statement)
@@ -227,6 +228,20 @@ class Migration:
             parameters={"db": self.database}).result_rows}
         return [f"{table.name}{suffix}.{projection.name}" for table in schema.TABLES for projection in table.projections
                 if (f"{table.name}{suffix}", projection.name) not in present]
+
+    def _set_projection_mode(self) -> None:
+        """Tables that merge rows and now have projections are told how a merge treats them (schema.PROJECTION_MODE),
+        which ClickHouse asks for before it adds one: a table setting, no part is touched."""
+        setting, value = schema.PROJECTION_MODE
+        engines = {str(n): str(e) for n, e in self.client.query(
+            "SELECT name, engine_full FROM system.tables WHERE database = {db:String}",
+            parameters={"db": self.database}).result_rows}
+        for table in schema.TABLES:
+            if (schema.needs_projection_mode(table) and table.name in engines
+                    and f"{setting} = '{value}'" not in engines[table.name]):
+                log.info("setting %s of %s to %s", setting, table.name, value)
+                self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
+                                    f"MODIFY SETTING {setting} = '{value}'")
 
     def _add_missing_projections(self) -> None:
         """Projections added since the store was created are added, then built for the parts already there."""

@@ -171,6 +171,18 @@ def opened(url: str | None, keep: bool) -> Iterator[Store]:
             print(f"\nstore kept: chdb://{tmp}/store")
 
 
+def wait_for_mutations(store: Store) -> float | None:
+    """Wait until the store's background mutations are done (a projection ensure_schema added is built for the
+    rows already there), so that none runs beside the queries timed; seconds waited, None when none ran."""
+    started = time.monotonic()
+    waited = False
+    while store.query("SELECT count() FROM system.mutations WHERE database = currentDatabase() AND NOT is_done"
+                      ).result_rows[0][0]:
+        waited = True
+        time.sleep(1)
+    return time.monotonic() - started if waited else None
+
+
 def counts(store: Store) -> dict[str, int]:
     return {t: int(store.query(f"SELECT count() FROM `{t}`").result_rows[0][0]) for t in TABLES}
 
@@ -263,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with opened(args.store, args.keep) as store:
         # Retention well past the rows' span: a week of rows must not expire while it is timed.
         store.ensure_schema(max(30, math.ceil(args.hours / 24) + 7))
+        built_in = wait_for_mutations(store)
+        if built_in is not None:
+            print(f"the store's schema brought up to date (projections built for the rows there): {built_in:.0f} s")
         if counts(store)["steps"] == 0:
             shape = Shape(end_s=int(time.time()), hours=args.hours, engines=args.engines, hosts=args.hosts,
                           step_rate=args.step_rate)

@@ -241,6 +241,7 @@ def main() -> int:
             print(f"\n== {name} ({describe(case)}): {result.recorded.requests} requests on {len(case)} engine(s); "
                   "fit median error " + ", ".join(f"{f.median_error:.1%}" for f in result.fits.values())
                   + ", held-out total " + ", ".join(f"{f.total_error:+.1%}" for f in result.fits.values())
+                  + ", form " + ", ".join(f"{f.form_error:.1%}" for f in result.fits.values())
                   + "; calibration " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items())
                   + f" (recorded and priced in {predicted_s:.0f} s)")
             marks = calibration.add(f"{name} recorded settings", result.baseline_bands(), result.recorded) \

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from stepline.sim.costmodel import CostModel
 from stepline.whatif.figures import Figures
+from stepline.whatif.fit import MIN_MODEL_ERROR, Fit, form_error
 from stepline.whatif.intervals import Band, bands, knife_edge, misses, nominal_coverage, verdict, widened
 
 
@@ -66,3 +68,29 @@ def test_a_recording_outside_the_baselines_interval_widens_every_plan_by_the_mis
     ttft = lever["ttft_p99_s"]
     assert ttft.value == 0.4 and ttft.low == pytest.approx(0.27) and ttft.high == pytest.approx(0.55)
     assert lever["goodput_rps"] == Band(3.0, 2.9, 3.1)
+
+
+def test_a_cost_of_another_form_shows_in_the_form_error_where_the_total_cancels_out() -> None:
+    # A line through all steps (10 ms + 10 us per prefill token) where decode-only steps take 8 ms (predicted 25%
+    # over) and steps carrying 2,000 prefill tokens 40 ms (25% under): the total cancels, the form error does not.
+    coefficients = [0.01, 1e-5]
+    decode = [((1.0, 0.0), 0.008) for _ in range(50)]
+    prefill = [((1.0, 2000.0), 0.040) for _ in range(10)]
+    assert sum(0.01 for _ in decode) + sum(0.03 for _ in prefill) == pytest.approx(0.008 * 50 + 0.040 * 10)
+    assert form_error(coefficients, decode + prefill) == pytest.approx(0.25)
+    # A step's own jitter, among steps predicted alike, is no form error: it averages out in its group.
+    jittered = [((1.0, 0.0), 0.010 * (1.25 if k % 2 else 0.75)) for k in range(400)]
+    assert form_error(coefficients, jittered) < 0.02
+    assert form_error(coefficients, []) == 0.0
+
+
+def test_the_perturbed_costs_spread_over_the_larger_of_the_total_and_form_errors() -> None:
+    cost = CostModel(0.01, 1e-5, 0.0, 0.0, 0.0)
+    f = Fit(cost, 100, 20, 0.1, 0.3, 0.02, 0.2)
+    assert f.model_error == 0.2
+    assert Fit(cost, 100, 20, 0.1, 0.3, -0.08, 0.03).model_error == 0.08
+    assert Fit(cost, 100, 20, 0.1, 0.3, 0.01, 0.01).model_error == MIN_MODEL_ERROR
+    # The draws' scale factors spread evenly over +-model_error, at the middles of n equal parts (no samples: the
+    # fitted cost itself, scaled).
+    scales = sorted(d.step_overhead_s / cost.step_overhead_s for d in f.draws(10, "e"))
+    assert scales[0] == pytest.approx(1 - 0.2 * 0.9) and scales[-1] == pytest.approx(1 + 0.2 * 0.9)

@@ -36,9 +36,16 @@ JITTER_FLOOR = 0.1  # a step never takes less than this share of what the model 
 # How sure a fit is, as costs the perturbed replays run with (whatif's intervals): each draw refits the steps
 # resampled a run of HOLD_OUT_BLOCK at a time (a block bootstrap: the coefficients' uncertainty, with the steps'
 # dependence on their neighbours kept), then scales the whole cost by a factor spread evenly over +-E, E the fit's
-# error on its held-out steps (the total time it missed by, at least MIN_MODEL_ERROR): what a cost of the wrong
-# form costs the replay's clock, as far as steps it did not see can tell.
+# error on its held-out steps (at least MIN_MODEL_ERROR): what a cost of the wrong form costs the replay's clock,
+# as far as steps it did not see can tell. Two such errors are measured and the larger taken: the total time the
+# held-out steps were missed by (what the recorded mix of steps adds up to), and the form error: the held-out
+# steps in FORM_BUCKETS groups of about the same predicted time, the largest total any group was missed by. A cost
+# of another form than the fit's misses some kinds of step one way and others the other way (a per-chunk cost:
+# steps carrying prefill under, decode-only steps over), which a total can cancel out and a lever that changes the
+# mix of steps does not: a lever that runs mostly one kind of step meets that kind's error in full. A step's own
+# jitter averages out within its group.
 MIN_MODEL_ERROR = 0.05
+FORM_BUCKETS = 8
 
 
 class FitError(ValueError):
@@ -55,14 +62,16 @@ class Fit:
     median_error: float  # of |predicted - recorded| / recorded over held-out steps
     p90_error: float
     total_error: float  # (sum predicted - sum recorded) / sum recorded over held-out steps: the replay's clock
+    form_error: float = 0.0  # the largest held-out group's total error (see FORM_BUCKETS)
     # (highest predicted seconds of a bucket of steps, the recorded - predicted seconds of its steps), ascending
     residuals: tuple[tuple[float, tuple[float, ...]], ...] = field(default=(), repr=False)
     samples: tuple[tuple[tuple[float, ...], float], ...] = field(default=(), repr=False)  # (features, period)
 
     @property
     def model_error(self) -> float:
-        """The share by which the perturbed replays scale the cost, either way (MIN_MODEL_ERROR at least)."""
-        return max(abs(self.total_error), MIN_MODEL_ERROR)
+        """The share by which the perturbed replays scale the cost, either way: the larger of the held-out total
+        and form errors, MIN_MODEL_ERROR at least."""
+        return max(abs(self.total_error), self.form_error, MIN_MODEL_ERROR)
 
     def draws(self, n: int, seed: str) -> list[CostModel]:
         """`n` costs as the fit might have come out: block-bootstrapped coefficients, each scaled by a factor
@@ -134,7 +143,27 @@ def fit(trace: EngineTrace) -> Fit:
     recorded = sum(y for _, y in scored)
     final = _nnls([x for x, _ in samples], [y for _, y in samples])
     return Fit(CostModel(*final), len(samples), len(scored), nearest_rank(errors, 0.5), nearest_rank(errors, 0.9),
-               (predicted - recorded) / recorded, _residuals(final, samples), tuple(samples))
+               (predicted - recorded) / recorded, form_error(coefficients, scored), _residuals(final, samples),
+               tuple(samples))
+
+
+def form_error(coefficients: list[float], scored: Sequence[tuple[tuple[float, ...], float]]) -> float:
+    """The held-out steps in FORM_BUCKETS groups of about the same predicted time: the largest total error of a
+    group, either way."""
+    # By predicted time alone (ties in recorded order): sorting on the recorded time too would group a step's own
+    # jitter, among steps predicted alike, into errors that look systematic.
+    pairs = sorted(((_dot(coefficients, x), y) for x, y in scored), key=lambda pair: pair[0])
+    total = sum(y for _, y in pairs)
+    if not pairs or total <= 0:
+        return 0.0
+    size = max(1, -(-len(pairs) // FORM_BUCKETS))
+    worst = 0.0
+    for i in range(0, len(pairs), size):
+        group = pairs[i:i + size]
+        recorded = sum(y for _, y in group)
+        if recorded > 0:
+            worst = max(worst, abs(sum(p for p, _ in group) - recorded) / recorded)
+    return worst
 
 
 def _residuals(coefficients: list[float], samples: Sequence[tuple[tuple[float, ...], float]]

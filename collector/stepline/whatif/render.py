@@ -60,7 +60,8 @@ def render(result: WhatIf, *, top: int | None = None) -> str:
     for engine, fit in result.fits.items():
         lines.append(f"step cost of {engine}, fitted on {fit.steps:,} steps: {fit.describe()}")
         lines.append(f"  on {fit.held_out:,} held-out steps: median error {fit.median_error:.1%}, p90 "
-                     f"{fit.p90_error:.1%}, total time {fit.total_error:+.1%}")
+                     f"{fit.p90_error:.1%}, total time {fit.total_error:+.1%}, by kind of step (form) "
+                     f"{fit.form_error:.1%}")
     for why in result.skipped.values():
         lines.append(f"not replayed: {why}")
     for note in result.assumed:
@@ -126,7 +127,7 @@ def _sureness(result: WhatIf) -> list[str]:
     residuals = " and residuals drawn anew" if result.step_times == STEP_TIMES[1] else ""
     lines = [f"intervals: each figure's lowest and highest over {n} replays of its plan: the fitted cost, and "
              f"{n - 1} costs as the fit might have come out (its steps resampled in runs of 50, each cost scaled "
-             f"within its held-out error, at least {MIN_MODEL_ERROR:.0%}){residuals}; "
+             f"within its held-out error, total or by kind of step, at least {MIN_MODEL_ERROR:.0%}){residuals}; "
              f"nominal coverage {nominal_coverage(n):.0%}"]
     outside = result.recorded_outside()
     if outside:
@@ -174,6 +175,7 @@ def as_json(result: WhatIf) -> dict[str, Any]:
         "engines": result.engines,
         "fits": {e: {"model": f.describe(), "steps": f.steps, "held_out_steps": f.held_out,
                      "median_error": f.median_error, "p90_error": f.p90_error, "total_error": f.total_error,
+                     "form_error": f.form_error,
                      "coefficients": {"overhead_s": f.cost.step_overhead_s, "prefill_token_s": f.cost.prefill_token_s,
                                       "attention_pair_s": f.cost.prefill_attention_pair_s,
                                       "decode_request_s": f.cost.decode_request_s,

@@ -21,7 +21,8 @@ from tests.diagnosis.test_detectors import WINDOW, _monster, insert, step
 
 T0 = (datetime.now(UTC) - timedelta(hours=2)).replace(second=0, microsecond=0)  # recent: within the retention
 PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("gpu_samples", "gpu_samples_per_minute"),
-               ("gpu_samples", "gpu_throttling_per_minute"), ("engine_samples", "engine_samples_per_minute")}
+               ("gpu_samples", "gpu_throttling_per_minute"), ("engine_samples", "engine_samples_per_minute"),
+               ("requests", "requests_by_prompt")}
 FORCED = {"force_optimize_projection": 1}
 ROWS_ONLY = {"optimize_use_projections": 0}
 

@@ -6,8 +6,8 @@ runs both files' loads); `stepline replay` then sends the recorded window to the
 token ids the recording never sent, so nothing it sends was cached before), and the sweep replays it against
 freshly launched engines, RUNS times on each at the recorded pace, after whatif priced each value: vLLM's own
 counters must show the recorded prompt and generation tokens and prefix-cache hits on every run, and each
-figure's mean over the runs stands beside whatif's interval. Three engine starts in all, for both files. The same skip rule as
-test_real_vllm.py: skipped without the vLLM environment, failed without it in CI (CI=true).
+figure's mean over the runs stands beside whatif's interval. Three engine starts in all, for both files. The
+same skip rule as test_real_vllm.py: skipped without the vLLM environment, failed without it in CI (CI=true).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`stepline whatif` against the real vLLM engine (its CPU build, the tiny model of tests/realvllm).
 
     python benchmarks/whatif_real_vllm.py [--seconds 60] [--values 512,2048] [--threshold 256]
+    python benchmarks/whatif_real_vllm.py --sweep-repeat 3 [--seconds 40] [--values 512,1024,2048]
 
 Records a load under `--max-num-batched-tokens 1024` through the real plugin, OTLP and /metrics into the store:
 1,500-token chat requests twice a second (half with 1,024 tokens of a cached prefix) and three long uncached
@@ -10,11 +11,17 @@ recorded window against it with `stepline replay`'s own code, recorded by the sa
 predicted and the measured TTFT p50/p99, ITL p99 and goodput with the error, whether the ranking matches, and
 the noise floor. Goodput's objectives are twice the recording's own TTFT and TPOT medians. Target: within 30%,
 same ranking. Run it on a quiet machine: the engine shares the CPU with everything else. Exits 0: a report.
+
+With `--sweep-repeat N` the same recording is checked the way an operator would, through the CLI: `stepline matrix
+--sweep max_num_batched_tokens=VALUES --launch ... --replay --speed 1 --repeat N --whatif` (the recorded settings,
+1024, among the values: the noise floor), which prices each value with whatif, launches vLLM with it, replays the
+window N times on it and prints each figure's mean and 95% interval beside whatif's interval.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -95,12 +102,34 @@ def _err(p: float, a: float) -> float:
     return p / a - 1.0 if a else (0.0 if p == 0 else float("inf"))
 
 
+def sweep_check(setup: harness.Setup, window: tuple[datetime, datetime], objectives: Objectives,
+                args: argparse.Namespace) -> int:
+    """The recording checked through `stepline matrix --sweep ... --repeat N --whatif`, its output printed."""
+    time.sleep(4)  # the last reports reach the store
+    command = shlex.join(harness.engine_command(setup, budget="{max_num_batched_tokens}", collected=False))
+    started = time.monotonic()
+    out = harness.stepline(setup, "matrix", "--engine", setup.engine_url, "--sweep",
+                           f"max_num_batched_tokens={args.values}", "--launch", command, "--launch-timeout", "300",
+                           "--replay", "--from", f"{window[0].timestamp():.3f}", "--to",
+                           f"{window[1].timestamp():.3f}", "--vocab", "256", "--speed", "1",
+                           "--repeat", str(args.sweep_repeat), "--whatif", "--ttft", f"{objectives.ttft_s:.4f}",
+                           "--tpot", f"{objectives.tpot_s:.4f}", "--store", setup.store, "--no-store",
+                           timeout_s=3600, env=harness.engine_env(setup))
+    print(out.stdout)
+    print(out.stderr[-3000:], file=sys.stderr)
+    print(f"matrix exit code {out.returncode} in {time.monotonic() - started:.0f} s; objectives TTFT "
+          f"{objectives.ttft_s * 1e3:.1f} ms, TPOT {objectives.tpot_s * 1e3:.2f} ms")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--long-tokens", type=int, default=12_000)
     parser.add_argument("--values", default="512,2048")
     parser.add_argument("--threshold", type=int, default=256)
+    parser.add_argument("--sweep-repeat", type=int, default=0, metavar="N",
+                        help="check whatif through `stepline matrix --sweep ... --repeat N --whatif` instead")
     args = parser.parse_args()
     venv = harness.install()
     values = [int(v) for v in args.values.split(",")]
@@ -122,6 +151,8 @@ def main() -> int:
             # Twice the recording's own medians: objectives at a percentile of the recording itself would put
             # half the requests on a knife edge that the engine's run-to-run noise alone tips either way.
             objectives = Objectives(2 * quantile(ttfts, 0.5), 2 * quantile(tpots, 0.5))
+            if args.sweep_repeat:
+                return sweep_check(setup, recorded_window, objectives, args)
             levers = [Lever(f"max_num_batched_tokens={v}", "max_num_batched_tokens", {"max_num_batched_tokens": v})
                       for v in values]
             levers.append(Lever(f"long_prefill_token_threshold={args.threshold}", "long_prefill_token_threshold",

@@ -122,3 +122,5 @@ def test_a_sweep_launches_an_engine_per_value_and_replays_the_window_on_each(rec
     summary = re.search(r"^(\d+) of 8 runs' means inside whatif's intervals; (\d+) more overlap them; (\d+) apart$",
                         check, re.M)
     assert summary is not None, check
+    # The recording ran at 1024, which the sweep leaves out: the check says what running it again would show.
+    assert f"no value is the recorded setting (max_num_batched_tokens={harness.BUDGET_TOKENS})" in check, check

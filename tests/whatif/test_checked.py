@@ -16,7 +16,15 @@ from stepline.loadgen.client import Endpoint, MatrixError
 from stepline.loadgen.sweep import Repeat, SweepValue
 from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
-from stepline.whatif.checked import Check, checks, render_checks, render_predicted, run_figures, sweep_levers
+from stepline.whatif.checked import (
+    Check,
+    checks,
+    recorded_again,
+    render_checks,
+    render_predicted,
+    run_figures,
+    sweep_levers,
+)
 from stepline.whatif.core import Priced, Replay, WhatIf
 from stepline.whatif.figures import Figures, Objectives, quantile
 from stepline.whatif.intervals import Band
@@ -114,3 +122,25 @@ def test_the_check_sets_every_measured_value_beside_its_levers_interval(server: 
     assert "20.0 [20.0-20.0]" in rows["replayed at its own settings"]
     assert "20.0 [10.0-40.0]" in rows["max_num_seqs=4"]
     assert before[-1] == "max_num_seqs=4: knife-edge: TTFT p99 spans 0.01-0.04 s over 3 replays"
+
+
+def test_the_recorded_setting_run_again_shows_how_far_the_runs_lie_from_the_recording(server: SimServer) -> None:
+    reports = [_replay(server) for _ in range(2)]
+    measured = [run_figures(r, OBJECTIVES) for r in reports]
+    recorded = _figures(0.02)
+    result = WhatIf(0.0, 1.0, OBJECTIVES, ["e"], {}, {}, [], {"e": EngineConfig(max_num_seqs=4)}, recorded, [],
+                    Replay(recorded, [], 100))
+    now = time.time()
+    four = SweepValue("max_num_seqs=4", "4", Path("log"), replays=tuple(Repeat(r, None, now) for r in reports))
+    line = recorded_again(result, [four], OBJECTIVES, "max_num_seqs")
+    mean = sum(f.ttft_p99_s for f in measured) / 2
+    assert line.startswith("the recorded setting (max_num_seqs=4) run again, its runs' mean against the recording: ")
+    assert f"TTFT p99 {mean * 1e3:.1f} against 20.0 ({mean / 0.02 - 1:+.0%})" in line, line
+    eight = SweepValue("max_num_seqs=8", "8", Path("log"), replays=four.replays)
+    assert recorded_again(result, [eight], OBJECTIVES, "max_num_seqs").startswith(
+        "no value is the recorded setting (max_num_seqs=4)")
+    # Engines recorded at different values have no one setting to run again.
+    two = WhatIf(0.0, 1.0, OBJECTIVES, ["a", "b"], {}, {}, [], {"a": EngineConfig(max_num_seqs=4),
+                 "b": EngineConfig(max_num_seqs=8)}, recorded, [], Replay(recorded, [], 100))
+    assert recorded_again(two, [four], OBJECTIVES, "max_num_seqs") == ""
+

@@ -181,9 +181,13 @@ def _launched(args: argparse.Namespace) -> int:
     if values:
         print(sweep.render_sweep(values, name), flush=True)
     if predicted is not None and values:
-        from stepline.whatif.checked import checks, render_checks
+        from stepline.whatif.checked import checks, recorded_again, render_checks
 
-        print("\n" + render_checks(checks(predicted, values, _objectives(args)), predicted), flush=True)
+        objectives = _objectives(args)
+        print("\n" + render_checks(checks(predicted, values, objectives), predicted), flush=True)
+        again = recorded_again(predicted, values, objectives, name)
+        if again:
+            print(again, flush=True)
     measured = [v for v in values if not v.error]
     if measured and not args.no_store:
         engine = split_named_url(args.engine)[0] or Endpoint(url, 1.0).host_port

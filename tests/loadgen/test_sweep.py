@@ -82,8 +82,8 @@ def test_each_engine_replays_the_window_n_times_each_run_counted_and_the_runs_gi
 
     def measure(label: str, repeat: int) -> tuple[MatrixResult | None, ReplayReport | None]:
         labels.append(label)
-        seed = replay.CORPUS_SEED if repeat == 0 else f"{replay.CORPUS_SEED}-repeat-{repeat}"
-        return None, replay.replay_window(url, RECORDED, window, speed=4, corpus_seed=seed)
+        return None, replay.replay_window(url, RECORDED, window, speed=4,
+                                          corpus_seed=replay.repeat_corpus_seed(repeat))
 
     values = list(sweep.launch_each(command, "max_num_seqs", ["4", "8"], url, measure, 60, repeat=3))
     assert labels == [f"max_num_seqs={v} (run {k} of 3)" for v in ("4", "8") for k in (1, 2, 3)]

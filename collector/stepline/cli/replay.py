@@ -74,10 +74,10 @@ def replay_window(args: argparse.Namespace, url: str, recorded: Sequence[Recorde
     shared prefix anew, so that it finds nothing of the earlier repeats in the engine's prefix cache."""
     from stepline.loadgen import replay
 
-    seed = replay.CORPUS_SEED if repeat == 0 else f"{replay.CORPUS_SEED}-repeat-{repeat}"
     return replay.replay_window(url, recorded, window, speed=args.speed, vocab=args.vocab,
                                 max_requests=args.max_requests, max_seconds=args.max_seconds,
-                                timeout_s=args.timeout_s, model=args.model, stop=stop, corpus_seed=seed)
+                                timeout_s=args.timeout_s, model=args.model, stop=stop,
+                                corpus_seed=replay.repeat_corpus_seed(repeat))
 
 
 def run(args: argparse.Namespace) -> int:

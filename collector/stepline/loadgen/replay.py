@@ -53,15 +53,33 @@ from stepline.loadgen.replay_plan import (
     load_window,
     plan,
     read_window,
+    repeat_corpus_seed,
     shared_prefix_tokens,
     suffix_tokens,
 )
 
 # The plan's names too: `stepline.loadgen.replay` is the one module its users import.
 __all__ = [
-    "BLOCK_TOKENS", "CORPUS_SEED", "DEFAULT_MAX_REQUESTS", "DEFAULT_VOCAB", "Plan", "Planned", "Recorded",
-    "ReplayError", "ReplayReport", "Sent", "corpus_tokens", "load_window", "plan", "read_window", "render", "replay",
-    "replay_window", "shared_prefix_tokens", "suffix_tokens",
+    "BLOCK_TOKENS",
+    "CORPUS_SEED",
+    "DEFAULT_MAX_REQUESTS",
+    "DEFAULT_VOCAB",
+    "Plan",
+    "Planned",
+    "Recorded",
+    "ReplayError",
+    "ReplayReport",
+    "Sent",
+    "corpus_tokens",
+    "load_window",
+    "plan",
+    "read_window",
+    "render",
+    "repeat_corpus_seed",
+    "replay",
+    "replay_window",
+    "shared_prefix_tokens",
+    "suffix_tokens",
 ]
 
 DEFAULT_MAX_SECONDS = 600.0

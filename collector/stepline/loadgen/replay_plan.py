@@ -122,6 +122,12 @@ def corpus_tokens(length: int, vocab: int, seed: str = CORPUS_SEED) -> tuple[int
     return tuple(rng.randrange(vocab) for _ in range(length))
 
 
+def repeat_corpus_seed(repeat: int) -> str:
+    """The shared sequence's seed for the `repeat`-th replay in a row on one engine (0: the first, CORPUS_SEED): each
+    repeat's own, so that none finds an earlier one's prefix in the engine's cache."""
+    return CORPUS_SEED if repeat == 0 else f"{CORPUS_SEED}-repeat-{repeat}"
+
+
 def suffix_tokens(nonce: str, index: int, length: int, vocab: int) -> list[int]:
     """Request `index`'s own token ids, from a generator seeded by the replay's nonce and the index."""
     rng = random.Random(f"{nonce}-{index}")

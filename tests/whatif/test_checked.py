@@ -128,19 +128,21 @@ def test_the_recorded_setting_run_again_shows_how_far_the_runs_lie_from_the_reco
     reports = [_replay(server) for _ in range(2)]
     measured = [run_figures(r, OBJECTIVES) for r in reports]
     recorded = _figures(0.02)
+    levers = [Priced(Lever(f"max_num_seqs={n}", "max_num_seqs", {"max_num_seqs": n}), Replay(recorded, [], 100))
+              for n in (4, 8)]
     result = WhatIf(0.0, 1.0, OBJECTIVES, ["e"], {}, {}, [], {"e": EngineConfig(max_num_seqs=4)}, recorded, [],
-                    Replay(recorded, [], 100))
+                    Replay(recorded, [], 100), levers)
     now = time.time()
     four = SweepValue("max_num_seqs=4", "4", Path("log"), replays=tuple(Repeat(r, None, now) for r in reports))
-    line = recorded_again(result, [four], OBJECTIVES, "max_num_seqs")
+    line = recorded_again(result, checks(result, [four], OBJECTIVES), "max_num_seqs")
     mean = sum(f.ttft_p99_s for f in measured) / 2
     assert line.startswith("the recorded setting (max_num_seqs=4) run again, its runs' mean against the recording: ")
     assert f"TTFT p99 {mean * 1e3:.1f} against 20.0 ({mean / 0.02 - 1:+.0%})" in line, line
     eight = SweepValue("max_num_seqs=8", "8", Path("log"), replays=four.replays)
-    assert recorded_again(result, [eight], OBJECTIVES, "max_num_seqs").startswith(
+    assert recorded_again(result, checks(result, [eight], OBJECTIVES), "max_num_seqs").startswith(
         "no value is the recorded setting (max_num_seqs=4)")
     # Engines recorded at different values have no one setting to run again.
     two = WhatIf(0.0, 1.0, OBJECTIVES, ["a", "b"], {}, {}, [], {"a": EngineConfig(max_num_seqs=4),
                  "b": EngineConfig(max_num_seqs=8)}, recorded, [], Replay(recorded, [], 100))
-    assert recorded_again(two, [four], OBJECTIVES, "max_num_seqs") == ""
+    assert recorded_again(two, checks(result, [four], OBJECTIVES), "max_num_seqs") == ""
 

@@ -161,12 +161,13 @@ def _launched(args: argparse.Namespace) -> int:
         sweep.launch_words(args.launch, name, settings[0])
         Endpoint(url, 1.0)
         levers = _whatif_levers(args, name, settings) if args.whatif else []
+        objectives = _objectives(args) if args.whatif else None
         predicted: WhatIf | None = None
         if args.replay:
             window = window_of(args)
             recorded = load_window(args.store, window)
-            if args.whatif:
-                predicted = _predict(args, window, name, levers)
+            if objectives is not None:
+                predicted = _predict(args, window, name, levers, objectives)
             measure = _replay_measure(args, url, recorded, window)
         else:
             measure = _matrix_measure(args, url)
@@ -180,12 +181,12 @@ def _launched(args: argparse.Namespace) -> int:
         failed = True
     if values:
         print(sweep.render_sweep(values, name), flush=True)
-    if predicted is not None and values:
+    if predicted is not None and objectives is not None and values:
         from stepline.whatif.checked import checks, recorded_again, render_checks
 
-        objectives = _objectives(args)
-        print("\n" + render_checks(checks(predicted, values, objectives), predicted), flush=True)
-        again = recorded_again(predicted, values, objectives, name)
+        found = checks(predicted, values, objectives)
+        print("\n" + render_checks(found, predicted), flush=True)
+        again = recorded_again(predicted, found, name)
         if again:
             print(again, flush=True)
     measured = [v for v in values if not v.error]
@@ -206,7 +207,7 @@ def _objectives(args: argparse.Namespace) -> Objectives:
 
 
 def _whatif_levers(args: argparse.Namespace, name: str, settings: Sequence[str]) -> list[Lever]:
-    """--whatif's lever per value, once the options allow it; MatrixError or UsageError otherwise."""
+    """--whatif's lever per value, once the options allow it; MatrixError otherwise."""
     from stepline.loadgen.client import MatrixError
     from stepline.whatif.checked import sweep_levers
 
@@ -216,11 +217,11 @@ def _whatif_levers(args: argparse.Namespace, name: str, settings: Sequence[str])
     if args.speed != 1:
         raise MatrixError(f"--whatif predicts the window at its recorded pace: run it with --speed 1, not "
                           f"{args.speed:g}")
-    _objectives(args)
     return sweep_levers(name, settings)
 
 
-def _predict(args: argparse.Namespace, window: Window, name: str, levers: Sequence[Lever]) -> WhatIf:
+def _predict(args: argparse.Namespace, window: Window, name: str, levers: Sequence[Lever],
+             objectives: Objectives) -> WhatIf:
     """whatif's price of each value over the recorded window, printed; MatrixError where it cannot price them."""
     from stepline.loadgen.client import MatrixError
     from stepline.store.reader import open_located
@@ -228,7 +229,6 @@ def _predict(args: argparse.Namespace, window: Window, name: str, levers: Sequen
     from stepline.whatif.core import WhatIfError, whatif
     from stepline.whatif.trace import load
 
-    objectives = _objectives(args)
     reader, _ = open_located(args.store)
     try:
         traces = load(reader.client, window)

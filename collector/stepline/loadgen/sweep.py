@@ -270,6 +270,7 @@ def _one_value(words: list[str], url: str, label: str, value: str, log: Path, me
         # The engine was launched for this value: before the first measure it has served nothing, whether or not
         # its /metrics lists the counters yet.
         before: EngineCounters | None = engine_counters(url) or EngineCounters(0, 0, 0, 0)
+        after = before
         for k in range(repeat):
             result, report = measure(label if repeat == 1 else f"{label} (run {k + 1} of {repeat})", k)
             after = engine_counters(url)
@@ -279,7 +280,8 @@ def _one_value(words: list[str], url: str, label: str, value: str, log: Path, me
                 if report.stopped_by == "interrupted":
                     break
             before = after
-        return SweepValue(label, value, log, matrix, tuple(replays), engine_counters(url), finished_ts=time.time())
+        # The last read, right after the last measure, is the value's counters.
+        return SweepValue(label, value, log, matrix, tuple(replays), after, finished_ts=time.time())
     finally:
         code = engine.stop()
         print(f"stepline matrix: {label}: the engine stopped (exit code {code}); its log: {log}", flush=True)

@@ -163,23 +163,21 @@ def render_checks(found: Sequence[Check], result: WhatIf) -> str:
     return "\n".join(lines)
 
 
-def recorded_again(result: WhatIf, values: Sequence[SweepValue], objectives: Objectives, name: str) -> str:
-    """How far the runs of the recorded setting itself lie from the recording, figure by figure: the engine's own
-    run-to-run noise and the client's view of it (HTTP, streaming) against the engine's, which every other value's
-    check is to be read against ('' when the engines were recorded at different values)."""
+def recorded_again(result: WhatIf, found: Sequence[Check], name: str) -> str:
+    """How far the runs of the recorded setting itself lie from the recording, figure by figure (from `found`, the
+    checks): the engine's own run-to-run noise and the client's view of it (HTTP, streaming) against the engine's,
+    which every other value's check is to be read against ('' when the engines were recorded at different values)."""
     recorded = {str(getattr(config, name)) for config in result.settings.values() if hasattr(config, name)}
     if len(recorded) != 1:
         return ""
     setting = recorded.pop()
-    same = next((v for v in values if v.value == setting and v.replays and not v.error), None)
-    if same is None:
+    same = {c.figure: c.measured.mean for c in found if c.value == setting}
+    if not same:
         return (f"no value is the recorded setting ({name}={setting}): with it in the sweep, its runs show how far "
                 "the engine's own noise and the client's view lie from the recording")
-    runs = [run_figures(r.report, objectives) for r in same.replays if r.report.completed]
     parts = []
     for figure in FIGURES:
-        mean = mean_interval([float(getattr(f, figure)) for f in runs]).mean
-        was = float(getattr(result.recorded, figure))
+        mean, was = same[figure], float(getattr(result.recorded, figure))
         change = f" ({mean / was - 1:+.0%})" if was > 0 and not math.isnan(mean) else ""
         parts.append(f"{_LABELS[figure][0]} {_fmt(mean, figure)} against {_fmt(was, figure)}{change}")
     return (f"the recorded setting ({name}={setting}) run again, its runs' mean against the recording: "

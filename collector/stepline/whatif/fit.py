@@ -153,25 +153,24 @@ def form_error(coefficients: list[float], scored: Sequence[tuple[tuple[float, ..
     # By predicted time alone (ties in recorded order): sorting on the recorded time too would group a step's own
     # jitter, among steps predicted alike, into errors that look systematic.
     pairs = sorted(((_dot(coefficients, x), y) for x, y in scored), key=lambda pair: pair[0])
-    total = sum(y for _, y in pairs)
-    if not pairs or total <= 0:
-        return 0.0
-    size = max(1, -(-len(pairs) // FORM_BUCKETS))
     worst = 0.0
-    for i in range(0, len(pairs), size):
-        group = pairs[i:i + size]
+    for group in _groups(pairs, FORM_BUCKETS):
         recorded = sum(y for _, y in group)
         if recorded > 0:
             worst = max(worst, abs(sum(p for p, _ in group) - recorded) / recorded)
     return worst
 
 
+def _groups(pairs: list[tuple[float, float]], count: int) -> list[list[tuple[float, float]]]:
+    """`pairs` cut, in order, into `count` groups of about the same size (fewer when there are fewer pairs)."""
+    size = max(1, -(-len(pairs) // count))
+    return [pairs[i:i + size] for i in range(0, len(pairs), size)]
+
+
 def _residuals(coefficients: list[float], samples: Sequence[tuple[tuple[float, ...], float]]
                ) -> tuple[tuple[float, tuple[float, ...]], ...]:
     pairs = sorted((_dot(coefficients, x), y) for x, y in samples)
-    size = max(1, -(-len(pairs) // JITTER_BUCKETS))
-    return tuple((chunk[-1][0], tuple(y - p for p, y in chunk))
-                 for chunk in (pairs[i:i + size] for i in range(0, len(pairs), size)))
+    return tuple((chunk[-1][0], tuple(y - p for p, y in chunk)) for chunk in _groups(pairs, JITTER_BUCKETS))
 
 
 def _dot(a: list[float], b: tuple[float, ...]) -> float:

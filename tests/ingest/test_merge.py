@@ -8,6 +8,7 @@ import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -311,6 +312,25 @@ def test_a_report_is_written_again_only_for_a_field_the_earlier_ones_lacked() ->
     assert recent.place(span._replace(preemptions=1))  # a count nobody gave yet
     assert known_fields(span) & ~known_fields(plugin) == 0
     assert known_fields(plugin._replace(cached_tokens=0, model_name="")) < known_fields(plugin)
+
+
+def test_known_fields_gives_a_bit_for_each_field_a_report_knows() -> None:
+    merged = [name for name in Request._fields if name not in ("ts", "host", "engine", "request_id", "arrival_ts")]
+    plugin = _report("a", "plugin", T0, cached=900)
+
+    def known(name: str, value: Any) -> bool:
+        return bool(known_fields(plugin._replace(**{name: value})) & 1 << merged.index(name))
+
+    for name in merged:
+        value = getattr(plugin, name)
+        if name == "source":
+            assert known(name, "plugin") and not known(name, "otlp")
+        elif isinstance(value, float):  # seconds: 0.0 is a time, NaN is unknown
+            assert known(name, 0.0) and known(name, 2.5) and not known(name, math.nan)
+        elif isinstance(value, int):  # counts: 0 is unknown
+            assert known(name, 7) and not known(name, 0)
+        else:  # text: empty is unknown
+            assert known(name, "x") and not known(name, "")
 
 
 def test_a_request_reported_by_the_plugin_and_by_otlp_is_written_once() -> None:

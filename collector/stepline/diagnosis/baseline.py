@@ -20,11 +20,11 @@ from typing import Any
 
 from stepline.diagnosis.common import (
     APPROXIMATE,
-    Query,
     config_int,
     engine_configs,
     exact_and_approximate,
     number,
+    rows_by_engine,
     window_summary,
 )
 from stepline.diagnosis.findings import Window
@@ -151,17 +151,20 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
                                        minutes is not None)
     figures: dict[str, tuple[float, Any, bool]] = {}
     if small:
-        for engine, step_ms, itl in Query(DECODE_EXACT, engines=small, start=window.start, end=window.end).rows(reader):
+        for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, small, start=window.start,
+                                                   end=window.end).values():
             figures[str(engine)] = (number(step_ms), itl, False)
     if big and minutes is not None:
-        for engine, step_ms, itl in Query(DECODE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
+        for engine, step_ms, itl in rows_by_engine(reader, DECODE_APPROXIMATE, big, lo=minutes[0],
+                                                   hi=minutes[1]).values():
             figures[str(engine)] = (number(step_ms), itl, True)
     # A window inside a long prefill has no decode-only step: the engine's figures from just before it.
     missing = sorted(e for e in names if figures.get(e, (0.0,))[0] <= 0)
     earlier: set[str] = set()
     if missing:
-        for engine, step_ms, itl in Query(DECODE_EXACT, engines=missing, start=window.start - BASELINE_LOOKBACK,
-                                          end=window.start).rows(reader):
+        before = window.start - BASELINE_LOOKBACK
+        for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, missing, start=before,
+                                                   end=window.start).values():
             if number(step_ms) > 0:
                 figures[str(engine)] = (number(step_ms), itl, False)
                 earlier.add(str(engine))

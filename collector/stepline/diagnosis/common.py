@@ -153,12 +153,28 @@ class Memo:
     def __init__(self, reader: Reads) -> None:
         self._reader = reader
         self._results: dict[str, Any] = {}
+        self.by_engine: dict[str, dict[str, tuple[Any, ...] | None]] = {}  # see `rows_by_engine`
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
         key = sql + "\0" + repr(sorted((parameters or {}).items()))
         if key not in self._results:
             self._results[key] = self._reader.query(sql, parameters=parameters)
         return self._results[key]
+
+
+def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: Any) -> dict[str, tuple[Any, ...]]:
+    """engine -> its row of `sql` (bound to `engines` = some of `names`, and `parameters`; one row per engine, the
+    engine first), for those of `names` it has a row for. Within one diagnosis (a Memo) each engine is read once:
+    the detectors ask the same query of overlapping sets of engines (the baselines of the engines each one
+    suspects), and only the engines not read yet are asked for (over a day of 64 engines, two queries of 0.1 s
+    fewer)."""
+    cache = reader.by_engine if isinstance(reader, Memo) else {}
+    known = cache.setdefault(sql + "\0" + repr(sorted(parameters.items())), {})
+    missing = sorted({name for name in names if name not in known})
+    if missing:
+        known.update(dict.fromkeys(missing))
+        known.update((str(row[0]), row) for row in Query(sql, engines=missing, **parameters).rows(reader))
+    return {name: row for name in names if (row := known[name]) is not None}
 
 
 def engines(reader: Reads, window: Window) -> list[str]:

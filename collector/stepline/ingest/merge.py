@@ -39,7 +39,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import compress
+from operator import eq, itemgetter
+from typing import get_type_hints
 
 from stepline.model.rows import Request
 
@@ -47,10 +49,17 @@ from stepline.model.rows import Request
 # reports carry.
 _MERGED = tuple(i for i, name in enumerate(Request._fields)
                 if name not in ("ts", "host", "engine", "request_id", "arrival_ts"))
+_BIT = {i: 1 << bit for bit, i in enumerate(_MERGED)}
 _SOURCE = Request._fields.index("source")
-_SOURCE_BIT = 1 << _MERGED.index(_SOURCE)
-_OTHER_BITS = tuple(1 << bit for bit, i in enumerate(_MERGED) if i != _SOURCE)
-_other_fields = itemgetter(*(i for i in _MERGED if i != _SOURCE))
+_SOURCE_BIT = _BIT[_SOURCE]
+# Seconds are known unless NaN (0.0 is a time); counts and text unless 0 or empty.
+_TYPES = get_type_hints(Request)
+_SECONDS = tuple(i for i in _MERGED if _TYPES[Request._fields[i]] is float)
+_PLAIN = tuple(i for i in _MERGED if i not in _SECONDS and i != _SOURCE)
+_SECONDS_BITS = tuple(_BIT[i] for i in _SECONDS)
+_PLAIN_BITS = tuple(_BIT[i] for i in _PLAIN)
+_seconds_fields = itemgetter(*_SECONDS)
+_plain_fields = itemgetter(*_PLAIN)
 # Both sides round to the microsecond; vLLM's span start truncates to the nanosecond first.
 _ROUNDING_US = 2
 # float32 (the plugin wire's e2e) keeps 24 significant bits: its rounding of e2e is at most e2e * 2^-24; twice that,
@@ -64,16 +73,13 @@ def known_fields(request: Request) -> int:
     These are exactly the values that can raise the store's per-field maximum over what a report that lacks
     them wrote; `source` counts only as 'plugin', the value that outranks 'otlp'.
     """
-    # On the writer's path for every report: one pass over the fields, no call for a plain float (NaN alone is
-    # not equal to itself).
-    mask = _SOURCE_BIT if request[_SOURCE] == "plugin" else 0
-    for bit, value in zip(_OTHER_BITS, _other_fields(request), strict=True):
-        if value.__class__ is float:
-            if value == value:
-                mask |= bit
-        elif (not math.isnan(value)) if isinstance(value, float) else value:
-            mask |= bit
-    return mask
+    # On the writer's path for every report (two thirds of a busy engine's rows): the fields are tested in C
+    # (NaN is the one value not equal to itself; compress keeps the bits of the truthy counts and texts), half the
+    # cost of a Python loop over them.
+    seconds = _seconds_fields(request)
+    mask = sum(compress(_SECONDS_BITS, map(eq, seconds, seconds))) + sum(compress(_PLAIN_BITS,
+                                                                                  _plain_fields(request)))
+    return mask | _SOURCE_BIT if request[_SOURCE] == "plugin" else mask
 
 
 def arrival_tolerance_us(request: Request) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.queries.baselines import ALONE
-from stepline.queries.window import EACH_ENGINE, IN_WINDOW
+from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW
 from stepline.store.reads import Reads
 
 Detector = Callable[[Reads, Window], list[Finding]]
@@ -177,18 +177,31 @@ def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: 
     return {name: row for name in names if (row := known[name]) is not None}
 
 
+# The engines with rows in some minutes of a table, from its per-minute projection (schema.REQUESTS_PER_MINUTE,
+# ENGINE_SAMPLES_PER_MINUTE), and those of them with rows in the window itself.
+_TOUCHED = ("WITH toStartOfMinute(ts) AS bucket SELECT engine FROM {table} WHERE bucket >= {{lo:DateTime64(6)}} AND "
+            "bucket <= {{hi:DateTime64(6)}} GROUP BY engine")
+_IN_WINDOW = f"SELECT DISTINCT engine FROM {{table}} WHERE {ENGINES} AND {IN_WINDOW}"
+
+
 def engines(reader: Reads, window: Window) -> list[str]:
     """The engines with steps, requests or engine samples in the window (or only the window's engine)."""
     if window.engine:
         return [window.engine]
-    # Steps and scraped samples from their per-minute projections (one window: both bind the same bounds).
+    # Steps from their projections, exactly (0.06 s over a day of 64 engines).
     steps, bounds = rolled([], "1", window.start, window.end)
-    scraped, _ = rolled([], "1", window.start, window.end, table="engine_samples")
-    rows = Query(
-        f"SELECT DISTINCT engine FROM ({steps} UNION ALL SELECT DISTINCT engine FROM requests WHERE "
-        f"{IN_WINDOW} UNION ALL {scraped}) WHERE engine != '' "
-        "ORDER BY engine", start=window.start, end=window.end, **bounds).rows(reader)
-    return [str(r[0]) for r in rows]
+    seen = {str(r[0]) for r in Query(steps, **bounds).rows(reader)}
+    # Requests and scraped samples are not sorted by time within an engine, and have no per-second projection: the
+    # window's edges would read a day's times (0.1 s each over 64 engines). The engines of the minutes the window
+    # touches come from their per-minute projections (a few ms); one found there and not among the steps (spans
+    # alone, or scraped while idle) is looked up in the window itself.
+    lo, hi = (datetime.fromtimestamp(t.timestamp() // 60 * 60, UTC) for t in (window.start, window.end))
+    for table in ("requests", "engine_samples"):
+        touched = {str(r[0]) for r in Query(_TOUCHED.format(table=table), lo=lo, hi=hi).rows(reader)} - seen
+        if touched:
+            seen.update(str(r[0]) for r in Query(_IN_WINDOW.format(table=table), engines=sorted(touched),
+                                                 start=window.start, end=window.end).rows(reader))
+    return sorted(seen - {""})
 
 
 _SUMMARY = (

@@ -27,6 +27,7 @@ class Part:
     lo: datetime | None
     hi: datetime
     closed: bool = False
+    outside: tuple[datetime, datetime] | None = None  # only the steps outside [outside[0], outside[1])
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,22 @@ def _ceil(moment: datetime, unit: timedelta) -> datetime:
     return floor if floor == moment else floor + unit
 
 
-def parts(start: datetime | None, end: datetime, *, minutes: bool = True) -> list[Part]:
+def parts(start: datetime | None, end: datetime, *, minutes: bool = True, seconds: bool = True,
+          edges: bool = True) -> list[Part]:
     """[start, end] as whole minutes (when `minutes`), whole seconds and partial seconds; start None: unbounded.
-    A window up to ROWS_UP_TO long is one part of rows."""
+    A window up to ROWS_UP_TO long is one part of rows. Without `seconds` (a table with no per-second projection),
+    whole minutes and one part of the rows outside them (at both ends: one read); without `edges` too, the whole
+    minutes only (a window up to ROWS_UP_TO long, or without a whole minute, is still one part of rows)."""
     second, minute = timedelta(seconds=1), timedelta(minutes=1)
     s0, s1 = (None if start is None else _ceil(start, second)), _floor(end, second)
     if start is not None and s0 is not None and (s0 >= s1 or end - start <= ROWS_UP_TO):
         return [Part(ROW, start, end, closed=True)]
+    if start is not None and not seconds:
+        first, last = _ceil(start, minute), _floor(end, minute)
+        if not minutes or first >= last:
+            return [Part(ROW, start, end, closed=True)]
+        return [Part(MINUTE, first, last)] + ([Part(ROW, start, end, closed=True, outside=(first, last))]
+                                              if edges else [])
     out = [Part(ROW, start, s0)] if start is not None and s0 is not None and start < s0 else []
     m0, m1 = (None if s0 is None else _ceil(s0, minute)), _floor(s1, minute)
     if minutes and (m0 is None or m0 < m1):
@@ -70,19 +80,25 @@ def parts(start: datetime | None, end: datetime, *, minutes: bool = True) -> lis
 
 
 def rolled(aggs: Sequence[Agg], where: str, start: datetime | None, end: datetime, *,
-           keys: Sequence[tuple[str, str]] = (("engine", "engine"),), minutes: bool = True, table: str = "steps"
-           ) -> tuple[str, dict[str, datetime]]:
+           keys: Sequence[tuple[str, str]] = (("engine", "engine"),), minutes: bool = True, table: str = "steps",
+           seconds: bool = True, edges: bool = True) -> tuple[str, dict[str, datetime]]:
     """Per `keys` (alias, expression over the steps' columns and `bucket`), `aggs` over the steps in [start, end]
     that match `where`, as exactly as over the rows. A key over `bucket` must be whole minutes (or whole seconds
     with minutes=False): e.g. toStartOfInterval(bucket, toIntervalSecond(60)). Returns the SQL and the bounds
     it binds (beside whatever placeholders `where` and `keys` hold). `table` is another table with a per-minute
-    projection of the aggregates (its per-second parts read rows: a few seconds at either end)."""
+    projection of the aggregates (its per-second parts read rows: a few seconds at either end); `seconds` False
+    for one without a per-second projection, or whose rows a time condition cannot prune (requests, sorted by
+    request: every read of rows by time scans the finish times of the days it touches, so the edges are one read);
+    `edges` False (with `seconds` False) for the whole minutes only, where the partial ones at the ends may go."""
     key_list = ", ".join(alias for alias, _ in keys)
     branches = []
     bounds: dict[str, datetime] = {}
-    for i, part in enumerate(parts(start, end, minutes=minutes)):
+    for i, part in enumerate(parts(start, end, minutes=minutes, seconds=seconds, edges=edges)):
         conditions = [f"bucket {'<=' if part.closed else '<'} {{p{i}_hi:DateTime64(6)}}"]
         bounds[f"p{i}_hi"] = part.hi
+        if part.outside is not None:
+            conditions.append(f"NOT (bucket >= {{p{i}_olo:DateTime64(6)}} AND bucket < {{p{i}_ohi:DateTime64(6)}})")
+            bounds[f"p{i}_olo"], bounds[f"p{i}_ohi"] = part.outside
         if part.lo is not None:
             conditions.insert(0, f"bucket >= {{p{i}_lo:DateTime64(6)}}")
             bounds[f"p{i}_lo"] = part.lo

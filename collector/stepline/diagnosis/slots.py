@@ -13,7 +13,9 @@ from typing import Any
 from stepline.diagnosis.baseline import IDLE_SLOT_SHARE, LEAK_RECENT_SHARE, MIN_LEAK_STEPS, budgets
 from stepline.diagnosis.common import Query, clip, engines, number, utc
 from stepline.diagnosis.findings import Finding, Window
-from stepline.queries.window import EACH_ENGINE, between
+from stepline.diagnosis.rollup import Agg, rolled
+from stepline.model.schema import UNSCHEDULED_WHILE_WAITING
+from stepline.queries.window import EACH_ENGINE, ENGINES, between
 from stepline.store.reads import Reads
 
 # Steps of the window's last LEAK_RECENT_SHARE with requests waiting and at least half the token budget unused.
@@ -25,7 +27,7 @@ SELECT engine, count() AS steps,
        argMax(toInt64(running) - num_generation_requests - num_ctx_requests, ts) AS idle_slots_last,
        min(ts) AS first, max(ts) AS last
 FROM steps
-WHERE {EACH_ENGINE} AND {between("recent")} AND waiting > 0
+WHERE {ENGINES} AND {between("recent")} AND waiting > 0
   AND num_ctx_tokens + num_generation_tokens < transform(toString(engine), {{budget_engines:Array(String)}},
       {{half_budget:Array(UInt64)}}, 0)
 GROUP BY engine ORDER BY engine
@@ -40,9 +42,14 @@ def leaked_slots(reader: Reads, window: Window) -> list[Finding]:
     if not names:
         return findings
     recent = window.end - (window.end - window.start) * LEAK_RECENT_SHARE
+    # Only an engine that left running requests unscheduled while others waited can have an idle slot in such a step.
+    sql, bounds = rolled([Agg("unscheduled", UNSCHEDULED_WHILE_WAITING, "sum({})")], EACH_ENGINE, recent, window.end)
+    suspects = sorted(str(e) for e, n in Query(sql, engine=window.engine, **bounds).rows(reader) if int(n) > 0)
+    if not suspects:
+        return findings
     params: dict[str, Any] = {"recent": recent, "end": window.end, "budget_engines": names,
                               "half_budget": [known[e][0] // 2 for e in names]}
-    rows = {str(r[0]): r[1:] for r in Query(_IDLE_SLOTS, engine=window.engine, **params).rows(reader)}
+    rows = {str(r[0]): r[1:] for r in Query(_IDLE_SLOTS, engines=suspects, **params).rows(reader)}
     for engine in engines(reader, window):
         if engine not in rows:
             continue
@@ -58,7 +65,7 @@ def leaked_slots(reader: Reads, window: Window) -> list[Finding]:
              "idle_from": f"{IDLE_SLOT_SHARE:.0%} of the running slots, in steps with requests waiting and half "
                           f"the token budget ({known[engine][0]}, {known[engine][1]}) unused, over the window's last "
                           f"{LEAK_RECENT_SHARE:.0%}"},
-            Query(_IDLE_SLOTS, engine=engine, **params).literal(),
+            Query(_IDLE_SLOTS, engines=[engine], **params).literal(),
             "running requests hold slots without being scheduled (leaked on client disconnect or abort): find the "
             "requests that never finish, fix the release path, and restart the engine before the last slot goes",
             number(waiting) * (utc(last) - utc(first)).total_seconds()))

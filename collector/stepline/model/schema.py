@@ -154,6 +154,14 @@ STEPS_PER_SECOND = Projection("steps_per_second", ("host", "engine", "engine_ind
                               STEP_AGGREGATES)
 STEPS_PER_MINUTE = Projection("steps_per_minute", ("host", "engine", "engine_index", "toStartOfMinute(ts)"),
                               STEP_AGGREGATES + STEP_BASELINES)
+# Steps in which requests waited while some running requests were not scheduled: leaked_slots reads the steps of the
+# engines that had any, not of every engine (the last 6 h of a day of 64 engines: 62M steps, 0.45 s; a healthy
+# engine schedules every running request while others wait, unless its budget is spent). A projection of its own:
+# the others' definitions are those stores already hold.
+UNSCHEDULED_WHILE_WAITING = "countIf(waiting > 0 AND toInt64(running) > num_generation_requests + num_ctx_requests)"
+STEPS_UNSCHEDULED_PER_MINUTE = Projection("steps_unscheduled_per_minute",
+                                          ("host", "engine", "engine_index", "toStartOfMinute(ts)"),
+                                          (UNSCHEDULED_WHILE_WAITING,))
 # NVML at 10 Hz is 6.9M rows a day for eight GPUs; per minute, 11.5k.
 GPU_AGGREGATES = (
     "count()",
@@ -237,6 +245,31 @@ REQUESTS_BY_PROMPT = Projection("requests_by_prompt", ("engine", "prompt_tokens"
                                 ("host", "request_id", "arrival_ts", "ts", "cached_tokens", "queue_seconds",
                                  "ttft_seconds"), ordered=True)
 
+# Decode rates differ by workload class: reads report them per prompt-size band (name, upper bound), never as one
+# number; a band's index groups millions of requests for less than its name.
+PROMPT_BANDS = (("< 1k", 1024), ("1k-8k", 8192), ("8k-32k", 32768), ("32k-100k", 100000), (">= 100k", None))
+PROMPT_BAND_INDEX = "multiIf(" + ", ".join(f"prompt_tokens < {bar}, {i}" for i, (_, bar) in enumerate(PROMPT_BANDS)
+                                           if bar) + f", {len(PROMPT_BANDS) - 1})"
+# A request whose decode rate (1 / mean TPOT) means something: it generated two tokens or more.
+DECODED = "mean_tpot_seconds > 0 AND isFinite(mean_tpot_seconds) AND generation_tokens > 1"
+# Each engine's requests per minute of their finish, by source and prompt band: what the detectors read over long
+# windows instead of every request (a day of 64 engines: 16.6M requests, 0.4-0.55 s a full read, merged; 410k rows
+# here). These are aggregates of reports, not of merged requests: a request two reports gave (a span written before
+# its plugin report) counts once per source until a background merge rebuilds the part's projection from its merged
+# rows (deduplicate_merge_projection_mode = 'rebuild'). The collector writes a source's report of a request once
+# (stepline.ingest.merge), so a read of one source's rows counts each request once.
+REQUEST_AGGREGATES = (
+    "count()",
+    "countIf(prompt_tokens > 0)",
+    "sumIf(least(cached_tokens, prompt_tokens) / prompt_tokens, prompt_tokens > 0)",
+    "sum(prompt_tokens)",
+    f"minIf(prompt_tokens, {DECODED})",
+    f"countIf({DECODED})",
+    f"quantilesBFloat16If(0.01, 0.5)(1 / mean_tpot_seconds, {DECODED})",
+)
+REQUESTS_PER_MINUTE = Projection("requests_per_minute", ("host", "engine", "source", "toStartOfMinute(ts)",
+                                                         PROMPT_BAND_INDEX), REQUEST_AGGREGATES)
+
 TABLES: tuple[Table, ...] = (
     Table(
         "steps",
@@ -289,7 +322,7 @@ TABLES: tuple[Table, ...] = (
         ),
         ("host", "engine", "engine_index", "ts", "step"),
         "One row per engine iteration, from the stat-logger plugin.",
-        (STEPS_PER_SECOND, STEPS_PER_MINUTE),
+        (STEPS_PER_SECOND, STEPS_PER_MINUTE, STEPS_UNSCHEDULED_PER_MINUTE),
     ),
     # Both the plugin and OTLP report a finished request, each knowing fields the other does not (the plugin:
     # finish reason, cached tokens, preemptions, engine index; OTLP: whatever it was sent). Each report is a row;
@@ -353,7 +386,7 @@ TABLES: tuple[Table, ...] = (
         ("host", "engine", "request_id", "arrival_ts"),
         "One row per finished request (ts = finish time), the plugin's and OTLP's reports merged field by field: "
         "read it with FINAL (SELECT ... FROM requests FINAL) for one row per request.",
-        (REQUESTS_BY_PROMPT,),
+        (REQUESTS_BY_PROMPT, REQUESTS_PER_MINUTE),
         engine="AggregatingMergeTree",
     ),
     Table(

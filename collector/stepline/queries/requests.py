@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from stepline.model.schema import TABLE_BY_NAME
+from stepline.model.schema import PROMPT_BANDS, TABLE_BY_NAME
 
 _MERGE_FUNCTION = re.compile(r"SimpleAggregateFunction\((\w+),")
 
@@ -67,10 +67,6 @@ def merged_matching(where: str, columns: Sequence[str]) -> str:
 # When a request was first scheduled (its prefill began: arrival plus queue time), and when its first token came.
 SCHEDULED = "arrival_ts + toIntervalMicrosecond(toInt64(queue_seconds * 1e6))"
 FIRST_TOKEN = "arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6))"
-# Decode rates differ by workload class: reads report them per prompt-size band, never as one number.
-PROMPT_BANDS = (("< 1k", 1024), ("1k-8k", 8192), ("8k-32k", 32768), ("32k-100k", 100000), (">= 100k", None))
+# A request's prompt band by name (schema.PROMPT_BANDS; schema.PROMPT_BAND_INDEX is its index).
 PROMPT_BAND = "multiIf(" + ", ".join(f"prompt_tokens < {bar}, '{name}'" for name, bar in PROMPT_BANDS if bar) + (
     f", '{PROMPT_BANDS[-1][0]}')")
-# The same band as its index in PROMPT_BANDS: grouping millions of requests by a number costs less than by a string.
-PROMPT_BAND_INDEX = "multiIf(" + ", ".join(f"prompt_tokens < {bar}, {i}" for i, (_, bar) in enumerate(PROMPT_BANDS)
-                                           if bar) + f", {len(PROMPT_BANDS) - 1})"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from stepline.diagnosis import common
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.hardware import gpu_xid, scheduler_vs_hardware
+from stepline.diagnosis.hardware import RATES_APPROXIMATE, gpu_xid, scheduler_vs_hardware
 from stepline.model.rows import Event, Request, Step
 from stepline.store.store import Store
 from tests.diagnosis.conftest import Timelines
@@ -77,3 +79,23 @@ def test_steps_of_an_engine_without_decode_only_steps_are_never_slow(store: Stor
     insert(store, [step(10.0 + i, 500.0, prefill=512, n=i) for i in range(30)] + [_xid(20, "31")])
     [found] = gpu_xid(store, Window(WINDOW.start, WINDOW.end, engine))
     assert (found.evidence["slow_step_from_ms"], found.evidence["slow_steps_in_window"]) == (None, 0)
+
+
+def test_beyond_the_exact_budget_rates_come_from_the_projection_of_one_source(timelines: Timelines,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each loaded request also reported by a span that gives another rate (2 tok/s): the plugin's reports are read,
+    # and each request once.
+    rows = loaded(decode_s=100.0)
+    spans = [r._replace(source="otlp", mean_tpot_seconds=0.5, finish_reason="") for r in rows if isinstance(r, Request)]
+    window = timelines.add("starved_long", rows)
+    insert(timelines.store, [r._replace(engine="starved_long", host="starved_long") for r in spans])
+    monkeypatch.setattr(common, "EXACT_MAX_STEPS", 10)  # as if the window held a busy day of the engine
+    long = Window(window.start - timedelta(hours=2), window.end, window.engine)
+    [found] = scheduler_vs_hardware(timelines.store, long)
+    assert found.evidence["under_load_by_band"] == {"1k-8k": "1.0..1.0 tok/s (p1..p50, 50 req)"}
+    assert found.evidence["under_load_quantiles"] == RATES_APPROXIMATE
+    # Without the budget, the merged requests (the larger TPOT of the two reports: the plugin's) give the same.
+    monkeypatch.setattr(common, "EXACT_MAX_STEPS", 100_000)
+    [exact] = scheduler_vs_hardware(timelines.store, long)
+    assert exact.evidence["under_load_by_band"] == found.evidence["under_load_by_band"]
+    assert "under_load_quantiles" not in exact.evidence

@@ -3,12 +3,21 @@ a wedge told apart from an engine that is only slow."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from stepline.diagnosis.baseline import MIN_USUAL_HIT_RATE, WEDGE_UNKNOWN_LAG_S
-from stepline.diagnosis.health import kv_pressure, prefix_cache_collapse, spec_decode_acceptance_shift, wedged_engine
+from stepline.diagnosis.findings import Window
+from stepline.diagnosis.health import (
+    WHOLE_MINUTES,
+    _request_hits,
+    kv_pressure,
+    prefix_cache_collapse,
+    spec_decode_acceptance_shift,
+    wedged_engine,
+)
 from stepline.model.rows import EngineSample, Request
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import _cached_chat, _ts, gpu, steady, step
@@ -121,3 +130,20 @@ def test_slow_steps_that_still_progress_are_legitimately_slow(timelines: Timelin
     assert (found.kind, found.severity) == ("legitimately_slow", "info")
     assert (found.evidence["recent_step_p50_ms"], found.evidence["slowdown"]) == (2000.0, "200.0x (slow from 10x)")
     assert found.evidence["progress_budget_s"] == 30.0  # the assumed lag: 10x its 2 s steps is less
+
+
+def test_over_a_long_window_the_hit_rate_is_read_per_whole_minute(timelines: Timelines) -> None:
+    rows = without_requests() + _cached_chat(0, 400, 0.95, "cached") + _cached_chat(400, 590, 0.02, "fresh")
+    window = timelines.add("collapse_long", rows)
+    long = Window(window.end - timedelta(hours=3), window.end, window.engine)  # 180 s buckets: whole minutes
+    query, whole_minutes = _request_hits(long, 180, window.engine)
+    assert whole_minutes
+    forced = timelines.store.client.query(query.literal(), settings={
+        "force_optimize_projection_name": "requests_per_minute"}).result_rows
+    assert forced == timelines.store.query(query.literal()).result_rows
+    # Every plugin report that finished in the window's whole minutes, once.
+    lo, hi = (t.replace(second=0, microsecond=0) for t in (long.start + timedelta(minutes=1), long.end))
+    reported = [r for r in rows if isinstance(r, Request) and lo.timestamp() * 1e6 <= r.ts < hi.timestamp() * 1e6]
+    assert sum(int(r[2]) for r in forced) == len(reported) > 200
+    for found in prefix_cache_collapse(timelines.store, long):
+        assert found.evidence["hit_rate_from"].endswith(f"over the {WHOLE_MINUTES}")

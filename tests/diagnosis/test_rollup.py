@@ -15,14 +15,15 @@ from stepline.diagnosis.common import window_summary
 from stepline.diagnosis.detectors import as_json, diagnose
 from stepline.diagnosis.findings import Window
 from stepline.model import schema
-from stepline.model.rows import Event, GpuSample, Step, micros
+from stepline.model.rows import Event, GpuSample, Request, Step, micros
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW, _monster, insert, step
 
 T0 = (datetime.now(UTC) - timedelta(hours=2)).replace(second=0, microsecond=0)  # recent: within the retention
-PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("gpu_samples", "gpu_samples_per_minute"),
-               ("gpu_samples", "gpu_throttling_per_minute"), ("engine_samples", "engine_samples_per_minute"),
-               ("requests", "requests_by_prompt")}
+PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("steps", "steps_unscheduled_per_minute"),
+               ("gpu_samples", "gpu_samples_per_minute"), ("gpu_samples", "gpu_throttling_per_minute"),
+               ("engine_samples", "engine_samples_per_minute"), ("requests", "requests_by_prompt"),
+               ("requests", "requests_per_minute")}
 FORCED = {"force_optimize_projection": 1}
 ROWS_ONLY = {"optimize_use_projections": 0}
 
@@ -61,6 +62,7 @@ def test_a_new_store_has_the_projections(store: Store) -> None:
 @pytest.mark.parametrize(("bucket", "aggregates"), [
     ("toStartOfSecond(ts)", schema.STEP_AGGREGATES),
     ("toStartOfMinute(ts)", schema.STEP_AGGREGATES + schema.STEP_BASELINES),
+    ("toStartOfMinute(ts)", (schema.UNSCHEDULED_WHILE_WAITING,)),
 ])
 def test_projections_hold_what_the_rows_give(store: Store, bucket: str, aggregates: tuple[str, ...]) -> None:
     rows = _steps()
@@ -69,6 +71,27 @@ def test_projections_hold_what_the_rows_give(store: Store, bucket: str, aggregat
     projected = _per_bucket(store, bucket, aggregates, FORCED)  # raises if the projection cannot answer
     assert len(json.loads(projected)) > 10
     assert projected == _per_bucket(store, bucket, aggregates, ROWS_ONLY)
+
+
+def test_the_requests_projection_holds_what_the_reports_give(store: Store) -> None:
+    # Reports of every band, decoded or not (one token, or no TPOT), cached or not, from the plugin and from spans.
+    reports = [Request(micros(T0.timestamp() + i * 1.3), "h", f"e{i % 2}", 0, "m", f"r{i}",
+                       ("plugin", "otlp")[i % 3 == 0], "stop", micros(T0.timestamp() + i * 1.3 - 2), 0.01, 0.1, 1.0,
+                       1.1, 1.2, 0.2, (0.02 + (i % 7) / 100) if i % 5 else float("nan"),
+                       (100, 2000, 9000, 50_000, 150_000)[i % 5] + i, (i * 37) % 3000, 1 + i % 4, 0, 0)
+               for i in range(600)]
+    for i in range(0, len(reports), 100):
+        store.insert("requests", reports[i:i + 100], Request._fields)
+    sql = (f"WITH toStartOfMinute(ts) AS bucket SELECT engine, source, bucket AS b, {schema.PROMPT_BAND_INDEX} "
+           f"AS band, {', '.join(schema.REQUEST_AGGREGATES)} FROM requests GROUP BY engine, source, b, band "
+           "ORDER BY engine, source, b, band")
+    projected = store.client.query(sql, settings={"force_optimize_projection_name": "requests_per_minute"}).result_rows
+    assert len(projected) > 40 and {r[3] for r in projected} == {0, 1, 2, 3, 4}
+
+    def text(rows: Any) -> str:  # NaN == NaN as text; sums of shares to 12 digits (the order of additions differs)
+        return json.dumps([[f"{v:.12g}" if isinstance(v, float) else v for v in row] for row in rows], default=str)
+
+    assert text(projected) == text(store.client.query(sql, settings=ROWS_ONLY).result_rows)
 
 
 @pytest.mark.parametrize("aggregates", [schema.GPU_AGGREGATES, schema.GPU_THROTTLING])
@@ -156,6 +179,48 @@ def test_parts_from_the_beginning_and_short_windows() -> None:
     assert [(p.bucket, p.lo) for p in rollup.parts(None, end)] == [
         (rollup.MINUTE, None), (rollup.SECOND, T0 + timedelta(minutes=1)), (rollup.ROW, T0 + timedelta(seconds=90))]
     assert [p.bucket for p in rollup.parts(end - rollup.ROWS_UP_TO, end)] == [rollup.ROW]
+
+
+def test_parts_of_a_table_without_a_per_second_projection() -> None:
+    start, end = T0 + timedelta(seconds=7.5), T0 + timedelta(hours=2, seconds=30.25)
+    minutes = (T0 + timedelta(minutes=1), T0 + timedelta(hours=2))
+    # Whole minutes, then the rest in one read of rows: the partial minutes at both ends.
+    assert rollup.parts(start, end, seconds=False) == [
+        rollup.Part(rollup.MINUTE, *minutes), rollup.Part(rollup.ROW, start, end, closed=True, outside=minutes)]
+    assert rollup.parts(start, end, seconds=False, edges=False) == [rollup.Part(rollup.MINUTE, *minutes)]
+    assert rollup.parts(start, end, minutes=False, seconds=False) == [rollup.Part(rollup.ROW, start, end, closed=True)]
+    short = end - rollup.ROWS_UP_TO
+    assert rollup.parts(short, end, seconds=False, edges=False) == [rollup.Part(rollup.ROW, short, end, closed=True)]
+
+
+@pytest.mark.parametrize(("lo", "hi"), WINDOWS)
+def test_rolled_requests_without_seconds_equal_their_rows(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                                          lo: float, hi: float) -> None:
+    reports = [Request(micros(T0.timestamp() + i * 0.9), "h", "e0", 0, "m", f"r{i}", "plugin", "stop",
+                       micros(T0.timestamp() + i * 0.9 - 1), 0.01, 0.1, 1.0, 1.1, 1.2, 0.2, 0.03, 100 + i, i % 50, 5,
+                       0, 0) for i in range(700)]
+    reports.append(reports[0]._replace(ts=micros(T0.timestamp() + hi), request_id="at-the-end"))
+    store.insert("requests", reports, Request._fields)
+    aggs = (rollup.Agg("n", "countIf(prompt_tokens > 0)", "sum({})"), rollup.Agg("p", "sum(prompt_tokens)", "sum({})"))
+    start, end = T0 + timedelta(seconds=lo), T0 + timedelta(seconds=hi)
+    monkeypatch.setattr(rollup, "ROWS_UP_TO", timedelta(0))
+    sql, bounds = rollup.rolled(aggs, "1", start, end, table="requests", seconds=False)
+    projected = common.Query(sql, **bounds).rows(store)
+    exact = store.query("SELECT engine, countIf(prompt_tokens > 0), sum(prompt_tokens) FROM requests WHERE ts >= "
+                        "{a:DateTime64(6)} AND ts <= {b:DateTime64(6)} GROUP BY engine", parameters={
+                            "a": start.replace(tzinfo=None), "b": end.replace(tzinfo=None)}).result_rows
+    assert [tuple(r) for r in projected] == [tuple(r) for r in exact] and exact
+
+
+def test_a_windows_engines_include_spans_alone_and_not_what_lies_just_outside(store: Store) -> None:
+    start = T0 + timedelta(seconds=20)
+    span = Request(micros(start.timestamp() + 10), "h", "spans-only", 0, "m", "s1", "otlp", "", micros(
+        start.timestamp() + 8), 0.01, 0.1, 1.0, 1.1, 1.2, 0.2, 0.03, 100, 0, 5, 0, 0)
+    before = span._replace(engine="just-before", ts=micros(start.timestamp() - 5))  # the window's first minute
+    store.insert("requests", [span, before], Request._fields)
+    store.insert("steps", [_step(30.0, 1)], Step._fields)
+    for end in (start + timedelta(minutes=5), start + timedelta(hours=3)):
+        assert common.engines(store, Window(start, end)) == ["e1", "spans-only"]
 
 
 @pytest.mark.parametrize(("lo", "hi"), WINDOWS)

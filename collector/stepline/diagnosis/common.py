@@ -179,9 +179,9 @@ def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: 
 
 # The engines with rows in some minutes of a table, from its per-minute projection (schema.REQUESTS_PER_MINUTE,
 # ENGINE_SAMPLES_PER_MINUTE), and those of them with rows in the window itself.
-_TOUCHED = ("WITH toStartOfMinute(ts) AS bucket SELECT engine FROM {table} WHERE bucket >= {{lo:DateTime64(6)}} AND "
-            "bucket <= {{hi:DateTime64(6)}} GROUP BY engine")
-_IN_WINDOW = f"SELECT DISTINCT engine FROM {{table}} WHERE {ENGINES} AND {IN_WINDOW}"
+_TOUCHED = ("WITH toStartOfMinute(ts) AS bucket SELECT engine FROM TABLE WHERE bucket >= {lo:DateTime64(6)} AND "
+            "bucket <= {hi:DateTime64(6)} GROUP BY engine")
+_IN_WINDOW = f"SELECT DISTINCT engine FROM TABLE WHERE {ENGINES} AND {IN_WINDOW}"
 
 
 def engines(reader: Reads, window: Window) -> list[str]:
@@ -197,9 +197,9 @@ def engines(reader: Reads, window: Window) -> list[str]:
     # alone, or scraped while idle) is looked up in the window itself.
     lo, hi = (datetime.fromtimestamp(t.timestamp() // 60 * 60, UTC) for t in (window.start, window.end))
     for table in ("requests", "engine_samples"):
-        touched = {str(r[0]) for r in Query(_TOUCHED.format(table=table), lo=lo, hi=hi).rows(reader)} - seen
+        touched = {str(r[0]) for r in Query(_TOUCHED.replace("TABLE", table), lo=lo, hi=hi).rows(reader)} - seen
         if touched:
-            seen.update(str(r[0]) for r in Query(_IN_WINDOW.format(table=table), engines=sorted(touched),
+            seen.update(str(r[0]) for r in Query(_IN_WINDOW.replace("TABLE", table), engines=sorted(touched),
                                                  start=window.start, end=window.end).rows(reader))
     return sorted(seen - {""})
 

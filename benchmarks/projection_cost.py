@@ -1,12 +1,12 @@
-"""What each projection of gpu_samples and engine_samples costs at insert time.
+"""What each projection costs at insert time.
 
-The same synthetic rows (scale_data's SQL: `--hours` of an 8-GPU node's NVML at 10 Hz, and of one engine's
-/metrics every 5 s), made once into a table of their own, are copied by INSERT ... SELECT into copies of each
+The same synthetic rows (scale_data's SQL: `--hours` of an 8-GPU node's NVML at 10 Hz, of one engine's
+/metrics every 5 s and steps, and of eight engines' finished requests), made once into a table of their own, are copied by INSERT ... SELECT into copies of each
 table with no projection, with each projection alone, and with all of them, in one embedded store: the insert
 itself, what a collector's batches pay on the server. Each insert runs `--rounds` times into a fresh table and the
 best is kept. Printed: seconds per insert and the ratio against the table with no projection, in the same run.
 
-    python projection_cost.py [--hours 4] [--rounds 3]
+    python projection_cost.py [--hours 4] [--rounds 3] [--tables steps,requests]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from scale_data import Shape, engine_samples_sql, gpu_samples_sql
+from scale_data import Shape, engine_samples_sql, gpu_samples_sql, requests_sql, steps_sql
 
 from stepline.model import schema
 from stepline.store.store import Store
@@ -45,9 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tables", default="gpu_samples,engine_samples,steps,requests",
+                        help="comma-separated tables to time (default: every table with projections)")
     args = parser.parse_args(argv)
     shape = Shape(end_s=int(time.time()) // 60 * 60, hours=args.hours)
-    fills = {"gpu_samples": gpu_samples_sql(shape), "engine_samples": engine_samples_sql(shape, 0)}
+    every: dict[str, list[str]] = {"gpu_samples": [gpu_samples_sql(shape)],
+                                   "engine_samples": [engine_samples_sql(shape, 0)], "steps": [steps_sql(shape, 0)],
+                                   "requests": [requests_sql(shape, e) for e in range(shape.engines)]}
+    fills = {name: every[name] for name in args.tables.split(",")}
     tmp = tempfile.mkdtemp(prefix="stepline-projections-")
     store = Store.open(f"chdb://{tmp}/store")
     try:
@@ -55,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, made in fills.items():
             bare = replace(schema.TABLE_BY_NAME[name], projections=())
             store.client.command(schema.create_table_sql(store.database, bare, 30, name=f"made_{name}"))
-            store.client.command(made.replace(f"INSERT INTO {name} ", f"INSERT INTO made_{name} ", 1))
+            for sql in made:
+                store.client.command(sql.replace(f"INSERT INTO {name} ", f"INSERT INTO made_{name} ", 1))
             fill = f"INSERT INTO `{store.database}`.`{name}` SELECT * FROM `{store.database}`.`made_{name}`"
             baseline = 0.0
             for label, table in _variants(schema.TABLE_BY_NAME[name]):

@@ -68,6 +68,9 @@ def test_a_recording_outside_the_baselines_interval_widens_every_plan_by_the_mis
     ttft = lever["ttft_p99_s"]
     assert ttft.value == 0.4 and ttft.low == pytest.approx(0.27) and ttft.high == pytest.approx(0.55)
     assert lever["goodput_rps"] == Band(3.0, 2.9, 3.1)
+    # A miss of more than 100% (the recording 3x the highest replay) widens the low end to 0, never below.
+    far = widened({"ttft_p99_s": Band(0.4, 0.36, 0.44)}, misses(_figures(ttft_p99=3.6, goodput=2.05), baseline))
+    assert far["ttft_p99_s"].low == 0.0 and far["ttft_p99_s"].high == pytest.approx(0.44 * 3)
 
 
 def test_a_cost_of_another_form_shows_in_the_form_error_where_the_total_cancels_out() -> None:

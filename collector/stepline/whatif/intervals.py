@@ -91,9 +91,10 @@ def misses(recorded: Figures, baseline: dict[str, Band]) -> dict[str, float]:
 
 
 def widened(b: dict[str, Band], miss: dict[str, float]) -> dict[str, Band]:
-    """`b` with each missed figure's interval widened by the miss, either way."""
-    return {name: Band(band.value, band.low * (1 - miss[name]), band.high * (1 + miss[name])) if name in miss
-            else band for name, band in b.items()}
+    """`b` with each missed figure's interval widened by the miss, either way; never below 0 (every figure is a
+    latency or a rate: a miss of more than 100% took a low end below 0, printed as -0.0)."""
+    return {name: Band(band.value, max(0.0, band.low * (1 - miss[name])), band.high * (1 + miss[name]))
+            if name in miss else band for name, band in b.items()}
 
 
 def knife_edge(central: tuple[Figures, str], spread: Sequence[tuple[Figures, str]],

@@ -1,10 +1,11 @@
 """What each projection costs at insert time.
 
-The same synthetic rows (scale_data's SQL: `--hours` of an 8-GPU node's NVML at 10 Hz, of one engine's
-/metrics every 5 s and steps, and of eight engines' finished requests), made once into a table of their own, are copied by INSERT ... SELECT into copies of each
-table with no projection, with each projection alone, and with all of them, in one embedded store: the insert
-itself, what a collector's batches pay on the server. Each insert runs `--rounds` times into a fresh table and the
-best is kept. Printed: seconds per insert and the ratio against the table with no projection, in the same run.
+The same synthetic rows (scale_data's SQL: `--hours` of an 8-GPU node's NVML at 10 Hz, of one engine's /metrics
+every 5 s and steps, and of eight engines' finished requests), made once into a table of their own, are copied by
+INSERT ... SELECT into copies of each table with no projection, with each projection alone, and with all of them,
+in one embedded store: the insert itself, what a collector's batches pay on the server. Each insert runs `--rounds`
+times into a fresh table and the best is kept. Printed: seconds per insert and the ratio against the table with no
+projection, in the same run.
 
     python projection_cost.py [--hours 4] [--rounds 3] [--tables steps,requests]
 """

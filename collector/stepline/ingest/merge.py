@@ -90,7 +90,7 @@ def arrival_tolerance_us(request: Request) -> int:
     return _ROUNDING_US + math.ceil(e2e * _FLOAT32_SLACK * 1e6)
 
 
-@dataclass
+@dataclass(slots=True)
 class Known:
     """One request as its reports so far told it: the arrival that keys it, and each source's own arrival."""
 
@@ -204,9 +204,9 @@ class RecentRequests:
 
     @staticmethod
     def _new(report: Request, mask: int) -> Known:
-        known = Known(report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts)
-        known.add(report, mask)
-        return known
+        # What Known(...).add(report, mask) gives, built at once: one per request on the writer's path.
+        return Known(report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts,
+                     {report.source: report.arrival_ts}, mask)
 
     def _forget(self, now: float) -> None:
         """Under the lock: drop entries past the window or beyond the bound, oldest first."""

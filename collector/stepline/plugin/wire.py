@@ -263,6 +263,21 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _N_REASONS = len(FINISH_REASONS)
 
 
+class Float32Samples(list):  # type: ignore[type-arg]  # list[float]; a generic base would need Python 3.12's list
+    """A step's samples as floats, with the little-endian float32 bytes the wire carried them in (`float32_le`): what
+    a store's Native Array(Float32) column takes as it is (stepline.store.batches), instead of converting every
+    sample back (2.3 of the 3.7 µs a step took to encode, 63 ITL samples a step). Compares as the list it is."""
+
+    __slots__ = ("float32_le",)
+    float32_le: bytes
+
+
+def _samples(view: memoryview, start: int, end: int) -> list[float]:
+    samples = Float32Samples(view[start:end].cast("f").tolist())
+    samples.float32_le = bytes(view[start:end])
+    return samples
+
+
 def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, tuple[Any, ...], Any, Any]]:
     """The records from `offset` on, validated, as plain values (for code that builds its own rows):
 
@@ -295,8 +310,8 @@ def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, tuple[Any, ...
                 raise WireError(f"step timestamp {fields[0]} is not a time")
             split = start + _STEP_SIZE + 4 * n_ttft
             if _LITTLE_ENDIAN:
-                ttft = view[start + _STEP_SIZE:split].cast("f").tolist()
-                itl = view[split:offset].cast("f").tolist()
+                ttft = _samples(view, start + _STEP_SIZE, split)
+                itl = _samples(view, split, offset)
             else:
                 ttft = list(struct.unpack_from(f"<{n_ttft}f", data, start + _STEP_SIZE))
                 itl = list(struct.unpack_from(f"<{n_itl}f", data, split))

@@ -11,16 +11,19 @@ from typing import Any
 import pytest
 
 from stepline.diagnosis import common, rollup
+from stepline.diagnosis.baseline import baselines
 from stepline.diagnosis.common import window_summary
 from stepline.diagnosis.detectors import as_json, diagnose
 from stepline.diagnosis.findings import Window
 from stepline.model import schema
 from stepline.model.rows import Event, GpuSample, Request, Step, micros
 from stepline.store.store import Store
+from tests.diagnosis.test_detectors import T0 as STEP_T0
 from tests.diagnosis.test_detectors import WINDOW, _monster, insert, step
 
 T0 = (datetime.now(UTC) - timedelta(hours=2)).replace(second=0, microsecond=0)  # recent: within the retention
 PROJECTIONS = {("steps", "steps_per_second"), ("steps", "steps_per_minute"), ("steps", "steps_unscheduled_per_minute"),
+               ("steps", "steps_baselines_per_hour"),
                ("gpu_samples", "gpu_samples_per_minute"), ("gpu_samples", "gpu_throttling_per_minute"),
                ("engine_samples", "engine_samples_per_minute"), ("requests", "requests_by_prompt"),
                ("requests", "requests_per_minute")}
@@ -63,13 +66,14 @@ def test_a_new_store_has_the_projections(store: Store) -> None:
     ("toStartOfSecond(ts)", schema.STEP_AGGREGATES),
     ("toStartOfMinute(ts)", schema.STEP_AGGREGATES + schema.STEP_BASELINES),
     ("toStartOfMinute(ts)", (schema.UNSCHEDULED_WHILE_WAITING,)),
+    ("toStartOfHour(ts)", schema.STEP_BASELINES),
 ])
 def test_projections_hold_what_the_rows_give(store: Store, bucket: str, aggregates: tuple[str, ...]) -> None:
     rows = _steps()
     for i in range(0, len(rows), 200):  # several inserts: several parts, as a collector's batches make
         store.insert("steps", rows[i:i + 200], Step._fields)
     projected = _per_bucket(store, bucket, aggregates, FORCED)  # raises if the projection cannot answer
-    assert len(json.loads(projected)) > 10
+    assert len(json.loads(projected)) > (1 if bucket == rollup.HOUR else 10)
     assert projected == _per_bucket(store, bucket, aggregates, ROWS_ONLY)
 
 
@@ -287,3 +291,31 @@ def test_the_exact_budget_goes_to_the_engines_with_the_fewest_steps() -> None:
     assert sum(steps[e] for e in exact) <= common.EXACT_MAX_QUERY_STEPS
     # Without whole minutes in the window there is no projection to read: every engine is exact.
     assert common.exact_and_approximate(steps, False) == (sorted(steps), [])
+
+
+def test_the_span_of_approximate_quantiles() -> None:
+    hour = T0.replace(minute=0)
+    long = rollup.approximate_span(hour - timedelta(hours=12, minutes=20), hour + timedelta(minutes=7))
+    assert long is not None and (long.bucket, long.lo, long.hi) == (rollup.HOUR, hour - timedelta(hours=12), hour)
+    shorter = rollup.approximate_span(hour - timedelta(hours=11, minutes=20), hour + timedelta(minutes=7, seconds=3))
+    assert shorter is not None and (shorter.bucket, shorter.lo, shorter.hi) == (
+        rollup.MINUTE, hour - timedelta(hours=11, minutes=20), hour + timedelta(minutes=7))
+    assert rollup.approximate_span(hour + timedelta(seconds=10), hour + timedelta(seconds=50)) is None
+    assert long.reads("WITH toStartOfMinute(ts) AS bucket SELECT 1") == "WITH toStartOfHour(ts) AS bucket SELECT 1"
+
+
+def test_windows_of_twelve_hours_take_baselines_from_the_hour_projection(store: Store,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One engine decodes all along (a step a minute, 20 ms); another only after the window's last whole hour (30 ms).
+    hour = datetime.fromtimestamp(STEP_T0.timestamp() // 3600 * 3600, UTC)  # step() counts from STEP_T0
+    start = (hour - STEP_T0).total_seconds() - 13 * 3600
+    insert(store, [step(start + 60 * i, elapsed_ms=20.0)._replace(engine="all-along") for i in range(13 * 60 + 15)])
+    insert(store, [step((hour - STEP_T0).total_seconds() + 60 + 20 * i, elapsed_ms=30.0)._replace(engine="came-late")
+                   for i in range(30)])
+    window = Window(hour - timedelta(hours=13), hour + timedelta(minutes=20))
+    monkeypatch.setattr(common, "EXACT_MAX_STEPS", 10)  # as if a day of busy engines
+    base = baselines(store, window, ["all-along", "came-late"])
+    along, late = base["all-along"], base["came-late"]
+    assert along.decode_step_ms == pytest.approx(20.0, rel=0.01) and "per-hour" in along.approximate
+    assert late.decode_step_ms == pytest.approx(30.0, rel=0.01) and "per-minute" in late.approximate
+    assert along.evidence()["baseline_quantiles"] == along.approximate

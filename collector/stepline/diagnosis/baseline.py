@@ -14,12 +14,12 @@ projection, and the evidence says so (`baseline_quantiles`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from stepline.diagnosis.common import (
-    APPROXIMATE,
     config_int,
     engine_configs,
     exact_and_approximate,
@@ -28,7 +28,7 @@ from stepline.diagnosis.common import (
     window_summary,
 )
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.rollup import whole_minutes
+from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span
 from stepline.queries.baselines import DECODE_APPROXIMATE, DECODE_EXACT
 from stepline.store.reads import Reads
 
@@ -105,7 +105,7 @@ class Baseline:
     itl_p99_s: float
     budget_tokens: int  # max_num_batched_tokens, else the largest chunk seen; 0 when neither is known
     budget_from: str  # "engine_config", "largest chunk seen", "largest step seen" or "unknown"
-    approximate: bool = False  # quantiles from the per-minute projection
+    approximate: str = ""  # where approximate quantiles came from (rollup.Span.says); "" for exact ones
     before_window: bool = False  # the window had no decode-only step: figures from the BASELINE_LOOKBACK before it
 
     def evidence(self) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class Baseline:
         out: dict[str, Any] = {"baseline_decode_step_p50_ms": round(self.decode_step_ms, 1),
                                "token_budget": self.budget_tokens, "token_budget_from": self.budget_from}
         if self.approximate:
-            out["baseline_quantiles"] = APPROXIMATE
+            out["baseline_quantiles"] = self.approximate
         if self.before_window:
             out["baseline_from"] = f"decode-only steps in the {BASELINE_LOOKBACK} before the window"
         return out
@@ -146,18 +146,19 @@ def budgets(reader: Reads, window: Window) -> dict[str, tuple[int, str]]:
 def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Baseline]:
     """engine -> its Baseline, for each of `names` (NO_BASELINE's figures where it has none)."""
     summary = window_summary(reader, window)
-    minutes = whole_minutes(window.start, window.end)
+    span = approximate_span(window.start, window.end)
     small, big = exact_and_approximate({e: int(summary.get(e, {}).get("steps", 0)) for e in names},
-                                       minutes is not None)
-    figures: dict[str, tuple[float, Any, bool]] = {}
+                                       span is not None)
+    figures: dict[str, tuple[float, Any, str]] = {}
     if small:
         for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, small, start=window.start,
                                                    end=window.end).values():
-            figures[str(engine)] = (number(step_ms), itl, False)
-    if big and minutes is not None:
-        for engine, step_ms, itl in rows_by_engine(reader, DECODE_APPROXIMATE, big, lo=minutes[0],
-                                                   hi=minutes[1]).values():
-            figures[str(engine)] = (number(step_ms), itl, True)
+            figures[str(engine)] = (number(step_ms), itl, "")
+    def read_span(over: Span, engines: list[str]) -> Iterable[tuple[Any, ...]]:
+        return rows_by_engine(reader, over.reads(DECODE_APPROXIMATE), engines, lo=over.lo, hi=over.hi).values()
+
+    for engine, ((_, step_ms, itl), over) in approximate_rows(read_span, big, window.start, window.end).items():
+        figures[engine] = (number(step_ms), itl, over.says)
     # A window inside a long prefill has no decode-only step: the engine's figures from just before it.
     missing = sorted(e for e in names if figures.get(e, (0.0,))[0] <= 0)
     earlier: set[str] = set()
@@ -166,12 +167,12 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
         for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, missing, start=before,
                                                    end=window.start).values():
             if number(step_ms) > 0:
-                figures[str(engine)] = (number(step_ms), itl, False)
+                figures[str(engine)] = (number(step_ms), itl, "")
                 earlier.add(str(engine))
     known = budgets(reader, window)
     out = {}
     for engine in names:
-        step_ms, itl, approximate = figures.get(engine, (0.0, [], False))
+        step_ms, itl, approximate = figures.get(engine, (0.0, [], ""))
         budget, source = known.get(engine, (0, "unknown"))
         itl50, itl99 = (number(itl[0]), number(itl[1])) if itl else (0.0, 0.0)
         out[engine] = Baseline(step_ms, itl50, itl99, budget, source, approximate, engine in earlier)

@@ -127,7 +127,6 @@ EXACT_MAX_STEPS = 100_000
 # with the most steps come from the projection, so that a fleet's window costs what a node's does (64 engines x
 # 30 min are 5.2M steps: 0.65 s exact; an 8-GPU node's half hour, 650k steps, stays exact).
 EXACT_MAX_QUERY_STEPS = 1_000_000
-APPROXIMATE = "per-minute projection, bfloat16 (within ~1%)"
 
 
 def exact_and_approximate(steps: dict[str, int], whole_minutes: bool) -> tuple[list[str], list[str]]:

@@ -7,7 +7,6 @@ from typing import Any
 
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
-    APPROXIMATE,
     Query,
     clip,
     engines,
@@ -18,7 +17,7 @@ from stepline.diagnosis.common import (
     window_summary,
 )
 from stepline.diagnosis.findings import Finding, Window
-from stepline.diagnosis.rollup import whole_minutes
+from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span, whole_minutes
 from stepline.model.schema import DECODED, PROMPT_BAND_INDEX, PROMPT_BANDS
 from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT
 from stepline.queries.requests import MERGED, PROMPT_BAND
@@ -60,24 +59,27 @@ RATES_APPROXIMATE = ("per-minute projection of the requests, bfloat16 (within ~1
                      "reports (vLLM's own TPOT) where it reports the engine, else the spans'")
 
 
-def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, float, float], float, bool]]:
-    """engine -> (quiet steps, their decode rates p10/p50/p90, their step p50 ms, approximate?), for the engines
-    with at least 20 quiet steps; exact, or approximate beyond the exact budget (common.exact_and_approximate)."""
+def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, float, float], float, str]]:
+    """engine -> (quiet steps, their decode rates p10/p50/p90, their step p50 ms, where approximate quantiles came
+    from or ""), for the engines with at least 20 quiet steps; exact, or approximate beyond the exact budget
+    (common.exact_and_approximate)."""
     counts = {e: (int(s["steps"]), int(s["alone_steps"])) for e, s in window_summary(reader, window).items()
               if s["alone_steps"] >= 20}
-    minutes = whole_minutes(window.start, window.end)
-    small, big = exact_and_approximate({e: steps for e, (steps, _) in counts.items()}, minutes is not None)
-    out: dict[str, tuple[int, tuple[float, float, float], float, bool]] = {}
+    span = approximate_span(window.start, window.end)
+    small, big = exact_and_approximate({e: steps for e, (steps, _) in counts.items()}, span is not None)
+    out: dict[str, tuple[int, tuple[float, float, float], float, str]] = {}
     if small:
         for engine, rate, step_ms in Query(ALONE_EXACT, engines=small, start=window.start,
                                            end=window.end).rows(reader):
             out[str(engine)] = (counts[engine][1], (number(rate[0]), number(rate[1]), number(rate[2])),
-                                number(step_ms), False)
-    if big and minutes is not None:
-        for engine, ms in Query(ALONE_APPROXIMATE, engines=big, lo=minutes[0], hi=minutes[1]).rows(reader):
-            p10, p50, p90 = (number(v) for v in ms)
-            rates = tuple(1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
-            out[str(engine)] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, True)
+                                number(step_ms), "")
+    def read_span(over: Span, engines: list[str]) -> list[tuple[Any, ...]]:
+        return Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)
+
+    for engine, ((_, ms), over) in approximate_rows(read_span, big, window.start, window.end).items():
+        p10, p50, p90 = (number(v) for v in ms)
+        rates = tuple(1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
+        out[engine] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, over.says)
     return out
 
 
@@ -131,7 +133,7 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
             "alone_from": "steps without prefill and 1-4 decoding requests: 1000 / elapsed_ms",
             "slow_from": f"{LOAD_SLOWDOWN:g}x below the alone p50"}
         if approximate:
-            evidence["alone_quantiles"] = APPROXIMATE
+            evidence["alone_quantiles"] = approximate
         if rates_approximate:
             evidence["under_load_quantiles"] = RATES_APPROXIMATE
         rate = f"{number(worst[3]):.1f}..{number(worst[4]):.1f}"

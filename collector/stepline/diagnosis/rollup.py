@@ -9,11 +9,13 @@ and only those whose parts combine (sums, counts, min, max, argMax); quantiles c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 MINUTE, SECOND, ROW = "toStartOfMinute(ts)", "toStartOfSecond(ts)", "ts"
+HOUR = "toStartOfHour(ts)"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 ROWS_UP_TO = timedelta(hours=1)
 """Windows this short read the steps themselves: on a busy node their rows cost less than the projections' parts."""
@@ -117,3 +119,55 @@ def whole_minutes(start: datetime, end: datetime) -> tuple[datetime, datetime] |
     minute = timedelta(minutes=1)
     lo, hi = _ceil(start, minute), _floor(end, minute)
     return (lo, hi) if lo < hi else None
+
+
+# Quantiles over a window this many whole hours long or more come from per-hour states (the window's whole hours;
+# the partial hours at its ends, under 2 of 12, are left out); shorter windows from the whole minutes.
+HOURS_FROM = 12
+
+
+@dataclass(frozen=True)
+class Span:
+    """Whole buckets [lo, hi) of a window that approximate quantiles are read over, and how to say so."""
+
+    bucket: str  # the bucket expression the projection is keyed by
+    lo: datetime
+    hi: datetime
+    says: str  # for the evidence
+
+    def reads(self, sql: str) -> str:
+        """`sql`, written over whole minutes (`WITH toStartOfMinute(ts) AS bucket`), over this span's buckets."""
+        return sql.replace(f"WITH {MINUTE} AS bucket", f"WITH {self.bucket} AS bucket")
+
+
+def approximate_span(start: datetime, end: datetime) -> Span | None:
+    """The whole hours of a window HOURS_FROM hours long or more, else its whole minutes; None without either.
+    An engine the hours do not hold (it started in the last partial hour) is read over `minute_span`."""
+    hour = timedelta(hours=1)
+    lo, hi = _ceil(start, hour), _floor(end, hour)
+    if hi - lo >= HOURS_FROM * hour:
+        return Span(HOUR, lo, hi, "per-hour projection, bfloat16 (within ~1%), the window's whole hours")
+    return minute_span(start, end)
+
+
+def minute_span(start: datetime, end: datetime) -> Span | None:
+    """The whole minutes of a window; None without one."""
+    minutes = whole_minutes(start, end)
+    if minutes is None:
+        return None
+    return Span(MINUTE, minutes[0], minutes[1], "per-minute projection, bfloat16 (within ~1%)")
+
+
+def approximate_rows(read: Callable[[Span, list[str]], Iterable[tuple[Any, ...]]], engines: Sequence[str],
+                     start: datetime, end: datetime) -> dict[str, tuple[tuple[Any, ...], Span]]:
+    """engine -> (its row of `read(span, engines)`, the span it came from) for `engines`: over the window's
+    approximate_span, then over its whole minutes for the engines the hours held nothing of."""
+    out: dict[str, tuple[tuple[Any, ...], Span]] = {}
+    span = approximate_span(start, end)
+    if span is None or not engines:
+        return out
+    out.update((str(row[0]), (tuple(row), span)) for row in read(span, list(engines)))
+    rest = [e for e in engines if e not in out]
+    if rest and span.bucket == HOUR and (minutes := minute_span(start, end)) is not None:
+        out.update((str(row[0]), (tuple(row), minutes)) for row in read(minutes, rest))
+    return out

@@ -9,7 +9,8 @@ The figures, per engine over the diagnosis window:
 Findings print the figures they compared (`Baseline.evidence`), and the limit they were compared with.
 Quantiles are exact up to `common.EXACT_MAX_STEPS` steps an engine and `common.EXACT_MAX_QUERY_STEPS` steps of all
 the engines one query reads (the engines with the fewest steps first); beyond, they come from the steps' per-minute
-projection, and the evidence says so (`baseline_quantiles`).
+projection, or over a window of `rollup.HOURS_FROM` whole hours or more from the per-hour one (its whole hours), and
+the evidence says which (`baseline_quantiles`).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def number(value: Any, default: float = 0.0) -> float:
 
 
 # Quantiles over more steps than this per engine come from the per-minute projection (bfloat16: ~3 significant
-# digits) instead of every step: exact up to about 35 minutes of a busy engine, cheap beyond.
+# digits; per hour over windows of rollup.HOURS_FROM hours) instead of every step: exact up to about 35 minutes of a
+# busy engine, cheap beyond.
 EXACT_MAX_STEPS = 100_000
 # ... and one query reads at most this many steps exactly, of all the engines it asks about: beyond it, the engines
 # with the most steps come from the projection, so that a fleet's window costs what a node's does (64 engines x

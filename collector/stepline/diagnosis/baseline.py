@@ -155,6 +155,7 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
         for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, small, start=window.start,
                                                    end=window.end).values():
             figures[str(engine)] = (number(step_ms), itl, "")
+
     def read_span(over: Span, engines: list[str]) -> Iterable[tuple[Any, ...]]:
         return rows_by_engine(reader, over.reads(DECODE_APPROXIMATE), engines, lo=over.lo, hi=over.hi).values()
 

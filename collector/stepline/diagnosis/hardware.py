@@ -73,6 +73,7 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
                                            end=window.end).rows(reader):
             out[str(engine)] = (counts[engine][1], (number(rate[0]), number(rate[1]), number(rate[2])),
                                 number(step_ms), "")
+
     def read_span(over: Span, engines: list[str]) -> list[tuple[Any, ...]]:
         return Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)
 

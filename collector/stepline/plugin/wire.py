@@ -273,8 +273,9 @@ class Float32Samples(list):  # type: ignore[type-arg]  # list[float]; a generic 
 
 
 def _samples(view: memoryview, start: int, end: int) -> list[float]:
-    samples = Float32Samples(view[start:end].cast("f").tolist())
-    samples.float32_le = bytes(view[start:end])
+    part = view[start:end]
+    samples = Float32Samples(part.cast("f").tolist())
+    samples.float32_le = part.tobytes()
     return samples
 
 

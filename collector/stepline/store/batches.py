@@ -132,19 +132,22 @@ def _writer(type_: str) -> Callable[[Sequence[Any]], bytes] | None:
         return _float32_arrays
     if found and found.group(1) in _FIXED:
         code = _FIXED[found.group(1)]
-        return lambda values: (_numbers("Q", accumulate(map(len, values)))
-                               + _numbers(code, chain.from_iterable(values)))
+        return lambda values: _arrays(code, values)
     return None
+
+
+def _arrays(code: str, values: Sequence[Any]) -> bytes:
+    """An array column: each row's end offset, then every element."""
+    return _numbers("Q", accumulate(map(len, values))) + _numbers(code, chain.from_iterable(values))
 
 
 def _float32_arrays(values: Sequence[Any]) -> bytes:
     """Array(Float32): samples that still carry their wire bytes (stepline.plugin.wire.Float32Samples, whatever
     else holds `float32_le`) are written as they are; any others are converted."""
-    offsets = _numbers("Q", accumulate(map(len, values)))
     raw = [getattr(v, "float32_le", None) for v in values]
     if None not in raw:  # little-endian already, as Native is on any machine
-        return offsets + b"".join(raw)  # type: ignore[arg-type]
-    return offsets + _numbers("f", chain.from_iterable(values))
+        return _numbers("Q", accumulate(map(len, values))) + b"".join(raw)  # type: ignore[arg-type]
+    return _arrays("f", values)
 
 
 @functools.cache
@@ -163,11 +166,9 @@ def _plain_columns(table: str) -> tuple[tuple[bytes, Callable[[Sequence[Any]], b
 
 def _encode_plain(columns: Sequence[tuple[bytes, Callable[[Sequence[Any]], bytes]]],
                   rows: Sequence[Sequence[Any]]) -> bytes:
-    values = list(zip(*rows, strict=True))
-    if len(values) != len(columns):
-        raise ValueError(f"rows of {len(values)} values for {len(columns)} columns")
     parts = [_varint(len(columns)), _varint(len(rows))]
-    for (head, writer), column in zip(columns, values, strict=True):
+    # strict: rows of unequal length, or of another length than the table's, raise ValueError (the general encoder).
+    for (head, writer), column in zip(columns, zip(*rows, strict=True), strict=True):
         parts.append(head)
         parts.append(writer(column))
     return b"".join(parts)

@@ -37,11 +37,10 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from operator import eq, itemgetter
-from typing import get_type_hints
+from typing import Any, get_type_hints
 
 from stepline.model.rows import Request
 
@@ -51,12 +50,15 @@ _MERGED = tuple(i for i, name in enumerate(Request._fields)
                 if name not in ("ts", "host", "engine", "request_id", "arrival_ts"))
 _BIT = {i: 1 << bit for bit, i in enumerate(_MERGED)}
 _SOURCE = Request._fields.index("source")
+_ARRIVAL_FIELD = Request._fields.index("arrival_ts")
+_make_request = Request._make
 _SOURCE_BIT = _BIT[_SOURCE]
 # Seconds are known unless NaN (0.0 is a time); counts and text unless 0 or empty.
 _TYPES = get_type_hints(Request)
 _SECONDS = tuple(i for i in _MERGED if _TYPES[Request._fields[i]] is float)
 _PLAIN = tuple(i for i in _MERGED if i not in _SECONDS and i != _SOURCE)
 _SECONDS_BITS = tuple(_BIT[i] for i in _SECONDS)
+_ALL_SECONDS = sum(_SECONDS_BITS)
 _PLAIN_BITS = tuple(_BIT[i] for i in _PLAIN)
 _seconds_fields = itemgetter(*_SECONDS)
 _plain_fields = itemgetter(*_PLAIN)
@@ -74,11 +76,12 @@ def known_fields(request: Request) -> int:
     them wrote; `source` counts only as 'plugin', the value that outranks 'otlp'.
     """
     # On the writer's path for every report (two thirds of a busy engine's rows): the fields are tested in C
-    # (NaN is the one value not equal to itself; compress keeps the bits of the truthy counts and texts), half the
-    # cost of a Python loop over them.
+    # (NaN is the one value not equal to itself, and a sum holding one is NaN: most reports know every time; compress
+    # keeps the bits of the truthy counts and texts), a third of the cost of a Python loop over them.
     seconds = _seconds_fields(request)
-    mask = sum(compress(_SECONDS_BITS, map(eq, seconds, seconds))) + sum(compress(_PLAIN_BITS,
-                                                                                  _plain_fields(request)))
+    total = sum(seconds)
+    known_seconds = _ALL_SECONDS if total == total else sum(compress(_SECONDS_BITS, map(eq, seconds, seconds)))
+    mask = known_seconds + sum(compress(_PLAIN_BITS, _plain_fields(request)))
     return mask | _SOURCE_BIT if request[_SOURCE] == "plugin" else mask
 
 
@@ -90,46 +93,57 @@ def arrival_tolerance_us(request: Request) -> int:
     return _ROUNDING_US + math.ceil(e2e * _FLOAT32_SLACK * 1e6)
 
 
-@dataclass(slots=True)
-class Known:
-    """One request as its reports so far told it: the arrival that keys it, and each source's own arrival."""
+# A request as its reports so far told it, kept as a plain tuple of numbers and strings:
+#     (arrival_ts that keys it, prompt_tokens, generation_tokens, latest finish ts, known_fields of its reports,
+#      source, that report's arrival_ts[, source, arrival_ts ...])
+# The garbage collector stops following a tuple of numbers and strings at its first pass; objects, lists, dicts and
+# named tuples it follows at every full collection, with the GIL held. Held as a dataclass, a dict and a list per
+# request, the 500,000 requests this memory may hold were 1.5M objects and 0.3 s a full collection (gctune's,
+# every 5 minutes); and freeing a discarded memory took the young collection 0.5 s. (benchmarks/RESULTS.md)
+Known = tuple[Any, ...]
+_ARRIVAL, _PROMPT, _GENERATION, _TS, _MASK, _REPORTS = range(6)
 
-    arrival_ts: int
-    prompt_tokens: int
-    generation_tokens: int
-    ts: int  # the latest finish time a report gave
-    reports: dict[str, int] = field(default_factory=dict)  # source -> that report's arrival_ts
-    mask: int = 0
 
-    def takes(self, report: Request) -> bool:
-        """Whether `report` is of this request (the rule the module's docstring states)."""
-        own = self.reports.get(report.source)
-        if own is not None:
-            return own == report.arrival_ts  # the same report again; any other is another request's
-        return (abs(report.arrival_ts - self.arrival_ts) <= arrival_tolerance_us(report)
-                and _agree(self.prompt_tokens, report.prompt_tokens)
-                and _agree(self.generation_tokens, report.generation_tokens))
+def _known(report: Request, mask: int) -> Known:
+    return (report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts, mask, report.source,
+            report.arrival_ts)
 
-    def add(self, report: Request, mask: int | None = None) -> None:
-        """Take `report` in; `mask`: its known_fields, when the caller has them already."""
-        self.reports.setdefault(report.source, report.arrival_ts)
-        self.prompt_tokens = self.prompt_tokens or report.prompt_tokens
-        self.generation_tokens = self.generation_tokens or report.generation_tokens
-        self.ts = max(self.ts, report.ts)
-        self.mask |= known_fields(report) if mask is None else mask
+
+def _takes(known: Known, report: Request) -> bool:
+    """Whether `report` is of the request `known` (the rule the module's docstring states)."""
+    source = report.source
+    sources = known[_REPORTS::2]
+    if source in sources:  # the same report again; any other report of its source is another request's
+        own: int = known[_REPORTS + 2 * sources.index(source) + 1]
+        return own == report.arrival_ts
+    return (abs(report.arrival_ts - known[_ARRIVAL]) <= arrival_tolerance_us(report)
+            and _agree(known[_PROMPT], report.prompt_tokens)
+            and _agree(known[_GENERATION], report.generation_tokens))
+
+
+def _joined(known: Known, report: Request, mask: int) -> Known:
+    """`known` with `report` taken in; `mask`: the report's known_fields."""
+    reports = known[_REPORTS:]
+    if report.source not in reports[::2]:
+        reports = (*reports, report.source, report.arrival_ts)
+    return (known[_ARRIVAL], known[_PROMPT] or report.prompt_tokens, known[_GENERATION] or report.generation_tokens,
+            max(known[_TS], report.ts), known[_MASK] | mask, *reports)
 
 
 def _agree(known: int, reported: int) -> bool:
     return not known or not reported or known == reported
 
 
-def closest(candidates: Iterable[Known], report: Request) -> Known | None:
-    """The known request `report` is of: of those that take it, the one whose arrival is closest."""
-    best: Known | None = None
-    for known in candidates:
-        if known.takes(report) and (best is None or abs(known.arrival_ts - report.arrival_ts)
-                                    < abs(best.arrival_ts - report.arrival_ts)):
-            best = known
+def closest(candidates: Sequence[Known], report: Request) -> int | None:
+    """Which of the known requests `report` is of (an index of `candidates`): of those that take it, the one whose
+    arrival is closest."""
+    if len(candidates) == 1:  # one request under the id, as nearly always
+        return 0 if _takes(candidates[0], report) else None
+    best: int | None = None
+    for i, known in enumerate(candidates):
+        if _takes(known, report) and (best is None or abs(known[_ARRIVAL] - report.arrival_ts)
+                                      < abs(candidates[best][_ARRIVAL] - report.arrival_ts)):
+            best = i
     return best
 
 
@@ -150,7 +164,8 @@ class RecentRequests:
         self.max_entries = max_entries
         self._monotonic = monotonic
         self._wall = wall
-        self._seen: OrderedDict[tuple[str, str], tuple[float, list[Known]]] = OrderedDict()
+        # (engine, request id) -> (when first seen, Known, ...): plain tuples, which the garbage collector leaves be.
+        self._seen: OrderedDict[tuple[str, str], tuple[Any, ...]] = OrderedDict()
         self._oldest_at = monotonic()  # when the oldest entry was seen: nothing to forget before window_s after it
         # Reports finished before this (µs) may be of requests this memory never saw or forgot: until the store is
         # read (`remembered_window`), everything before this process started.
@@ -168,19 +183,24 @@ class RecentRequests:
             entry = seen.get(key)
             if entry is None:
                 now = self._monotonic()
-                seen[key] = (now, [self._new(report, mask)])
+                seen[key] = (now, _known(report, mask))
                 if len(seen) > self.max_entries or now - self._oldest_at > self._window_s:
                     self._forget(now)
                 return report
-            known = closest(entry[1], report)  # the entry keeps its place: forgotten when its first report would be
-            if known is None:
-                entry[1].append(self._new(report, mask))
+            # The entry keeps its place (an OrderedDict's value replaced): forgotten when its first report would be.
+            found = closest(entry[1:], report)
+            if found is None:
+                seen[key] = (*entry, _known(report, mask))
                 return report
-            adds = mask & ~known.mask
-            known.add(report, mask)
-            if not adds:
+            known = entry[1 + found]
+            joined = _joined(known, report, mask)
+            seen[key] = (entry[0], joined) if len(entry) == 2 else (*entry[:1 + found], joined, *entry[2 + found:])
+            if not mask & ~known[_MASK]:
                 return None
-            return report if report.arrival_ts == known.arrival_ts else report._replace(arrival_ts=known.arrival_ts)
+            arrival = known[_ARRIVAL]
+            if report.arrival_ts == arrival:
+                return report
+            return _make_request((*report[:_ARRIVAL_FIELD], arrival, *report[_ARRIVAL_FIELD + 1:]))  # a fast _replace
 
     def remember(self, reports: Iterable[Request]) -> None:
         """Reports already written (the store's merged rows) or waiting in the spool, oldest first."""
@@ -200,25 +220,19 @@ class RecentRequests:
             return False
         with self._lock:
             entry = self._seen.get((report.engine, report.request_id))
-            return entry is None or closest(entry[1], report) is None
-
-    @staticmethod
-    def _new(report: Request, mask: int) -> Known:
-        # What Known(...).add(report, mask) gives, built at once: one per request on the writer's path.
-        return Known(report.arrival_ts, report.prompt_tokens, report.generation_tokens, report.ts,
-                     {report.source: report.arrival_ts}, mask)
+            return entry is None or closest(entry[1:], report) is None
 
     def _forget(self, now: float) -> None:
         """Under the lock: drop entries past the window or beyond the bound, oldest first."""
         seen = self._seen
         while seen:
-            oldest_key, (at, requests) = next(iter(seen.items()))
+            oldest_key, (at, *requests) = next(iter(seen.items()))
             if now - at <= self._window_s and len(seen) <= self.max_entries:
                 self._oldest_at = at
                 return
             del seen[oldest_key]
             # A report finished up to a second after a forgotten one may be its request's other report.
-            self._complete_since = max(self._complete_since, max(r.ts for r in requests) + 1_000_000)
+            self._complete_since = max(self._complete_since, max(r[_TS] for r in requests) + 1_000_000)
         self._oldest_at = now
 
     def __len__(self) -> int:

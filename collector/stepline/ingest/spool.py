@@ -53,7 +53,6 @@ class Segment:
     rows: int
     size: int
     token: str
-    requests: tuple[tuple[str, str], ...] = ()  # (engine, request id) of a requests segment
 
 
 class Spool:
@@ -80,14 +79,12 @@ class Spool:
 
     # -- what the writers call ---------------------------------------------------------------------------
 
-    def append(self, table: str, columns: Sequence[str], data: bytes, rows: int,
-               requests: Sequence[tuple[str, str]] = ()) -> Segment:
+    def append(self, table: str, columns: Sequence[str], data: bytes, rows: int) -> Segment:
         """Keep one batch (Native bytes); on disk it is durable when this returns. Makes room by dropping the oldest."""
         with self._lock:
             seq = self._next
             self._next += 1
-        segment = Segment(seq, table, tuple(columns), rows, len(data), f"stepline-{self.run_id}-{seq}",
-                          tuple(requests))
+        segment = Segment(seq, table, tuple(columns), rows, len(data), f"stepline-{self.run_id}-{seq}")
         if self.directory is not None:
             self._write(segment, data)
         with self._lock:
@@ -179,8 +176,7 @@ class Spool:
                 seq_text, table, _ = name.split(".")
                 header = _read_header(path)
                 segment = Segment(int(seq_text), table, tuple(header["columns"]), int(header["rows"]),
-                                  os.path.getsize(path), str(header["token"]),
-                                  tuple((str(e), str(r)) for e, r in header.get("requests", ())))
+                                  os.path.getsize(path), str(header["token"]))
             except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
                 log.warning("spool segment %s is unreadable, dropping it: %s", path, exc)
                 os.unlink(path)
@@ -199,7 +195,7 @@ class Spool:
 
     def _write(self, segment: Segment, payload: bytes) -> None:
         header = json.dumps({"table": segment.table, "columns": segment.columns, "rows": segment.rows,
-                             "token": segment.token, "requests": segment.requests}).encode()
+                             "token": segment.token}).encode()
         head = _HEAD.pack(MAGIC, len(header), zlib.crc32(payload), len(payload))
         _write_atomically(self._path(segment), head + header + payload)
 

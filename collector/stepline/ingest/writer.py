@@ -177,9 +177,8 @@ class TableWriter:
                                        len(chunk) - kept, self.table, error)
             if not kept:
                 continue
-            requests = [(str(r[2]), str(r[5])) for r in chunk] if self.table == "requests" else []
             try:
-                self._spool.append(self.table, self.columns, data, kept, requests)
+                self._spool.append(self.table, self.columns, data, kept)
             except OSError as exc:  # a full or failing disk: the rows cannot be kept
                 self.drop(kept, "spool_write_failed")
                 self._drop_log.warning(f"{self.table}:spool", "cannot spool %d %s rows: %s", kept, self.table, exc)

@@ -3,6 +3,7 @@ collector restart, a retry and a replayed batch (against the embedded ClickHouse
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 import sys
@@ -383,3 +384,20 @@ def test_a_lookup_that_fails_is_counted_and_the_report_kept(caplog: pytest.LogCa
     assert [(r.request_id, r.arrival_ts) for r in sink.rows("requests")] == [("old", report.arrival_ts)]
     assert metrics.registry.get_sample_value("stepline_requests_unresolved_total") == 1
     assert "does not answer (asked for 1 ids)" in caplog.text
+
+
+def test_the_memory_of_requests_leaves_nothing_for_the_garbage_collector_to_follow() -> None:
+    # The memory may hold 500,000 requests for ten minutes; kept as objects, each full collection (gctune's) walked
+    # them all with the GIL held. Plain tuples of numbers and strings leave the collector's lists at its first pass.
+    reports = [_report(f"r{i}", "plugin", T0 + i)._replace(model_name="") for i in range(2_000)]
+    reports += [_report(f"r{i}", "otlp", T0 + i)._replace(model_name="served") for i in range(0, 2_000, 2)]  # joined
+    reports += [_report("r1", "plugin", T0 + 500)]  # another request under a known id
+    gc.collect()
+    before = len(gc.get_objects())
+    recent = RecentRequests()
+    for report in reports:
+        assert recent.place(report) is not None
+    del reports, report
+    gc.collect()
+    assert len(recent) == 2_000
+    assert len(gc.get_objects()) - before < 20  # the memory itself and its lock, not one object per request

@@ -81,9 +81,11 @@ def test_round_trip_is_exact(receiver: PluginReceiver) -> None:
     assert config.kind == "engine_config" and config.engine == "prod-a"
     assert config.attributes["max_num_batched_tokens"] == "8192"
     (step,) = [r for r in rows if isinstance(r, Step)]
-    assert step._replace(itl_seconds=[]) == Step(micros(NOW), "node-1", "prod-a", 1, "Qwen/Qwen3-8B", 7, 412.5, 1,
-                                                 8192, 31, 31, 32, 3, 1, 0.5, 9000, 512, 2, 4, 12, 7, [1.5], [], False)
-    assert step.itl_seconds == pytest.approx([0.4125] * 31)  # float32 on the wire
+    assert step._replace(ttft_seconds=[], itl_seconds=[]) == Step(micros(NOW), "node-1", "prod-a", 1, "Qwen/Qwen3-8B",
+                                                                  7, 412.5, 1, 8192, 31, 31, 32, 3, 1, 0.5, 9000, 512,
+                                                                  2, 4, 12, 7, [], [], False)
+    # The samples come as the wire carries them: float32 (stepline.plugin.wire._samples).
+    assert list(step.ttft_seconds) == [1.5] and step.itl_seconds == pytest.approx([0.4125] * 31)
     (request,) = [r for r in rows if isinstance(r, Request)]
     assert request.request_id == "cmpl-abc-0" and request.source == "plugin" and request.finish_reason == "length"
     assert request.ts == micros(NOW) and request.arrival_ts == micros(NOW - 12.0)

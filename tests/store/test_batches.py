@@ -7,13 +7,13 @@ import math
 import random
 import time
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from stepline.model import schema
 from stepline.model.rows import Request, Step
-from stepline.plugin.wire import Float32Samples
 from stepline.store import batches
 from stepline.store.store import Store
 
@@ -49,11 +49,8 @@ def test_the_fast_form_is_what_clickhouse_connect_writes(table: str, rows: list[
 
 
 def test_samples_as_the_wire_carried_them_are_written_as_they_are() -> None:
-    def wire(values: list[float]) -> Float32Samples:
-        packed = array("f", values)
-        samples = Float32Samples(packed.tolist())
-        samples.float32_le = packed.tobytes()
-        return samples
+    def wire(values: Sequence[float]) -> array[float]:
+        return array("f", values)
 
     rows = [s._replace(ttft_seconds=wire(s.ttft_seconds), itl_seconds=wire(s.itl_seconds)) for s in _steps(300)]
     assert batches.encode("steps", rows) == batches._encode_general("steps", rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -63,8 +64,8 @@ class Step(NamedTuple):
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
-    ttft_seconds: list[float]
-    itl_seconds: list[float]
+    ttft_seconds: Sequence[float]  # a list, or an array of float32 as the plugin's wire carried them
+    itl_seconds: Sequence[float]
     is_dummy: bool
 
 

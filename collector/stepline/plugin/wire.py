@@ -257,39 +257,32 @@ def decode_header(data: bytes) -> tuple[Header, int]:
     return Header(engine, pid, instance, sequence, dropped, version, given), offset
 
 
-# The collector's hot path: one struct call per record's fixed fields, samples straight from the buffer.
+# The collector's hot path: one struct call per record's fixed fields, samples as arrays of the buffer's bytes.
 _STEP_SIZE, _REQUEST_SIZE, _RECORD_SIZE = STEP.size, REQUEST.size, RECORD.size
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _N_REASONS = len(FINISH_REASONS)
 
 
-class Float32Samples(list):  # type: ignore[type-arg]  # list[float]; a generic base would need Python 3.12's list
-    """A step's samples as floats, with the little-endian float32 bytes the wire carried them in (`float32_le`): what
-    a store's Native Array(Float32) column takes as it is (stepline.store.batches), instead of converting every
-    sample back (2.3 of the 3.7 µs a step took to encode, 63 ITL samples a step). Compares as the list it is."""
-
-    __slots__ = ("float32_le",)
-    float32_le: bytes
-
-
-def _samples(view: memoryview, start: int, end: int) -> list[float]:
-    part = view[start:end]
-    samples = Float32Samples(part.cast("f").tolist())
-    samples.float32_le = part.tobytes()
+def _samples(data: bytes, start: int, end: int) -> array[float]:
+    """A step's samples as the wire carried them: an array of float32 over a copy of their bytes, with no float object
+    per sample (what the store's Native Array(Float32) column takes as it is, stepline.store.batches). A list of
+    floats cost 0.9 us an array to make, 63 ITL samples a step, and 2 KiB to hold; this 0.2 us and 0.3 KiB."""
+    samples = array("f", data[start:end])
+    if not _LITTLE_ENDIAN:
+        samples.byteswap()
     return samples
 
 
 def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, tuple[Any, ...], Any, Any]]:
     """The records from `offset` on, validated, as plain values (for code that builds its own rows):
 
-        (STEP_RECORD, STEP's fields, TTFT samples list, ITL samples list)
+        (STEP_RECORD, STEP's fields, TTFT samples, ITL samples: arrays of float32)
         (REQUEST_RECORD, REQUEST's fields, request id, None)
         (CONFIG_RECORD, (), configuration dict, None)
 
     Raises WireError at the first bad record (records before it were yielded: discard them).
     """
     end = len(data)
-    view = memoryview(data)
     unpack_record, unpack_step, unpack_request = RECORD.unpack_from, STEP.unpack_from, REQUEST.unpack_from
     max_ts = MAX_TS  # a local: this loop is the collector's hot path
     while offset < end:
@@ -310,13 +303,7 @@ def iter_records(data: bytes, offset: int) -> Iterator[tuple[int, tuple[Any, ...
             if not -max_ts < fields[0] < max_ts:  # NaN fails too
                 raise WireError(f"step timestamp {fields[0]} is not a time")
             split = start + _STEP_SIZE + 4 * n_ttft
-            if _LITTLE_ENDIAN:
-                ttft = _samples(view, start + _STEP_SIZE, split)
-                itl = _samples(view, split, offset)
-            else:
-                ttft = list(struct.unpack_from(f"<{n_ttft}f", data, start + _STEP_SIZE))
-                itl = list(struct.unpack_from(f"<{n_itl}f", data, split))
-            yield STEP_RECORD, fields, ttft, itl
+            yield STEP_RECORD, fields, _samples(data, start + _STEP_SIZE, split), _samples(data, split, offset)
         elif kind == REQUEST_RECORD:
             if length < _REQUEST_SIZE:
                 raise WireError(f"request record of {length} bytes, need {_REQUEST_SIZE}")

@@ -142,12 +142,15 @@ def _arrays(code: str, values: Sequence[Any]) -> bytes:
 
 
 def _float32_arrays(values: Sequence[Any]) -> bytes:
-    """Array(Float32): samples that still carry their wire bytes (stepline.plugin.wire.Float32Samples, whatever
-    else holds `float32_le`) are written as they are; any others are converted."""
-    raw = [getattr(v, "float32_le", None) for v in values]
-    if None not in raw:  # little-endian already, as Native is on any machine
-        return _numbers("Q", accumulate(map(len, values))) + b"".join(raw)  # type: ignore[arg-type]
+    """Array(Float32): samples decoded from the plugin's wire (arrays of float32: stepline.plugin.wire) are written
+    as their bytes, little-endian on a little-endian machine as Native is everywhere; any others are converted."""
+    if not _SWAP and all(map(_is_float32, values)):
+        return _numbers("Q", accumulate(map(len, values))) + b"".join(values)
     return _arrays("f", values)
+
+
+def _is_float32(value: Any) -> bool:
+    return value.__class__ is array and value.typecode == "f"
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stepline.core.linsolve import solve
@@ -141,7 +142,7 @@ class _WindowStep:
     prefill: bool
     queries: int
     hits: int
-    itl: list[float]
+    itl: Sequence[float]
     elapsed_s: float = 0.0
 
 

@@ -47,7 +47,7 @@ from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model import schema
-from stepline.model.rows import TABLE_OF, Row
+from stepline.model.rows import TABLE_OF, Row, Step
 from stepline.plugin import wire
 from stepline.plugin.core import PluginCore
 from stepline.sources.base import SourceContext
@@ -209,8 +209,17 @@ class RawResult:
         return sum(self.rows.values()) / max(1e-9, sum(self.seconds.values()))
 
 
+def as_lists(row: Row) -> Row:
+    """The row with its samples as lists of floats, which clickhouse-connect writes 10-15% faster than the arrays of
+    float32 the collector decodes them into (steps 8.4-9.4 against 10.1 us a row): the raw side gets its best form."""
+    if type(row) is Step:
+        return row._replace(ttft_seconds=list(row.ttft_seconds), itl_seconds=list(row.itl_seconds))
+    return row
+
+
 def raw_inserts(store: Store, bodies: Sequence[bytes], engines: Sequence[str], batch_rows: int) -> RawResult:
-    """clickhouse-connect inserts of the decoded rows, `batch_rows` at a time per table; only the inserts are timed."""
+    """clickhouse-connect inserts of the decoded rows (samples as lists), `batch_rows` at a time per table; only the
+    inserts are timed."""
     seconds = dict.fromkeys(TABLES, 0.0)
     counts = dict.fromkeys(TABLES, 0)
     pending: dict[str, list[Row]] = {table: [] for table in TABLES}
@@ -227,7 +236,7 @@ def raw_inserts(store: Store, bodies: Sequence[bytes], engines: Sequence[str], b
 
     for rows in decoded(bodies, engines):
         for row in rows:
-            pending[TABLE_OF[type(row)]].append(row)
+            pending[TABLE_OF[type(row)]].append(as_lists(row))
         for table in TABLES:
             if len(pending[table]) >= batch_rows:
                 insert(table)

@@ -97,3 +97,8 @@ def test_the_perturbed_costs_spread_over_the_larger_of_the_total_and_form_errors
     # fitted cost itself, scaled).
     scales = sorted(d.step_overhead_s / cost.step_overhead_s for d in f.draws(10, "e"))
     assert scales[0] == pytest.approx(1 - 0.2 * 0.9) and scales[-1] == pytest.approx(1 + 0.2 * 0.9)
+    # A fit off by more than 100% scales its lowest draws to nothing, never below: no step of negative time.
+    poor = Fit(cost, 100, 20, 0.1, 0.3, 0.02, 1.5)
+    scales = sorted(d.step_overhead_s / cost.step_overhead_s for d in poor.draws(10, "e"))
+    assert scales[:2] == [0.0, 0.0] and scales[2] == pytest.approx(1 - 1.5 * 0.5)
+    assert scales[-1] == pytest.approx(1 + 1.5 * 0.9)

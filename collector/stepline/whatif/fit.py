@@ -75,10 +75,14 @@ class Fit:
 
     def draws(self, n: int, seed: str) -> list[CostModel]:
         """`n` costs as the fit might have come out: block-bootstrapped coefficients, each scaled by a factor
-        spread evenly over +-model_error (seeded: the same draws for every lever)."""
+        spread evenly over +-model_error (seeded: the same draws for every lever).
+
+        A fit off by more than 100% would scale the lowest draws below nothing: steps of negative time, the replay's
+        clock running backwards, TTFT and ITL below 0 at the interval's low end (a real engine's short recording
+        did, in CI). Those draws are free steps instead (factor 0): a fit that poor bounds nothing from below."""
         rng = random.Random(seed)
         blocks = [self.samples[i:i + HOLD_OUT_BLOCK] for i in range(0, len(self.samples), HOLD_OUT_BLOCK)]
-        factors = [1.0 + self.model_error * (-1.0 + 2.0 * (k + 0.5) / n) for k in range(n)]
+        factors = [max(0.0, 1.0 + self.model_error * (-1.0 + 2.0 * (k + 0.5) / n)) for k in range(n)]
         rng.shuffle(factors)
         out = []
         for factor in factors:

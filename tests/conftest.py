@@ -16,6 +16,7 @@ from hypothesis import settings
 
 from stepline.sim.vllm_server import SimServer, serve
 from stepline.sim.workloads import make_workload
+from stepline.store.chdb import open_client
 from stepline.store.store import Store
 from stepline.testing.storeserver import StoreServer
 
@@ -86,7 +87,7 @@ def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     anchor client keeps it up for the whole session, and tests isolate themselves by database.
     """
     path = tmp_path_factory.mktemp("chdb")
-    anchor = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+    anchor = open_client(str(path))  # as the collector opens it: the engine starts with the query profile
     yield path
     anchor.close()
 

@@ -1,65 +1,41 @@
-"""Settings a read-only session may set, and the caps no request can lift."""
+"""URL parameters as settings: transport parameters set aside, names checked to be names, limits clamped to the
+endpoint's; whether a setting may be set at all is the engine's profile's call (tests/store/test_query_profile.py)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from stepline.clickhouse_http.errors import READONLY, SETTING_CONSTRAINT_VIOLATION, UNKNOWN_SETTING, SqlRefused
-from stepline.clickhouse_http.settings import NAME, check_setting, check_statement_settings, query_settings
+from stepline.clickhouse_http.errors import SqlRefused
+from stepline.clickhouse_http.settings import NAME, query_settings
 
-CAPS = {"max_execution_time": 60, "max_result_rows": 1000}
-
-
-def test_url_settings_apply_over_the_base_and_transport_parameters_do_not() -> None:
-    params = {"max_threads": "3", "query": "SELECT 1", "session_id": "s", "compress": "1", "http_headers_progress": "1",
-              "param_x": "7", "readonly": "2", "use_query_cache": "1"}
-    chosen = query_settings(params, {"use_query_cache": "0", "join_algorithm": "hash"}, {})
-    assert chosen == {"use_query_cache": "1", "join_algorithm": "hash", "max_threads": "3"}
+CAPS = {"max_execution_time": 60, "max_result_bytes": 1 << 30}
 
 
-@pytest.mark.parametrize(("given", "kept"), [
-    ({}, "60"), ({"max_execution_time": "30"}, "30"), ({"max_execution_time": "'30'"}, "'30'"),
-    ({"max_execution_time": "0"}, "60"),  # 0 means no limit to ClickHouse
-    ({"max_execution_time": "61"}, "60"), ({"max_execution_time": "-1"}, "60"), ({"max_execution_time": "x"}, "60"),
-])
-def test_a_cap_is_the_ceiling_and_the_default(given: dict[str, str], kept: str) -> None:
-    chosen = query_settings(given, {}, CAPS)
-    assert (chosen["max_execution_time"], chosen["max_result_rows"]) == (kept, "1000")
+def test_transport_parameters_are_not_settings() -> None:
+    params = {"query": "SELECT 1", "database": "d", "compress": "1", "param_x": "1", "http_x": "5",
+              "query_id": "q", "session_id": "s", "max_threads": "2"}
+    assert query_settings(params, CAPS) == (("max_threads", "2"),)
 
 
-@pytest.mark.parametrize(("key", "value", "message", "code"), [
-    ("readonly", "0", "read-only: changing readonly is not allowed", READONLY),
-    ("ReadOnly", "1", "read-only: changing readonly is not allowed", READONLY),  # only the exact no-op passes
-    ("format_schema", "/etc/passwd:x", "read-only: setting format_schema is not allowed", READONLY),
-    ("user_files_path", "/", "read-only: setting user_files_path is not allowed", READONLY),
-    ("allow_introspection_functions", "1", "setting allow_introspection_functions", READONLY),
-    ("max threads", "1", "Unknown setting 'max threads'", UNKNOWN_SETTING),
-])
-def test_risky_or_malformed_settings_are_refused(key: str, value: str, message: str, code: int) -> None:
-    for refuse in (lambda: check_setting(key, value), lambda: query_settings({key: value}, {}, {})):
-        with pytest.raises(SqlRefused, match=re.escape(message)) as err:
-            refuse()
-        assert err.value.code == code
+def test_readonly_one_or_two_asks_for_nothing_more_and_other_values_go_to_the_engine() -> None:
+    assert query_settings({"readonly": "1"}, CAPS) == ()
+    assert query_settings({"readonly": "2"}, CAPS) == ()
+    assert query_settings({"readonly": "0"}, CAPS) == (("readonly", "0"),)  # for the engine to refuse
 
 
-def test_asking_for_the_readonly_the_endpoint_enforces_changes_nothing() -> None:
-    check_setting("readonly", "1")
-    check_setting("readonly", "2")
-    assert query_settings({"readonly": "1"}, {"readonly": "2"}, {}) == {"readonly": "2"}
+@pytest.mark.parametrize("name", ["max threads", "a;b", "`x`", "x=1", "", "1x", "é"])
+def test_a_name_that_is_not_a_name_is_refused_before_it_reaches_a_set_statement(name: str) -> None:
+    with pytest.raises(SqlRefused) as refused:
+        query_settings({name: "1"}, CAPS)
+    assert refused.value.code == 115
 
 
-def test_a_settings_clause_cannot_lift_a_cap() -> None:
-    check_statement_settings([("max_execution_time", "60"), ("max_threads", "999")], CAPS)
-    for value in ("61", "0", "-5", "'x'"):
-        with pytest.raises(SqlRefused) as err:
-            check_statement_settings([("max_threads", "2"), ("max_execution_time", value)], CAPS)
-        assert (err.value.code, err.value.name) == (SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
-        assert str(err.value) == (f"Setting max_execution_time should be between 1 and 60 on stepline's query "
-                                  f"endpoint, got {value}")
+def test_limits_asked_past_the_endpoints_are_clamped_and_within_them_kept() -> None:
+    got = dict(query_settings({"max_execution_time": "0", "max_result_bytes": "100"}, CAPS))
+    assert got == {"max_execution_time": "60", "max_result_bytes": "100"}
+    assert dict(query_settings({"max_execution_time": "9999"}, CAPS)) == {"max_execution_time": "60"}
 
 
-def test_a_name_is_an_identifier() -> None:
-    assert [bool(NAME.match(name)) for name in ("JSONEachRow", "_x1", "1x", "JSON;", "a-b", "")] == [
-        True, True, False, False, False, False]
+def test_settings_come_sorted_so_that_equal_requests_share_a_session() -> None:
+    assert query_settings({"b_x": "1", "a_x": "2"}, CAPS) == (("a_x", "2"), ("b_x", "1"))
+    assert NAME.match("output_format_json_quote_64bit_integers")

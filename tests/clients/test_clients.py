@@ -33,6 +33,7 @@ from clickhouse_driver.streams.compressed import CompressedBlockInputStream
 from clickhouse_driver.streams.native import BlockInputStream
 
 from stepline.endpoints.query import QueryEndpoint
+from stepline.store.chdb import open_client
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 FAILING = "SELECT number, throwIf(number = 500000) FROM numbers(1000000)"  # fails after its first blocks
@@ -54,7 +55,7 @@ def db(chdb_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def endpoint(chdb_dir: Path, db: str) -> Iterator[QueryEndpoint]:
-    ep = QueryEndpoint(clickhouse_connect.get_client(dsn=f"chdb://{chdb_dir}"), port=0, database=db, max_sessions=3)
+    ep = QueryEndpoint(open_client(str(chdb_dir)), port=0, database=db, max_sessions=3)
     ep.start()
     yield ep
     ep.stop()

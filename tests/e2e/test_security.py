@@ -86,7 +86,7 @@ class Running:
         """One HTTP exchange (or raw bytes); what came back is kept for the secrets check."""
         with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
             if raw is None:
-                head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
                 raw = (head + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()) + "\r\n").encode() + body
             sock.sendall(raw)
             response = http.client.HTTPResponse(sock, method=method)
@@ -150,14 +150,15 @@ def _basic(user: str, password: str) -> str:
 def test_request_bodies_are_bounded_over_http(running: Running) -> None:
     auth = {"Authorization": _basic("default", SECRETS["STEPLINE_QUERY_PASSWORD"])}
     query, limit = running.query_port(), 1 << 20  # the endpoint's default bound
-    head = f"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nAuthorization: {auth['Authorization']}\r\n\r\n"
+    head = (f"POST / HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+            f"Authorization: {auth['Authorization']}\r\n\r\n")
     chunked = head.encode() + b"".join(b"10000\r\n" + b" " * 0x10000 + b"\r\n" for _ in range(20)) + b"0\r\n\r\n"
     assert running.request(query, "POST", "/", raw=chunked)[0] == 413  # no Content-Length, 1.25 MiB in chunks
     assert running.request(query, "POST", "/", b"SELECT 1 --" + b" " * limit, auth)[0] == 413
     bomb = gzip.compress(b"SELECT 1 --" + b" " * (8 * limit))
     status, body = running.request(query, "POST", "/", bomb, {**auth, "Content-Encoding": "gzip"})
     assert status == 413 and b"QUERY_IS_TOO_LARGE" in body
-    chunked_bomb = (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n"
+    chunked_bomb = (b"POST / HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n"
                     + f"Authorization: {auth['Authorization']}".encode() + b"\r\n\r\n"
                     + b"%x\r\n%s\r\n0\r\n\r\n" % (len(bomb), bomb))
     assert running.request(query, "POST", "/", raw=chunked_bomb)[0] == 413
@@ -166,7 +167,7 @@ def test_request_bodies_are_bounded_over_http(running: Running) -> None:
     otlp = running.otlp
     token = {"Authorization": f"Bearer {SECRETS['STEPLINE_OTLP_TOKEN']}", "Content-Type": "application/x-protobuf"}
     before = otlp.stats()
-    chunked_export = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    chunked_export = (b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
                       + "".join(f"{k}: {v}\r\n" for k, v in token.items()).encode() + b"\r\n"
                       + b"%x\r\n%s\r\n0\r\n\r\n" % (len(EXPORT), EXPORT))
     assert running.request(otlp.port, "POST", "/v1/traces", raw=chunked_export)[0] == 411

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepline.endpoints.query import QueryEndpoint
+from stepline.store.chdb import open_client
 
 PASSWORD = "pw-fuzz"
 MARKER = Path(tempfile.gettempdir()) / f"stepline-fuzz-{uuid.uuid4().hex}"
@@ -48,7 +49,7 @@ def db(chdb_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def endpoint(chdb_dir: Path, db: str) -> Iterator[QueryEndpoint]:
-    ep = QueryEndpoint(clickhouse_connect.get_client(dsn=f"chdb://{chdb_dir}"), port=0, database=db,
+    ep = QueryEndpoint(open_client(str(chdb_dir)), port=0, database=db,
                        password=PASSWORD, max_body_bytes=4096, max_execution_time_s=5)
     ep.start()
     yield ep

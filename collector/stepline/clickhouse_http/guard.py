@@ -1,6 +1,11 @@
 """The read-only guard: one statement, read-only, reaching nothing outside the store, split as ClickHouse's lexer
 splits it.
 
+Settings are not the guard's: the engine's `stepline_query` profile decides which a query may set, wherever and
+however it spells them (`stepline.store.query_profile`). The guard stops what that profile cannot: statements
+other than reads, chDB's functions that read files, URLs and the host process (the engine runs those under
+readonly=2), INTO OUTFILE, and the system tables that show other clients' SQL.
+
 Public: `read_only_statement` and the `Statement` it returns; `tokens`, the lexer it reads with.
 """
 
@@ -12,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stepline.clickhouse_http.errors import SYNTAX_ERROR, SqlRefused, read_only
-from stepline.clickhouse_http.settings import check_setting
 
 _ALLOWED_LEADING = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
 # Statements ClickHouse parses but a read-only user may not run (READONLY); any other first word is a syntax
@@ -35,7 +39,16 @@ _DENIED_PREFIXES = (
     # filesystem() lists its files. The sessions run with readonly=2, which lets table functions run: only
     # the guard stands between these and a client.
     "python", "arrowstream", "filesystem", "eval",
+    # merge() reads every table whose name matches a pattern, in any database: system's too (below).
+    "merge",
 )
+# Tables that show what other clients run (their SQL, bound values) or the engine's logs: every client of the
+# endpoint is the same ClickHouse user, so the engine cannot tell whose rows are whose. Refused by name, whatever
+# database or quoting precedes it.
+_DENIED_TABLES = frozenset({
+    "processes", "query_log", "query_thread_log", "query_views_log", "session_log", "text_log",
+    "processors_profile_log", "asynchronous_insert_log", "opentelemetry_span_log", "query_metric_log",
+})
 
 
 @dataclass(frozen=True)
@@ -94,12 +107,10 @@ def tokens(sql: str) -> Iterator[Token]:
 
 @dataclass(frozen=True)
 class Statement:
-    """One read-only statement: its text without trailing `;`, its FORMAT clause if it has one, and every
-    `name = value` of its SETTINGS clauses (value as written)."""
+    """One read-only statement: its text without trailing `;` and its FORMAT clause if it has one."""
 
     sql: str
     format: str | None
-    settings: tuple[tuple[str, str], ...] = ()
     leading: str = "SELECT"  # its first keyword: SELECT, WITH, SHOW, DESCRIBE, DESC, EXISTS or EXPLAIN
 
 
@@ -109,7 +120,7 @@ def _function_name(tok: Token) -> str | None:
     if tok.kind == "ident":
         body = tok.text[1:-1]
         if "\\" in body:  # escapes could spell a denied name; no real query needs them here
-            raise read_only("an escaped function name")
+            raise read_only("an escaped name")
         return body.replace(tok.text[0] * 2, tok.text[0]).lower()
     return None
 
@@ -117,7 +128,6 @@ def _function_name(tok: Token) -> str | None:
 def read_only_statement(sql: str) -> Statement:
     """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise."""
     toks: list[Token] = []
-    settings: list[tuple[str, str]] = []
     leading: str | None = None
     it = tokens(sql)
     for tok in it:
@@ -142,9 +152,9 @@ def read_only_statement(sql: str) -> Statement:
         upper = tok.text.upper() if tok.kind == "word" else ""
         if upper in ("OUTFILE", "INFILE"):
             raise read_only(f"INTO {upper}" if upper == "OUTFILE" else "FROM INFILE")
-        if upper == "READONLY" and nxt is not None and nxt.text == "=":
-            raise read_only("changing readonly")
-        if nxt is not None and nxt.text == "(" and (name := _function_name(tok)) is not None and (
+        if (name := _function_name(tok)) in _DENIED_TABLES:
+            raise read_only(f"reading {name}")
+        if nxt is not None and nxt.text == "(" and name is not None and (
             name in _DENIED_FUNCTIONS or name.startswith(_DENIED_PREFIXES)
         ):
             raise read_only(f"{name}()")
@@ -153,21 +163,4 @@ def read_only_statement(sql: str) -> Statement:
             after = toks[k + 2] if k + 2 < len(toks) else None
             if after is None or (after.kind == "word" and after.text.upper() == "SETTINGS"):
                 fmt = nxt.text
-        if upper == "SETTINGS":
-            settings.extend(_settings_clause(toks, k + 1))
-    for key, value in settings:
-        check_setting(key, value)
-    return Statement(sql[: toks[-1].end], fmt, tuple(settings), leading)
-
-
-def _settings_clause(toks: list[Token], k: int) -> Iterator[tuple[str, str]]:
-    """`name = value, ...` from toks[k]: each value as written (a signed number, a string, a word)."""
-    while k + 2 < len(toks) and toks[k].kind == "word" and toks[k + 1].text == "=":
-        name, value, k = toks[k].text, toks[k + 2].text, k + 3
-        if value in ("-", "+") and k < len(toks):
-            value, k = value + toks[k].text, k + 1
-        yield name, value
-        if k >= len(toks) or toks[k].text != ",":
-            return
-        k += 1
-
+    return Statement(sql[: toks[-1].end], fmt, leading)

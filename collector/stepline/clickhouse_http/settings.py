@@ -1,19 +1,19 @@
-"""Settings a read-only session may set, and the caps (max_execution_time, ...) that no request can lift.
+"""The settings a request's URL parameters (or form fields) ask for, apart from those that steer the transport.
 
-Public: `check_setting`, `query_settings`, `check_statement_settings`, and `NAME` (a setting's or a format's name).
+Whether a client may set them is the engine's call, not this module's: the sessions run under the `stepline_query`
+profile, whose constraints refuse anything outside its allow-list with ClickHouse's own error
+(`stepline.store.query_profile`). Here only what is not a setting is set aside, a name is checked to be a name
+(it is spliced into a SET statement), and the limits a URL asks for are clamped to the endpoint's own.
+
+Public: `query_settings`, and `NAME` (a setting's or a format's name).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
-from stepline.clickhouse_http.errors import (
-    SETTING_CONSTRAINT_VIOLATION,
-    UNKNOWN_SETTING,
-    SqlRefused,
-    read_only,
-)
+from stepline.clickhouse_http.errors import UNKNOWN_SETTING, SqlRefused
 
 # URL parameters that steer the HTTP transport, not the query; ClickHouse does not treat them as settings.
 _TRANSPORT_PARAMS = frozenset({
@@ -22,24 +22,10 @@ _TRANSPORT_PARAMS = frozenset({
     "client_protocol_version", "role", "stacktrace", "send_progress_in_http_headers", "enable_http_compression",
     "cancel_http_readonly_queries_on_client_close", "add_http_cors_header",
 })
-# Settings that name files, schemas, hosts or identities. A session's settings are applied before readonly, so
-# anything that could reach outside the store is refused rather than trusted to the engine.
-_DENIED_SETTING_PARTS = ("schema", "template", "regexp", "path", "file", "directory", "url", "s3", "azure", "hdfs",
-                         "kafka", "password", "introspection")
-_NO_OP_READONLY = (("readonly", "1"), ("readonly", "2"))  # asks for no more than the endpoint enforces
+# readonly=1 or 2 asks for no more than the sessions are (2, with every other setting the profile's to decide):
+# JDBC drivers send it. Any other value is left for the engine to refuse.
+_NO_OP_READONLY = (("readonly", "1"), ("readonly", "2"))
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def check_setting(key: str, value: str) -> None:
-    """Refuse `key = value` unless a read-only session may set it; asking for readonly=1 or 2 changes nothing."""
-    if (key, value) in _NO_OP_READONLY:
-        return
-    if key.lower() == "readonly":
-        raise read_only("changing readonly")
-    if not NAME.match(key):
-        raise SqlRefused(f"Unknown setting {key!r}", UNKNOWN_SETTING, "UNKNOWN_SETTING")
-    if any(part in key.lower() for part in _DENIED_SETTING_PARTS):
-        raise read_only(f"setting {key}")
 
 
 def _within(value: str, cap: int) -> bool:
@@ -49,25 +35,13 @@ def _within(value: str, cap: int) -> bool:
         return False
 
 
-def query_settings(params: Mapping[str, str], base: Mapping[str, str], caps: Mapping[str, int]) -> dict[str, str]:
-    """Settings from URL parameters over `base`: transport ones dropped, risky ones refused, `caps` enforced."""
-    chosen = dict(base)
+def query_settings(params: Mapping[str, str], caps: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
+    """The settings among URL parameters, sorted (a session key); a limit in `caps` asked past it is clamped."""
+    chosen: dict[str, str] = {}
     for key, value in params.items():
         if key in _TRANSPORT_PARAMS or key.startswith(("http_", "param_")) or (key, value) in _NO_OP_READONLY:
             continue
-        check_setting(key, value)
-        chosen[key] = value
-    for key, cap in caps.items():
-        chosen[key] = chosen.get(key, str(cap)) if _within(chosen.get(key, str(cap)), cap) else str(cap)
-    return chosen
-
-
-def check_statement_settings(settings: Iterable[tuple[str, str]], caps: Mapping[str, int]) -> None:
-    """A query's own SETTINGS clauses (`name = value` as written) obey what URL settings do: no cap is lifted there.
-
-    The sessions run with readonly=2 (ClickHouse's "read, and change settings"), so these reach the engine.
-    """
-    for key, value in settings:  # their names were checked by the guard, with check_setting()
-        if key in caps and not _within(value, caps[key]):
-            raise SqlRefused(f"Setting {key} should be between 1 and {caps[key]} on stepline's query endpoint, "
-                             f"got {value[:40]}", SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
+        if not NAME.match(key):
+            raise SqlRefused(f"Unknown setting {key[:64]!r}", UNKNOWN_SETTING, "UNKNOWN_SETTING")
+        chosen[key] = value if key not in caps or _within(value, caps[key]) else str(caps[key])
+    return tuple(sorted(chosen.items()))

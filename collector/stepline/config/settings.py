@@ -40,6 +40,8 @@ class Settings:
     query_port: int = 8124
     query_password: str | None = field(default=None, repr=False)
     """The password the read-only query endpoint asks for; None: it asks for none."""
+    query_open: bool = False
+    """Serve the query endpoint with no password on a non-loopback address (refused unless set)."""
     scrape_interval_s: float = 5.0
     scrape_timeout_s: float | None = None
     """Seconds one scrape may take; None: 3 s, or the interval when shorter."""
@@ -111,7 +113,7 @@ class Settings:
     def validated(self) -> Settings:
         """Return self, or raise SettingsError naming the first bad value."""
         try:
-            parse_store_url(self.store)
+            embedded = parse_store_url(self.store).embedded
         except StoreUrlError as exc:
             raise SettingsError(str(exc)) from None
         if self.retention_days < 1:
@@ -121,10 +123,15 @@ class Settings:
             if not 0 <= port <= 65535:
                 raise SettingsError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
         try:
-            ipaddress.ip_address(self.listen)
+            loopback = ipaddress.ip_address(self.listen).is_loopback
         except ValueError:
             if self.listen != "localhost":
                 raise SettingsError(f"listen address {self.listen!r} is not an IP address") from None
+            loopback = True
+        if not loopback and self.query_password is None and not self.query_open and embedded:
+            # As ClickHouse's own images keep the password-less default user to localhost.
+            raise SettingsError(f"--listen {self.listen} would serve the store's SQL with no password: set "
+                                "STEPLINE_QUERY_PASSWORD (or _FILE), or STEPLINE_QUERY_OPEN=1 to serve it open")
         for name in ("scrape_interval_s", "scrape_timeout_s", "flush_interval_s", "host_interval_s", "gpu_interval_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -291,6 +298,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("metrics_port", "STEPLINE_METRICS_PORT", int),
     ("query_port", "STEPLINE_QUERY_PORT", int),
     ("query_password", "STEPLINE_QUERY_PASSWORD", str),
+    ("query_open", "STEPLINE_QUERY_OPEN", boolean),
     ("scrape_interval_s", "STEPLINE_SCRAPE_INTERVAL", float),
     ("scrape_timeout_s", "STEPLINE_SCRAPE_TIMEOUT", float),
     ("disabled_sources", "STEPLINE_DISABLED_SOURCES", _names),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
 import secrets
+import select
 import socket
 import string
 import tempfile
@@ -33,8 +35,10 @@ from stepline.clickhouse_http import native as chnative
 from stepline.clickhouse_http import settings as chsettings
 from stepline.clickhouse_http.errors import SqlRefused
 from stepline.core.listener import Address, HttpServer, ServerThread
+from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
+from stepline.store.query_profile import CEILINGS
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ _DRAIN_CAP_BYTES = 64 << 20
 _SPOOL_IN_MEMORY_BYTES = 16 << 20  # wait_end_of_query: beyond this, the result waits in a temporary file
 _TEXT = "text/plain; charset=UTF-8"
 _TAG_ALPHABET = string.ascii_letters + string.digits
+_ECHO_CHARS = 2000  # of an error's text sent back: the engine's messages can quote a whole query
+_WATCH_S = 0.25  # how often a connection is looked at while its query runs: gone, and the query is killed
 
 
 @dataclass
@@ -78,6 +84,8 @@ class QueryEndpoint(Address):
         max_execution_time_s: int = 60,
         max_result_bytes: int = 1 << 30,
         max_sessions: int = 4,
+        max_memory_bytes: int = 1 << 30,
+        session_wait_s: float | None = None,
         metrics: SelfMetrics | None = None,
     ) -> None:
         uri = str(getattr(client, "uri", ""))
@@ -86,16 +94,29 @@ class QueryEndpoint(Address):
         if not 0 <= port <= 65535:
             raise ValueError(f"query endpoint: port {port} is outside 0-65535")
         limits = {"max_body_bytes": max_body_bytes, "max_execution_time_s": max_execution_time_s,
-                  "max_result_bytes": max_result_bytes, "max_sessions": max_sessions}
+                  "max_result_bytes": max_result_bytes, "max_sessions": max_sessions,
+                  "max_memory_bytes": max_memory_bytes}
         for name, value in limits.items():
             if value < 1:
                 raise ValueError(f"query endpoint: {name} must be at least 1, got {value}")
+        # The limits each session starts with; a query may lower them, and raise them no further than the
+        # engine's profile allows (its ceilings), so each must be within those.
+        self._caps = {"max_execution_time": max_execution_time_s, "max_result_bytes": max_result_bytes,
+                      "max_memory_usage": max_memory_bytes}
+        for name, value in self._caps.items():
+            least, most = CEILINGS[name]
+            if not least <= value <= most:
+                raise ValueError(f"query endpoint: {name} {value} is outside the query profile's {least}-{most}")
+        # chDB's defaults allow DDL and introspection (addressToSymbol, ...): the profile keeps them off here.
+        preset = (("session_timezone", "UTC"), ("result_overflow_mode", "throw"), ("allow_ddl", "0"),
+                  ("allow_introspection_functions", "0"),
+                  *((name, str(value)) for name, value in self._caps.items()))
         self._client = client
-        self._sessions = Sessions(uri[len("chdb://") :], max_sessions)
+        self._sessions = Sessions(uri[len("chdb://") :], max_sessions, preset, wait_s=session_wait_s)
         self.host, self._port, self.database, self.max_body_bytes = host, port, database, max_body_bytes
+        self._loopback = host == "localhost" or _is_loopback(host)
         self._password = password.encode() if password is not None else None
-        self._base_settings = {"session_timezone": "UTC", "result_overflow_mode": "throw"}
-        self._caps = {"max_execution_time": max_execution_time_s, "max_result_bytes": max_result_bytes}
+        self._refusals = RateLimitedLog(logger, 10.0)
         self._counts = {"served": 0, "refused": 0, "failed": 0}
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -110,6 +131,7 @@ class QueryEndpoint(Address):
         """Bind and serve on a background thread."""
         if self._server is not None:
             raise RuntimeError("query endpoint already started")
+        self._sessions.verify()  # the engine's profile covers every setting, or nothing is served
         self._server = _Server((self.host, self._port), _Handler)
         self._server.endpoint = self
         self._serving = ServerThread(self._server, "stepline-query")
@@ -136,33 +158,25 @@ class QueryEndpoint(Address):
             if self._metrics is not None:
                 self._metrics.queries.labels(outcome=outcome).inc()
 
-    def answer(self, method: str, target: str, headers: Message, body: bytes, peer: str) -> _Reply:
-        """Turn one HTTP request into a reply; never raises."""
+    def answer(self, method: str, target: str, headers: Message, body: bytes, peer: str,
+               watch: Watch | None = None) -> _Reply:
+        """Turn one HTTP request into a reply; never raises. `watch` learns how to kill the query it starts."""
         try:
             url: SplitResult | None = urlsplit(target)
         except ValueError:  # e.g. "//[x": an unclosed IPv6 bracket where urlsplit expects a host
             url = None
         params = dict(parse_qsl(url.query, keep_blank_values=True)) if url is not None else {}
-        if url is not None and (url.path in ("/ping", "/replicas_status")
-                                or (url.path == "/" and method != "POST" and not params)):
+        if (foreign := self._foreign(headers)) is not None:
+            reply = self._error(cherrors.AUTHENTICATION_FAILED, "AUTHENTICATION_FAILED", foreign, 403)
+        elif url is not None and (url.path in ("/ping", "/replicas_status")
+                                  or (url.path == "/" and method != "POST" and not params)):
             return _Reply(200, b"Ok.\n", "ping", {"Content-Type": _TEXT})
-        try:
-            if url is None:
-                raise SqlRefused(f"cannot parse the request target {target[:100]!r}", 36, "BAD_ARGUMENTS", status=400)
-            if url.path != "/":
-                raise SqlRefused(f"There is no handle {url.path}: use / or /ping", 0, "NO_HANDLE", status=404)
-            self._authenticate(headers, params)
-            reply = self._query(params, headers, body)
-        except SqlRefused as ex:
-            reply = self._error(ex.code, ex.name, str(ex), ex.status)
-        except EngineError as ex:
-            reply = self._error(ex.code, ex.name, str(ex))
-        except Exception as ex:
-            logger.exception("query endpoint: internal error answering %s", peer)
-            reply = self._error(1001, "STD_EXCEPTION", f"internal error: {type(ex).__name__}: {ex}")
+        else:
+            reply = self._answer(url, target, params, headers, body, peer, watch)
         if reply.outcome != "served":
             line = reply.body.decode(errors="replace").strip().split("\n")[0][:300]
-            logger.warning("query endpoint: %s (HTTP %d) for %s: %s", reply.outcome, reply.status, peer, line)
+            self._refusals.warning(f"{reply.outcome} {reply.status}", "query endpoint: %s (HTTP %d) for %s: %s",
+                                   reply.outcome, reply.status, peer, line)
         query_id, timezone = params.get("query_id", ""), params.get("session_timezone", "")
         reply.headers.update({
             "X-ClickHouse-Query-Id": query_id if _QUERY_ID.match(query_id) else str(uuid.uuid4()),
@@ -170,6 +184,37 @@ class QueryEndpoint(Address):
             "X-ClickHouse-Timezone": timezone if _TIMEZONE.match(timezone) else "UTC",
         })
         return reply
+
+    def _foreign(self, headers: Message) -> str | None:
+        """Why a request comes from a browser page of another site, or through a name that is not this host's."""
+        host = headers.get("Host", "")
+        if self._loopback and not _loopback_name(host):
+            # DNS rebinding: a page's own name, resolved to 127.0.0.1, reaches a loopback listener.
+            return f"Host {host[:80]!r} is not a loopback name: this endpoint answers only localhost"
+        origin = headers.get("Origin")
+        if origin is not None and origin != "null" and urlsplit(origin).netloc.lower() != host.lower():
+            return f"a request from the web page {origin[:80]!r} (no cross-origin queries)"
+        if headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site"):
+            return "a request from another site's web page (no cross-origin queries)"
+        return None
+
+    def _answer(self, url: SplitResult | None, target: str, params: dict[str, str], headers: Message, body: bytes,
+                peer: str, watch: Watch | None) -> _Reply:
+        try:
+            if url is None:
+                raise SqlRefused(f"cannot parse the request target {target[:100]!r}", 36, "BAD_ARGUMENTS", status=400)
+            if url.path != "/":
+                raise SqlRefused(f"There is no handle {url.path}: use / or /ping", 0, "NO_HANDLE", status=404)
+            self._authenticate(headers, params)
+            client = f"{peer} {headers.get('User-Agent', '')[:80]} {params.get('quota_key', '')[:40]}"
+            return self._query(params, headers, body, client, watch)
+        except SqlRefused as ex:
+            return self._error(ex.code, ex.name, str(ex), ex.status)
+        except EngineError as ex:
+            return self._error(ex.code, ex.name, str(ex))
+        except Exception as ex:
+            logger.exception("query endpoint: internal error answering %s", peer)
+            return self._error(1001, "STD_EXCEPTION", f"internal error: {type(ex).__name__}")
 
     def unreadable(self, message: str) -> _Reply:
         """The reply to a request whose framing is broken (Content-Length, chunks): the connection closes after."""
@@ -190,7 +235,10 @@ class QueryEndpoint(Address):
         status = status or cherrors.http_status(code)
         if status == 401:
             headers["WWW-Authenticate"] = 'Basic realm="stepline", charset="UTF-8"'
-        body = cherrors.exception_text(code, name, message).encode()
+        text = cherrors.exception_text(code, name, message)
+        if len(text) > _ECHO_CHARS:
+            text = text[: _ECHO_CHARS - 20] + f"... ({name})\n"
+        body = text.encode()
         return _Reply(status, body, "refused" if refused else "failed", headers)
 
     def _authenticate(self, headers: Message, params: Mapping[str, str]) -> None:
@@ -209,7 +257,8 @@ class QueryEndpoint(Address):
             raise SqlRefused(f"default: Authentication {what}", cherrors.AUTHENTICATION_FAILED,
                              "AUTHENTICATION_FAILED", status=401 if supplied is None else 403)
 
-    def _query(self, params: dict[str, str], headers: Message, body: bytes) -> _Reply:
+    def _query(self, params: dict[str, str], headers: Message, body: bytes, client: str,
+               watch: Watch | None) -> _Reply:
         body = chcompress.decode_content(headers.get("Content-Encoding", "").strip().lower(), body, self.max_body_bytes)
         if _flag(params, "decompress"):
             body = chcompress.decompress_blocks(body, self.max_body_bytes)
@@ -227,8 +276,8 @@ class QueryEndpoint(Address):
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
         if not chsettings.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
-        settings = chsettings.query_settings(params, self._base_settings, self._caps)
-        chsettings.check_statement_settings(statement.settings, self._caps)
+        key = chsettings.query_settings(params, self._caps)
+        settings = dict(key)
         frame = None
         if _flag(params, "compress"):
             method = chcompress.method_byte(settings.get("network_compression_method", "lz4"))
@@ -237,12 +286,16 @@ class QueryEndpoint(Address):
         if _flag(params, "enable_http_compression") or _flag(settings, "enable_http_compression"):
             encoding = chcompress.response_encoding(headers.get("Accept-Encoding", ""))
         sql = statement.sql if statement.format else f"{statement.sql}\nFORMAT {fmt}"
+        tag = uuid.uuid4().hex  # in the text the engine lists the query by: KILL QUERY finds it when the client goes
+        sql = f"{sql}\n/* stepline-query {tag} */"
+        if watch is not None:
+            watch.on_gone(lambda: self._sessions.kill(tag))
         binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
         database = params.get("database") or headers.get("X-ClickHouse-Database") or self.database
         started, progress = time.monotonic_ns(), Progress()
-        key = tuple(sorted(settings.items()))
         revision = params.get("client_protocol_version", "0")
-        pieces = self._pieces(key, database, sql, fmt, binds, progress, statement.leading in ("SELECT", "WITH"))
+        pieces = self._pieces(key, database, sql, fmt, binds, progress, statement.leading in ("SELECT", "WITH"),
+                              client)
         if fmt.lower() == "native" and _REVISION.match(revision) and int(revision):
             pieces = (chnative.native_for_revision(piece, int(revision)) for piece in pieces)
         if _flag(params, "wait_end_of_query"):
@@ -265,20 +318,76 @@ class QueryEndpoint(Address):
                       exception_tag=tag)
 
     def _pieces(self, key: tuple[tuple[str, str], ...], database: str, sql: str, fmt: str, binds: dict[str, str],
-                progress: Progress, streams: bool) -> Iterator[bytes]:
+                progress: Progress, streams: bool, client: str) -> Iterator[bytes]:
         """The result in `fmt` as it streams, joined into one document; whole where the format allows no other way,
         and for SHOW, DESCRIBE, EXISTS and EXPLAIN (short answers chDB will not stream)."""
         join = chformats.joiner(fmt) if streams else None
         if join is not None:
             produced = False
-            for piece in join(self._sessions.run(key, database, sql, fmt, binds, progress)):
+            for piece in join(self._sessions.run(key, database, sql, fmt, binds, progress, client=client)):
                 produced = produced or bool(piece)
                 yield piece
             if produced or not chformats.needs_header(fmt):
                 return
             # No block came, so no header either (chDB streams blocks only): ask again, whole, for the empty
             # document (JSON's meta, the names line, Arrow's schema) that ClickHouse sends for zero rows.
-        yield from self._sessions.run(key, database, sql, fmt, binds, progress, whole=True)
+        yield from self._sessions.run(key, database, sql, fmt, binds, progress, whole=True, client=client)
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_name(host: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.0.0.0/8 or ::1, with any port."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name == "localhost" or _is_loopback(name)
+
+
+class Watch:
+    """A request's connection, looked at while its query runs: when the client has gone, the query is killed."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._kill: Callable[[], None] | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_gone(self, kill: Callable[[], None]) -> None:
+        """Watch from now on, and call `kill` (once) if the client closes its end."""
+        self._kill = kill
+        self._thread = threading.Thread(target=self._run, name="stepline-query-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(_WATCH_S):
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if not readable or self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    continue  # nothing, or the client's next request: it is still there
+            except (BlockingIOError, InterruptedError):
+                continue
+            except (OSError, ValueError):  # reset, or closed by the handler: gone either way
+                pass
+            if not self._done.is_set() and self._kill is not None:
+                logger.warning("query endpoint: the client left before its result: killing its query")
+                try:
+                    self._kill()
+                except Exception as ex:  # the query may have ended meanwhile; nothing then runs for nobody
+                    logger.warning("query endpoint: could not kill a query whose client left: %s", ex)
+            return
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -338,7 +447,12 @@ class _Handler(BaseHTTPRequestHandler):
             endpoint.count("failed")
             self.close_connection = True
             return
-        self._send(endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0]), head)
+        watch = Watch(self.connection)
+        try:
+            self._send(endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0], watch),
+                       head)
+        finally:
+            watch.stop()
 
     def _read_body(self, limit: int) -> bytes:
         """The request body; ValueError for broken framing, OSError when the client goes away mid-body."""

@@ -1,4 +1,5 @@
-"""The query endpoint's read-only chDB sessions: pooled by settings, one streaming query at a time each."""
+"""The query endpoint's read-only chDB sessions: pooled by settings, one streaming query at a time each, a fair
+share of them per client, and a query killed when its client has gone."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any, cast
 import chdb
 
 from stepline.clickhouse_http.errors import SqlRefused
+from stepline.store.query_profile import PROFILE, changeable
 
 Settings = tuple[tuple[str, str], ...]
 
-_SESSION_WAIT_S = 30.0
+_SESSION_WAIT_S = 10.0  # then ClickHouse's own 202: a client retries sooner than a dashboard times out
 _PREFETCH_BLOCKS = 4  # blocks of up to ~1 MiB each (max_block_size rows) computed ahead of the wire
 _CODE = re.compile(r"Code: (\d+)\. DB::Exception: ")
 _NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)(?: \(version [^()]*\))?\.?\s*\Z")
@@ -47,22 +49,63 @@ class Progress:
     read_bytes: int = 0
 
 
+class ProfileMissing(RuntimeError):
+    """The engine was started without stepline's query profile, or the profile leaves settings changeable."""
+
+
 def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-class Session:
-    """One chDB connection in read-only mode, with the settings it was opened with applied first."""
+def _ident(name: str) -> str:
+    """`name` backquoted as ClickHouse's lexer reads it: a backslash escapes, so it is escaped too."""
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
 
-    def __init__(self, path: str, settings: Settings) -> None:
+
+class Session:
+    """One chDB connection under the `stepline_query` profile (`stepline.store.query_profile`).
+
+    The endpoint's own settings (`preset`: readonly=2, the limits it starts queries with) are set first; then the
+    profile, whose constraints the engine applies to everything after it: the client's settings (`chosen`), and
+    every SETTINGS clause of every query, in any spelling. A setting outside the profile's allow-list is refused
+    by ClickHouse (SETTING_CONSTRAINT_VIOLATION, 452), a limit past its ceiling too, `readonly` and the profile
+    cannot change.
+    """
+
+    def __init__(self, path: str, preset: Settings, chosen: Settings) -> None:
         self._conn: Any = cast(Any, chdb).connect(path)  # untyped: chDB ships no annotations
         self._database: str | None = None
         try:
-            for key, value in (*settings, ("readonly", "2")):  # readonly last: no SET after it can lift it
+            for key, value in (("readonly", "2"), *preset):
                 self._conn.query(f"SET {key} = {_quote(value)}")
+            self._enter_profile()
+            for key, value in chosen:
+                self._conn.query(f"SET {key} = {_quote(value)}")
+        except ProfileMissing:
+            self._conn.close()
+            raise
         except Exception as ex:
             self._conn.close()
             raise EngineError.of(ex) from None
+
+    def _enter_profile(self) -> None:
+        try:
+            self._conn.query(f"SET profile = '{PROFILE}'")
+        except Exception as ex:
+            if "THERE_IS_NO_PROFILE" in str(ex):
+                raise ProfileMissing(
+                    f"the embedded store was opened without stepline's {PROFILE!r} profile: the first client of the "
+                    "process must open it with stepline.store.chdb.open_client") from None
+            raise
+
+    def verify(self) -> None:
+        """Refuse to serve when the engine lets a client change a setting the profile does not allow."""
+        rows = self._conn.query("SELECT name, readonly FROM system.settings", "TSV").bytes().decode().splitlines()
+        loose = changeable([(name, int(readonly)) for name, readonly in (row.split("\t") for row in rows)])
+        if loose:
+            raise ProfileMissing(f"chDB lets a read-only session change {len(loose)} settings that stepline's "
+                                 f"{PROFILE!r} profile does not list ({', '.join(loose[:5])}...): run "
+                                 "`python -m stepline.store.query_profile` with this chDB and commit the list")
 
     def stream(self, database: str, sql: str, fmt: str, params: Mapping[str, str],
                progress: Progress) -> Iterator[bytes]:
@@ -113,7 +156,7 @@ class Session:
 
     def _use(self, database: str) -> None:
         if database != self._database:
-            self._conn.query(f"USE `{database.replace('`', '``')}`")
+            self._conn.query(f"USE {_ident(database)}")
             self._database = database
 
     def close(self) -> None:
@@ -164,25 +207,41 @@ def _prefetched(blocks: Iterator[bytes], depth: int) -> Iterator[bytes]:
 
 
 class Sessions:
-    """Read-only chDB sessions on the store's path, pooled by settings; each runs one query at a time.
+    """Read-only chDB sessions on the store's path, pooled by the client's settings; each runs one query at a time.
 
-    A session applies its settings, then readonly=2, when it opens: later statements can set what the query
-    endpoint's guard lets through (a query's own SETTINGS), never readonly itself, and cannot write. A session
-    whose query failed, or whose result was abandoned part way, is closed rather than reused.
+    Every session starts with `preset` (the endpoint's own settings) under the `stepline_query` profile. One client
+    holds at most `per_client` sessions at once, so one that sends long queries cannot starve the others; a
+    request that finds no session within the wait is refused with ClickHouse's 202. A session whose query failed,
+    or whose result was abandoned part way, is closed rather than reused.
     """
 
-    def __init__(self, path: str, max_sessions: int) -> None:
+    def __init__(self, path: str, max_sessions: int, preset: Settings = (), per_client: int | None = None,
+                 wait_s: float | None = None) -> None:
         self._path = path
         self._max = max_sessions
+        self._preset = preset
+        self._per_client = per_client or max(1, (max_sessions + 1) // 2)
+        self._wait_s = _SESSION_WAIT_S if wait_s is None else wait_s
         self._idle: dict[Settings, list[Session]] = {}
         self._count = 0
+        self._holding: dict[str, int] = {}
         self._closed = False
         self._cond = threading.Condition()
+        self._admin: Any = None  # a connection of the default profile, for KILL QUERY
+        self._admin_lock = threading.Lock()
+
+    def verify(self) -> None:
+        """Open one session and check the engine's profile covers every setting (ProfileMissing if not)."""
+        session = Session(self._path, self._preset, ())
+        try:
+            session.verify()
+        finally:
+            session.close()
 
     def run(self, settings: Settings, database: str, sql: str, fmt: str, params: Mapping[str, str],
-            progress: Progress, *, whole: bool = False) -> Iterator[bytes]:
+            progress: Progress, *, whole: bool = False, client: str = "") -> Iterator[bytes]:
         """The result's blocks (or, `whole`, the one document); the session is held until the iterator ends."""
-        session = self._acquire(settings)
+        session = self._acquire(settings, client)
         finished = False
         try:
             if whole:
@@ -191,34 +250,52 @@ class Sessions:
                 yield from session.stream(database, sql, fmt, params, progress)
             finished = True
         finally:
-            self._release(settings, session, keep=finished)
+            self._release(settings, session, keep=finished, client=client)
 
-    def _acquire(self, key: Settings) -> Session:
-        deadline = time.monotonic() + _SESSION_WAIT_S
+    def kill(self, tag: str) -> None:
+        """Cancel the running query whose text carries `tag` (ClickHouse's KILL QUERY, from outside its session)."""
+        if not tag.isalnum():
+            raise ValueError(f"a query tag is letters and digits, not {tag[:40]!r}")
+        with self._admin_lock:
+            if self._admin is None:
+                self._admin = cast(Any, chdb).connect(self._path)
+            self._admin.query(f"KILL QUERY WHERE query LIKE '%{tag}%' AND query NOT LIKE 'KILL%' ASYNC")
+
+    def _acquire(self, key: Settings, client: str) -> Session:
+        deadline = time.monotonic() + self._wait_s
         with self._cond:
             while True:
                 if self._closed:
                     raise SqlRefused("the query endpoint is stopping", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
-                if self._idle.get(key):
+                mine = self._holding.get(client, 0) < self._per_client
+                if mine and self._idle.get(key):
+                    self._holding[client] = self._holding.get(client, 0) + 1
                     return self._idle[key].pop()
                 spare = next((k for k, v in self._idle.items() if v), None)
-                if self._count >= self._max and spare is not None:
+                if mine and self._count >= self._max and spare is not None:
                     self._idle[spare].pop().close()  # idle, so closing it cannot block
                     self._count -= 1
-                if self._count < self._max:
+                if mine and self._count < self._max:
                     self._count += 1
+                    self._holding[client] = self._holding.get(client, 0) + 1
                     break
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise SqlRefused(f"all {self._max} query sessions are busy", 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
+                    why = (f"all {self._max} query sessions are busy" if self._count >= self._max else
+                           f"this client already runs {self._per_client} of the {self._max} query sessions")
+                    raise SqlRefused(why, 202, "TOO_MANY_SIMULTANEOUS_QUERIES")
         try:
-            return Session(self._path, key)
+            return Session(self._path, self._preset, key)
         except BaseException:
-            self._release(key, None, keep=False)
+            self._release(key, None, keep=False, client=client)
             raise
 
-    def _release(self, key: Settings, session: Session | None, keep: bool) -> None:
+    def _release(self, key: Settings, session: Session | None, keep: bool, client: str) -> None:
         with self._cond:
-            self._cond.notify()
+            self._cond.notify_all()
+            if (held := self._holding.get(client, 0) - 1) > 0:
+                self._holding[client] = held
+            else:
+                self._holding.pop(client, None)
             if keep and session is not None and not self._closed:
                 self._idle.setdefault(key, []).append(session)
                 return
@@ -235,3 +312,7 @@ class Sessions:
             self._cond.notify_all()
         for session in idle:
             session.close()
+        with self._admin_lock:
+            if self._admin is not None:
+                self._admin.close()
+                self._admin = None

@@ -17,6 +17,7 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 from clickhouse_connect.driver.query import QueryContext, QueryResult
 
 from stepline.core.ratelimit import RateLimitedLog
+from stepline.store.query_profile import engine_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,5 +51,9 @@ class SafeChdbClient(ChdbClient):
 
 
 def open_client(path: str, database: str | None = None) -> SafeChdbClient:
-    """A client on the embedded store at `path` (chDB hosts one path per process; clients of it share it)."""
-    return SafeChdbClient(path=path, database=database)
+    """A client on the embedded store at `path` (chDB hosts one path per process; clients of it share it).
+
+    The first client of a process starts the engine, with the query endpoint's read-only profile
+    (`stepline.store.query_profile`); later ones join it.
+    """
+    return SafeChdbClient(path=path, database=database, chdb_options=engine_options())

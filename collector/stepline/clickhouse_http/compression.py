@@ -29,6 +29,7 @@ from stepline.clickhouse_http.errors import (
 # (src/Compression/CompressionInfo.h, ICompressionCodec.cpp in ClickHouse/ClickHouse).
 _NONE, _LZ4, _ZSTD = 0x02, 0x82, 0x90
 _METHODS = {"lz4": _LZ4, "lz4hc": _LZ4, "zstd": _ZSTD, "none": _NONE}
+_METHOD_NAMES = {_LZ4: "lz4", _ZSTD: "zstd", _NONE: "none"}
 _HEADER = struct.Struct("<BII")
 _BLOCK_BYTES = 1 << 20  # ClickHouse's max_compress_block_size
 
@@ -78,28 +79,37 @@ def decompress_blocks(data: bytes, limit: int) -> bytes:
             raise SqlRefused(f"checksum doesn't match in the compressed block at byte {pos}", CHECKSUM_DOESNT_MATCH,
                              "CHECKSUM_DOESNT_MATCH")
         total += raw_size
-        if total > limit:
+        if total > limit:  # before a byte is inflated: the claimed size bounds each decoder below
             raise too_large(total, limit)
-        packed = body[_HEADER.size:]
-        try:
-            if method == _LZ4:
-                raw = lz4.block.decompress(packed, uncompressed_size=raw_size)
-            elif method == _ZSTD:
-                raw = zstd.decompress(packed)
-            elif method == _NONE:
-                raw = packed
-            else:
-                raise SqlRefused(f"Unknown compression method byte 0x{method:02x}", UNKNOWN_COMPRESSION_METHOD,
-                                 "UNKNOWN_COMPRESSION_METHOD")
-        except SqlRefused:
-            raise
-        except Exception as ex:  # untrusted bytes: every decompressor failure is the body's
-            raise _corrupt(f"cannot decompress the block at byte {pos}: {' '.join(str(ex).split())[:120]}") from None
-        if len(raw) != raw_size:
-            raise _corrupt(f"the block at byte {pos} holds {len(raw)} bytes, its header says {raw_size}")
-        out.append(raw)
+        out.append(_block_bytes(method, body[_HEADER.size:], raw_size, pos))
         pos += 16 + size
     return b"".join(out)
+
+
+def _block_bytes(method: int, packed: bytes, raw_size: int, pos: int) -> bytes:
+    """One block's bytes, exactly `raw_size` of them, never inflating more than raw_size + 1."""
+    name = _METHOD_NAMES.get(method)
+    if name is None:
+        raise SqlRefused(f"Unknown compression method byte 0x{method:02x}", UNKNOWN_COMPRESSION_METHOD,
+                         "UNKNOWN_COMPRESSION_METHOD")
+    claims = f"the {name} block at byte {pos} claims {raw_size} bytes"
+    raw: bytes
+    try:
+        if method == _LZ4:  # LZ4_decompress_safe into a raw_size buffer: more output is an error, not a write
+            raw, ended = lz4.block.decompress(packed, uncompressed_size=raw_size), True
+        elif method == _ZSTD:
+            raw, ended = _inflate(zstd.ZstdDecompressor, packed, raw_size)
+        else:
+            raw, ended = packed, True
+    except Exception as ex:  # untrusted bytes: every decompressor failure is the body's
+        raise _corrupt(f"{claims}: {' '.join(str(ex).split())[:120]}") from None
+    if len(raw) > raw_size:
+        raise _corrupt(f"{claims} and holds more")
+    if not ended:
+        raise _corrupt(f"{claims} and ends mid-frame after {len(raw)}")
+    if len(raw) < raw_size:
+        raise _corrupt(f"{claims} and holds {len(raw)}")
+    return raw
 
 
 def _corrupt(message: str) -> SqlRefused:
@@ -107,7 +117,37 @@ def _corrupt(message: str) -> SqlRefused:
 
 
 class _Decoder(Protocol):
+    """A streaming decompressor of one frame (gzip member): zlib's, lz4.frame's and zstd's share this much."""
+
+    @property
+    def eof(self) -> bool: ...
+
+    @property
+    def unused_data(self) -> bytes: ...
+
     def decompress(self, data: bytes, max_length: int, /) -> bytes: ...
+
+
+def _inflate(new_decoder: Callable[[], _Decoder], data: bytes, most: int) -> tuple[bytes, bool]:
+    """The frames in `data` one after another, and whether the last one ended.
+
+    Output stops one byte past `most` (the caller's refusal), so a bomb costs about `most` bytes of memory.
+    """
+    out: list[bytes] = []
+    produced = 0
+    rest = data
+    while True:
+        decoder = new_decoder()
+        # max_length is never 0, zlib's "no bound". Short of it a decoder consumes all it is given: one call a frame.
+        piece = decoder.decompress(rest, most + 1 - produced)
+        out.append(piece)
+        produced += len(piece)
+        if produced > most or not decoder.eof:
+            break
+        rest = decoder.unused_data
+        if not rest:  # frames may follow one another, as ClickHouse's inflating buffers read them
+            break
+    return b"".join(out), decoder.eof
 
 
 def _zlib_or_gzip() -> _Decoder:
@@ -129,13 +169,16 @@ def decode_content(encoding: str, body: bytes, limit: int) -> bytes:
         raise SqlRefused(f"Unknown Content-Encoding of HTTP request: {encoding[:40]}", NOT_IMPLEMENTED,
                          "NOT_IMPLEMENTED")
     try:
-        out = _DECODERS[encoding]().decompress(body, limit + 1)
+        out, ended = _inflate(_DECODERS[encoding], body, limit)
     except Exception as ex:  # untrusted bytes: every decompressor failure (zlib.error, ZstdError, ...) is the body's
         detail = " ".join(str(ex).split())[:160] or type(ex).__name__
         raise SqlRefused(f"cannot decompress the {encoding} request body: {detail}", CANNOT_DECOMPRESS,
                          "CANNOT_DECOMPRESS") from None
     if len(out) > limit:
         raise too_large(len(out), limit)
+    if not ended:  # zlib hands out what it has: a body cut short would run as a prefix of its query
+        raise SqlRefused(f"cannot decompress the {encoding} request body: it ends before its stream does",
+                         CANNOT_DECOMPRESS, "CANNOT_DECOMPRESS")
     return out
 
 

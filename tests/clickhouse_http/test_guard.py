@@ -151,7 +151,8 @@ WRITES = [
     "SYSTEM RELOAD CONFIG", "KILL MUTATION WHERE 1", "SET allow_ddl = 1", "SET readonly = 0; DROP TABLE t",
     "SELECT 1; INSERT INTO t VALUES (7)",
     "drop table t", "/* hidden */ DROP TABLE t", "(DROP TABLE t)", "CHECK TABLE t", "USE system", "MOVE USER eve TO x",
-    f"SELECT 1 INTO OUTFILE '{MARKED}' APPEND", "INSERT INTO t FROM INFILE '/etc/hostname'", "EXPLAIN PIPELINE INSERT INTO t SELECT 1",
+    f"SELECT 1 INTO OUTFILE '{MARKED}' APPEND", "INSERT INTO t FROM INFILE '/etc/hostname'",
+    "EXPLAIN PIPELINE INSERT INTO t SELECT 1",
 ]
 OUTSIDE = [  # table functions and functions that read files, URLs, other processes or servers
     f"s3('{URL}', 'CSV')", "remote('127.0.0.1', system.one)", "executable('cat /etc/hostname', 'TSV', 'x String')",

@@ -106,6 +106,46 @@ def test_a_bad_token_or_body_is_refused_in_one_line_and_nothing_is_written(
     assert ingest.token not in caplog.text
 
 
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"[" * 100_000 + b"]" * 100_000, "the body is JSON nested too deeply to decode"),
+    (b'{"events": [{"ts": ' + b"1" * 5000 + b"}]}", "the body is not JSON: Exceeds the limit (4300 digits)"),
+], ids=["deep", "long-integer"])
+def test_a_body_the_decoder_cannot_take_is_400_in_one_line(ingest: EventsIngest, sink: Sink, raw: bytes,
+                                                           reason: str) -> None:
+    got, answer = send(ingest, raw, token=ingest.token)
+    assert got == 400 and answer["error"].startswith(reason) and "\n" not in answer["error"]
+    assert sink.rows == []
+
+
+@pytest.mark.parametrize("source", [
+    "Watchdog", "watchdog ", " WATCHDOG\t", "otlp\u00a0",  # case and spacing, a no-break space included
+    "\uff57\uff41\uff54\uff43\uff48\uff44\uff4f\uff47", "\uff27\uff30\uff35", "\u1d34ost",  # fullwidth, modifier
+    "watch\u200bdog", "plug\u00adin",  # a zero-width space, a soft hyphen
+])
+def test_a_reserved_source_spelled_another_way_is_refused(ingest: EventsIngest, sink: Sink, source: str) -> None:
+    """Case, surrounding space, fullwidth or modifier letters and invisible characters do not make it another name."""
+    got, answer = send(ingest, body(event(source=source)), token=ingest.token)
+    assert (got, answer["error"]) == (400, f"event 0: source {source!r} is the collector's own")
+    assert sink.rows == []
+
+
+def test_a_request_target_that_is_no_url_is_400(ingest: EventsIngest, sink: Sink) -> None:
+    raw = body(event())
+    conn = http.client.HTTPConnection("127.0.0.1", ingest.port, timeout=10)
+    try:
+        conn.putrequest("POST", "http://[x/v1/events", skip_host=True)  # an unclosed IPv6 bracket in absolute form
+        for key, value in (("Host", "127.0.0.1"), ("Content-Type", "application/json"),
+                           ("Authorization", f"Bearer {ingest.token}"), ("Content-Length", str(len(raw)))):
+            conn.putheader(key, value)
+        conn.endheaders(raw)
+        response = conn.getresponse()
+        assert (response.status, json.loads(response.read())) == (
+            400, {"error": "cannot parse the request target 'http://[x/v1/events'"})
+    finally:
+        conn.close()
+    assert sink.rows == []
+
+
 def test_only_post_to_the_events_path(ingest: EventsIngest, sink: Sink) -> None:
     assert send(ingest, b"", method="GET", token=ingest.token)[0] == 405
     assert send(ingest, body(event()), path="/v1/traces", token=ingest.token)[0] == 404

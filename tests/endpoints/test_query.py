@@ -259,7 +259,7 @@ def test_clickhouse_connect_reads_many_blocks_of_every_shape(client: Client) -> 
         "url", "multi-statement", "file-scalar", "quoted-file", "unicode-space-file", "outfile", "remote"])
 def test_writes_and_escapes_are_refused(client: Client, run: Callable[[Client], object], chdb_dir: Path,
                                         db: str) -> None:
-    with pytest.raises(DatabaseError, match="read-only|READONLY|SETTING_CONSTRAINT_VIOLATION"):  # guard or engine
+    with pytest.raises(DatabaseError, match=r"read-only|READONLY|SETTING_CONSTRAINT_VIOLATION"):  # guard or engine
         run(client)
     assert _count(chdb_dir, db) == len(ROWS)
     assert not Path("/tmp/stepline-should-not-exist").exists()

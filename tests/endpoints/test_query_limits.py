@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import chdb
 import pytest
@@ -33,7 +33,7 @@ def _get(ep: QueryEndpoint, sql: str, headers: dict[str, str] | None = None,
 
 def _running(chdb_dir: Path, text: str) -> int:
     """Queries the engine runs now whose SQL holds `text` (read beside the endpoint, as its operator could)."""
-    conn: Any = chdb.connect(str(chdb_dir))
+    conn: Any = cast(Any, chdb).connect(str(chdb_dir))
     try:
         sql = "SELECT count() FROM system.processes WHERE query LIKE {t:String} AND query NOT LIKE '%system.processes%'"
         return int(conn.query(sql, "TSV", params={"t": f"%{text}%"}).bytes())

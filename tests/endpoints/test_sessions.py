@@ -35,8 +35,8 @@ def pool(chdb_dir: Path) -> Iterator[Sessions]:
     opened.close()
 
 
-def _text(pool: Sessions, database: str, sql: str, settings: sessions.Settings = (), **kw: bool) -> str:
-    return b"".join(pool.run(settings, database, sql, "TSV", {}, Progress(), **kw)).decode()
+def _text(pool: Sessions, database: str, sql: str, settings: sessions.Settings = (), whole: bool = False) -> str:
+    return b"".join(pool.run(settings, database, sql, "TSV", {}, Progress(), whole=whole)).decode()
 
 
 def test_a_query_streams_its_blocks_and_counts_what_it_read(pool: Sessions, database: str) -> None:

@@ -23,7 +23,7 @@ with atheris.instrument_imports(include=["stepline"]):  # stepline only: instrum
     from stepline.clickhouse_http.body import form_fields
     from stepline.clickhouse_http.compression import decode_content
     from stepline.clickhouse_http.errors import SqlRefused
-    from stepline.clickhouse_http.guard import read_only_statement
+    from stepline.clickhouse_http.guard import read_only_statement, settings_named
     from stepline.clickhouse_http.settings import query_settings
     from stepline.model.rows import micros
     from stepline.plugin import wire
@@ -83,9 +83,11 @@ def sql(data: bytes) -> None:
     text = provider.ConsumeUnicodeNoSurrogates(provider.ConsumeIntInRange(0, 512))
     with contextlib.suppress(SqlRefused):
         assert read_only_statement(text).sql.strip()
+    with contextlib.suppress(SqlRefused):  # any text, not only the engine's canonical form: nothing else raised
+        settings_named(text)
     params = {provider.ConsumeUnicodeNoSurrogates(12): provider.ConsumeUnicodeNoSurrogates(12) for _ in range(3)}
     with contextlib.suppress(SqlRefused):
-        query_settings(params, {}, {"max_execution_time": 60})
+        query_settings(params, {"max_execution_time": 60})
     body = provider.ConsumeBytes(provider.ConsumeIntInRange(0, 512))
     with contextlib.suppress(SqlRefused):
         form_fields("multipart/form-data; boundary=B", body)

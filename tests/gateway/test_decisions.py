@@ -47,10 +47,31 @@ def test_a_hook_that_failed_open_leaves_no_size_and_says_what_it_swallowed() -> 
     ({d.THRESHOLD: "lots"}, "stepline.gateway.threshold is 'lots', not a number"),
     ({d.CLIENT_DISCONNECTED: "yes"}, "stepline.gateway.client_disconnected is 'yes', not a boolean"),
     ({d.CANDIDATES: [1, 2]}, "stepline.gateway.candidates is not an array of strings"),
+    ({d.SIZE_CHARS: "²"}, "stepline.gateway.size.chars is '²', not a whole number"),  # isdigit() yet not int()
+    ({d.IN_FLIGHT: "٣"}, "stepline.gateway.in_flight is '٣', not a whole number"),
+    ({d.SIZE_BYTES: "9" * 5000}, "stepline.gateway.size.bytes is '99999"),  # more digits than int() converts
+    ({d.LANE: "x" * 1025}, "stepline.gateway.lane is over the 1024-byte limit for ids and names (1025 characters)"),
+    ({d.CANDIDATES: ["a", "é" * 513]}, "stepline.gateway.candidates is over the 1024-byte limit"),  # 1026 bytes
 ])
 def test_a_bad_attribute_is_refused_naming_it(attrs: dict[str, Any], reason: str) -> None:
     with pytest.raises(DecisionRejected, match=reason.replace("(", r"\(").replace(")", r"\)")):
         to_decision({d.REQUEST_ID: "r1", **attrs}, ARRIVAL_NS, FINISH_NS, "g", "h")
+
+
+def test_whole_numbers_may_come_as_ascii_digit_strings() -> None:
+    row = to_decision({d.SIZE_CHARS: " 340112 ", d.FIRST_BYTE: "0" * 30 + str(FINISH_NS), d.REQUEST_ID: "é" * 512},
+                      ARRIVAL_NS, FINISH_NS, "g", "h")
+    assert (row.size_chars, row.first_byte_ts, row.request_id) == (340_112, (FINISH_NS + 500) // 1000, "é" * 512)
+
+
+def test_an_over_long_id_or_gateway_name_refuses_the_span_rather_than_merge_it() -> None:
+    with pytest.raises(DecisionRejected, match=r"^decision 'r{64}': stepline.gateway.request_id is over the 1024-byte "
+                                               r"limit for ids and names \(7000000 characters\)$"):
+        to_decision({d.REQUEST_ID: "r" * 7_000_000}, ARRIVAL_NS, FINISH_NS, "g", "h")
+    with pytest.raises(DecisionRejected, match=r"the resource's gateway name is over the 1024-byte limit for ids and "
+                                               r"names \(2000 characters\)"):
+        to_decision({}, ARRIVAL_NS, FINISH_NS, "g" * 2000, "h")
+    assert to_decision({d.GATEWAY: "router"}, ARRIVAL_NS, FINISH_NS, "g" * 2000, "h").gateway == "router"
 
 
 def test_backends_are_named_as_engines_are() -> None:
@@ -70,6 +91,21 @@ def test_the_real_sdk_sends_decisions_beside_vllm_spans(receiver: OtlpReceiver) 
     assert rows == [to_decision(MONSTER, ARRIVAL_NS, FINISH_NS, "router-a", "h1")]
     stats = receiver.stats()
     assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 1, 1)
+
+
+def test_one_bad_decision_in_a_batch_rejects_only_itself(receiver: OtlpReceiver) -> None:  # noqa: F811
+    unicode_digit = {**MONSTER, d.REQUEST_ID: "req-8", d.SIZE_CHARS: "²"}
+    huge_id = {**MONSTER, d.REQUEST_ID: "r" * 7_000_000}
+    long_text = {**MONSTER, d.REQUEST_ID: "req-9", d.SWALLOWED: "E" * 5000}
+    export(receiver.url, [(d.DECISION_SPAN, MONSTER), (d.DECISION_SPAN, unicode_digit), (d.DECISION_SPAN, huge_id),
+                          (d.DECISION_SPAN, long_text)], resource={"service.name": "router-a"}, batched=True)
+    rows = drain(receiver)
+    assert [r.request_id for r in rows if isinstance(r, GatewayDecision)] == ["req-7", "req-9"]
+    assert rows[1] == to_decision(long_text, ARRIVAL_NS, FINISH_NS, "router-a", "h1")
+    assert len(rows[1].swallowed_exception) == 2000  # free text is cut, and counted
+    stats = receiver.stats()
+    assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_truncated"]) == (2, 2, 1)
+    assert stats["requests_accepted"] == 1
 
 
 def test_decisions_are_stored_and_read_back(store: Store) -> None:

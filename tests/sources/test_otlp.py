@@ -11,6 +11,7 @@ import math
 import socket
 import threading
 import time
+import tracemalloc
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from stepline.core.clock import ManualClock
@@ -120,12 +121,16 @@ def drain(receiver: OtlpReceiver) -> list[Row]:
 
 
 def export(url: str, spans: Sequence[tuple[str, Mapping[str, Any]]], resource: Mapping[str, str] | None = None,
-           compression: Compression = Compression.Gzip, headers: Mapping[str, str] | None = None) -> None:
-    """Send spans through the SDK's own OTLP/HTTP exporter, as vLLM does (one SERVER span per request)."""
+           compression: Compression = Compression.Gzip, headers: Mapping[str, str] | None = None, *,
+           batched: bool = False) -> None:
+    """Send spans through the SDK's own OTLP/HTTP exporter, as vLLM does (one SERVER span per request); one export
+    per span, or all of them in one export when batched."""
     exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=compression, headers=headers, timeout=5)
     attributes = {"service.name": "prod-a"} if resource is None else dict(resource)
     provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # A batch processor that waits a minute sends nothing before force_flush, which sends the spans as one export.
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000) if batched
+                                else SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("vllm.entrypoints.openai.api_server")
     for name, span_attributes in spans:
         span = tracer.start_span(name, kind=SpanKind.SERVER, start_time=ARRIVAL_NS, attributes=span_attributes)
@@ -298,6 +303,21 @@ def test_oversized_content_length_is_413_without_reading_the_body(receiver: Otlp
     assert receiver.stats()["requests_too_large"] == 1
 
 
+@pytest.mark.parametrize(("encoding", "wbits"), [("gzip", 16 + zlib.MAX_WBITS), ("deflate", zlib.MAX_WBITS)])
+def test_a_bomb_costs_the_receiver_about_its_body_limit_in_memory(receiver: OtlpReceiver, encoding: str,
+                                                                  wbits: int) -> None:
+    deflater, zeros = zlib.compressobj(9, zlib.DEFLATED, wbits), bytes(1 << 20)
+    bomb = b"".join(deflater.compress(zeros) for _ in range(200)) + deflater.flush()  # 200 KB inflating to 200 MiB
+    tracemalloc.start()  # every thread's allocations: the handler's inflate included
+    try:
+        reply = post(receiver, bomb, {"Content-Encoding": encoding})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert reply.status == 413 and "inflates past" in status_of(reply).message
+    assert peak < 4 * receiver.max_body_bytes  # the default 8 MiB limit and its buffers, not the 200 MiB
+
+
 def test_gzip_bomb_is_413(make_receiver: Any) -> None:
     receiver = make_receiver(max_body_bytes=1 << 20)
     bomb = gzip.compress(b"\0" * (32 << 20), compresslevel=9)
@@ -415,6 +435,43 @@ def test_partial_success_for_rejected_spans(receiver: OtlpReceiver) -> None:
     assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 6, 1)
     clean = response_of(post(receiver, request_of(good_span()).SerializeToString()))
     assert not clean.HasField("partial_success")
+
+
+def test_a_7mb_request_id_is_rejected_not_stored(receiver: OtlpReceiver, caplog: pytest.LogCaptureFixture) -> None:
+    huge = {**VLLM_ATTRIBUTES, "gen_ai.request.id": "r" * 7_000_000}
+    export(receiver.url, [("llm_request", huge), ("llm_request", VLLM_ATTRIBUTES)], batched=True)
+    assert drain(receiver) == [EXPECTED]
+    stats = receiver.stats()
+    assert (stats["spans_accepted"], stats["spans_rejected"], stats["requests_accepted"]) == (1, 1, 1)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "stepline.sources.otlp"]
+    assert line.endswith("gen_ai.request.id is over the 1024-byte limit for ids and names (7000000 characters)")
+    assert len(line) < 200
+
+
+@pytest.mark.parametrize(("attributes", "resource", "what", "characters"), [
+    ({"gen_ai__request__id": {"string_value": "é" * 513}}, {}, "gen_ai.request.id", 513),
+    ({"gen_ai__response__model": {"string_value": "m" * 1025}}, {}, "gen_ai.response.model", 1025),
+    ({"gen_ai__request__model": {"string_value": "m" * 1025}}, {}, "gen_ai.request.model", 1025),
+    ({"gen_ai__response__finish_reasons": {"array_value": ArrayValue(values=[AnyValue(string_value="s" * 2000)])}},
+     {}, "gen_ai.response.finish_reasons", 2000),
+    ({}, {"stepline.engine": "e" * 1025}, "the resource's engine name", 1025),
+    ({}, {"service.name": "e" * 1025}, "the resource's engine name", 1025),
+])
+def test_an_id_or_name_over_the_bound_rejects_its_span(attributes: dict[str, Any], resource: dict[str, str],
+                                                       what: str, characters: int) -> None:
+    decoded = to_rows(request_of(good_span("r1", **attributes), resource={"service.name": "raw", **resource}), HOST)
+    assert (decoded.rows, decoded.rejected) == ([], 1)
+    assert decoded.problems[0].endswith(f"{what} is over the 1024-byte limit for ids and names ({characters} "
+                                        "characters)")
+
+
+def test_an_id_or_name_at_the_bound_is_kept_whole() -> None:
+    reasons = ArrayValue(values=[AnyValue(string_value="s" * 1024)])
+    names = {"gen_ai__response__model": {"string_value": "m" * 1024},
+             "gen_ai__response__finish_reasons": {"array_value": reasons}}
+    [row] = to_rows(request_of(good_span("é" * 512, **names), resource={"stepline.engine": "e" * 1024}), HOST).rows
+    assert (row.request_id, row.model_name, row.finish_reason, row.engine) == ("é" * 512, "m" * 1024, "s" * 1024,
+                                                                              "e" * 1024)
 
 
 def test_tolerant_number_kinds() -> None:

@@ -6,7 +6,8 @@ however it spells them (`stepline.store.query_profile`). The guard stops what th
 other than reads, chDB's functions that read files, URLs and the host process (the engine runs those under
 readonly=2), INTO OUTFILE, and the system tables that show other clients' SQL.
 
-Public: `read_only_statement` and the `Statement` it returns; `tokens`, the lexer it reads with.
+Public: `read_only_statement` and the `Statement` it returns; `tokens`, the lexer it reads with; `settings_named`,
+the names a query's SETTINGS clauses set, read from the text ClickHouse's parser prints back.
 """
 
 from __future__ import annotations
@@ -164,3 +165,29 @@ def read_only_statement(sql: str) -> Statement:
             if after is None or (after.kind == "word" and after.text.upper() == "SETTINGS"):
                 fmt = nxt.text
     return Statement(sql[: toks[-1].end], fmt, leading)
+
+
+def settings_named(canonical: str) -> list[str]:
+    """The names every SETTINGS clause of a query sets, at any depth, from its canonical text (the query as
+    ClickHouse's formatQuerySingleLine prints it: `SETTINGS name = value, name = value`)."""
+    toks = list(tokens(canonical))
+    names = []
+    for k, tok in enumerate(toks):
+        if tok.kind != "word" or tok.text.upper() != "SETTINGS":
+            continue
+        while k + 2 < len(toks) and toks[k + 1].kind in ("word", "ident") and toks[k + 2].text == "=":
+            name = toks[k + 1].text
+            names.append(name if toks[k + 1].kind == "word" else name[1:-1])
+            k += 3  # past the value's first token; a value of several tokens (-1, [1, 2]) ends at the next comma
+            depth = 0
+            while k < len(toks) and not (depth == 0 and toks[k].text == ","):
+                if toks[k].kind == "punct" and toks[k].text in "([{":
+                    depth += 1
+                elif toks[k].kind == "punct" and toks[k].text in ")]}":
+                    if depth == 0:
+                        break
+                    depth -= 1
+                k += 1
+            if k >= len(toks) or toks[k].text != ",":
+                break
+    return names

@@ -20,6 +20,7 @@ import logging
 import re
 import secrets
 import time
+import unicodedata
 import urllib.parse
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler
@@ -62,8 +63,10 @@ def parse_events(body: bytes, *, now_s: float, max_events: int = MAX_EVENTS) -> 
     """The events of a request body; EventsRejected (400) naming the first thing wrong."""
     try:
         raw = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EventsRejected(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise EventsRejected(400, "the body is JSON nested too deeply to decode") from None
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer of more digits than int() converts
+        raise EventsRejected(400, f"the body is not JSON: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(raw, dict) or set(raw) != {"events"} or not isinstance(raw["events"], list):
         raise EventsRejected(400, 'the body must be {"events": [...]}')
     items = raw["events"]
@@ -91,8 +94,8 @@ def _event(i: int, item: Any, now_s: float) -> Event:
             for name in ("host", "engine", "source", "kind", "severity", "message")}
     if not text["host"] or not text["source"]:
         raise EventsRejected(400, f"{where}: host and source must not be empty")
-    if text["source"] in RESERVED_SOURCES:
-        raise EventsRejected(400, f"{where}: source {text['source']!r} is the collector's own")
+    if _folded(text["source"]) in RESERVED_SOURCES:
+        raise EventsRejected(400, f"{where}: source {text['source'][:64]!r} is the collector's own")
     if not _KIND.match(text["kind"]):
         raise EventsRejected(400, f"{where}: kind {text['kind'][:40]!r} must be lower_snake_case")
     if text["severity"] not in SEVERITIES:
@@ -107,6 +110,14 @@ def _event(i: int, item: Any, now_s: float) -> Event:
             raise EventsRejected(400, f"{where}: an attribute name is empty or too long")
     return Event(ts, text["host"], text["engine"], text["source"], text["kind"], text["severity"], text["message"],
                  dict(attributes))
+
+
+def _folded(name: str) -> str:
+    """A name as it reads: compatibility forms (fullwidth, ligatures) folded, invisible format characters dropped,
+    no surrounding space, no case; so that "Watchdog", " watchdog" and a fullwidth "watchdog" read as the reserved
+    one."""
+    normal = unicodedata.normalize("NFKC", name)
+    return "".join(c for c in normal if unicodedata.category(c) != "Cf").strip().casefold()
 
 
 def _text(where: str, name: str, value: Any, limit: int) -> str:
@@ -163,7 +174,10 @@ class EventsIngest(Address):
 
     def refuse_early(self, method: str, target: str, authorization: str) -> EventsRejected | None:
         """The refusal of a request before its body is read (path, method, token), or None."""
-        path = urllib.parse.urlsplit(target).path
+        try:
+            path = urllib.parse.urlsplit(target).path
+        except ValueError:  # e.g. "http://[x/": an unclosed IPv6 bracket in an absolute-form target
+            return EventsRejected(400, f"cannot parse the request target {target[:100]!r}")
         if path != EVENTS_PATH:
             return EventsRejected(404, f"no handler for {path[:100]!r}: events go to POST {EVENTS_PATH}")
         if method != "POST":

@@ -38,7 +38,7 @@ from stepline.core.listener import Address, HttpServer, ServerThread
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
-from stepline.store.query_profile import CEILINGS
+from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +273,8 @@ class QueryEndpoint(Address):
         statement = chguard.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
         if not valid:
             raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
+        if "settings" in statement.sql.lower():  # the engine ignores a subquery's settings: refuse them here too
+            self._refuse_settings(chguard.settings_named(self._sessions.canonical(statement.sql)))
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
         if not chsettings.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
@@ -316,6 +318,14 @@ class QueryEndpoint(Address):
         reply_headers["X-ClickHouse-Exception-Tag"] = tag
         return _Reply(200, first, "served", reply_headers, rest=rest, frame=frame, encoding=encoding,
                       exception_tag=tag)
+
+    @staticmethod
+    def _refuse_settings(names: list[str]) -> None:
+        """Refuse, as the engine refuses at the top level, a setting the query profile does not let clients change."""
+        for name in names:
+            if name not in ALLOWED and name not in CEILINGS:
+                raise SqlRefused(f"Setting {name[:64]} should not be changed (stepline's {PROFILE!r} profile)",
+                                 cherrors.SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
 
     def _pieces(self, key: tuple[tuple[str, str], ...], database: str, sql: str, fmt: str, binds: dict[str, str],
                 progress: Progress, streams: bool, client: str) -> Iterator[bytes]:

@@ -20,6 +20,7 @@ Settings = tuple[tuple[str, str], ...]
 
 _SESSION_WAIT_S = 10.0  # then ClickHouse's own 202: a client retries sooner than a dashboard times out
 _PREFETCH_BLOCKS = 4  # blocks of up to ~1 MiB each (max_block_size rows) computed ahead of the wire
+_ESCAPED = str.maketrans({"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0": "\\0"})
 _CODE = re.compile(r"Code: (\d+)\. DB::Exception: ")
 _NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)(?: \(version [^()]*\))?\.?\s*\Z")
 
@@ -73,24 +74,24 @@ class Session:
     """
 
     def __init__(self, path: str, preset: Settings, chosen: Settings) -> None:
-        self._conn: Any = cast(Any, chdb).connect(path)  # untyped: chDB ships no annotations
+        self.conn: Any = cast(Any, chdb).connect(path)  # untyped: chDB ships no annotations
         self._database: str | None = None
         try:
             for key, value in (("readonly", "2"), *preset):
-                self._conn.query(f"SET {key} = {_quote(value)}")
+                self.conn.query(f"SET {key} = {_quote(value)}")
             self._enter_profile()
             for key, value in chosen:
-                self._conn.query(f"SET {key} = {_quote(value)}")
+                self.conn.query(f"SET {key} = {_quote(value)}")
         except ProfileMissing:
-            self._conn.close()
+            self.conn.close()
             raise
         except Exception as ex:
-            self._conn.close()
+            self.conn.close()
             raise EngineError.of(ex) from None
 
     def _enter_profile(self) -> None:
         try:
-            self._conn.query(f"SET profile = '{PROFILE}'")
+            self.conn.query(f"SET profile = '{PROFILE}'")
         except Exception as ex:
             if "THERE_IS_NO_PROFILE" in str(ex):
                 raise ProfileMissing(
@@ -100,7 +101,7 @@ class Session:
 
     def verify(self) -> None:
         """Refuse to serve when the engine lets a client change a setting the profile does not allow."""
-        rows = self._conn.query("SELECT name, readonly FROM system.settings", "TSV").bytes().decode().splitlines()
+        rows = self.conn.query("SELECT name, readonly FROM system.settings", "TSV").bytes().decode().splitlines()
         loose = changeable([(name, int(readonly)) for name, readonly in (row.split("\t") for row in rows)])
         if loose:
             raise ProfileMissing(f"chDB lets a read-only session change {len(loose)} settings that stepline's "
@@ -122,7 +123,7 @@ class Session:
                 progress: Progress) -> Iterator[bytes]:
         try:
             self._use(database)
-            result = self._conn.send_query(sql, fmt, params=dict(params))
+            result = self.conn.send_query(sql, fmt, params=dict(params))
         except Exception as ex:
             raise EngineError.of(ex) from None
         try:
@@ -147,7 +148,7 @@ class Session:
         """
         try:
             self._use(database)
-            result = self._conn.query(sql, fmt, params=dict(params))
+            result = self.conn.query(sql, fmt, params=dict(params))
         except Exception as ex:
             raise EngineError.of(ex) from None
         progress.read_rows += result.rows_read()
@@ -156,11 +157,11 @@ class Session:
 
     def _use(self, database: str) -> None:
         if database != self._database:
-            self._conn.query(f"USE {_ident(database)}")
+            self.conn.query(f"USE {_ident(database)}")
             self._database = database
 
     def close(self) -> None:
-        self._conn.close()
+        self.conn.close()
 
 
 def _prefetched(blocks: Iterator[bytes], depth: int) -> Iterator[bytes]:
@@ -229,6 +230,8 @@ class Sessions:
         self._cond = threading.Condition()
         self._admin: Any = None  # a connection of the default profile, for KILL QUERY
         self._admin_lock = threading.Lock()
+        self._parser: Session | None = None
+        self._parser_lock = threading.Lock()
 
     def verify(self) -> None:
         """Open one session and check the engine's profile covers every setting (ProfileMissing if not)."""
@@ -252,14 +255,31 @@ class Sessions:
         finally:
             self._release(settings, session, keep=finished, client=client)
 
+    def canonical(self, sql: str) -> str:
+        """`sql` as ClickHouse's own parser prints it back (formatQuerySingleLine): no comments, no quoting that is
+        not needed, one spelling per name; an EngineError where it does not parse."""
+        escaped = sql.translate(_ESCAPED)  # a bound String is read in TabSeparated's escaping
+        try:
+            with self._parser_lock:
+                if self._parser is None:  # read-only like the others: it only ever parses
+                    self._parser = Session(self._path, self._preset, ())
+                result = self._parser.conn.query("SELECT formatQuerySingleLine({q:String})", "TSVRaw",
+                                                 params={"q": escaped})
+        except Exception as ex:
+            raise EngineError.of(ex) from None
+        return bytes(result.bytes()).decode().rstrip("\n")
+
+    def _admin_connection(self) -> Any:
+        if self._admin is None:
+            self._admin = cast(Any, chdb).connect(self._path)
+        return self._admin
+
     def kill(self, tag: str) -> None:
         """Cancel the running query whose text carries `tag` (ClickHouse's KILL QUERY, from outside its session)."""
         if not tag.isalnum():
             raise ValueError(f"a query tag is letters and digits, not {tag[:40]!r}")
         with self._admin_lock:
-            if self._admin is None:
-                self._admin = cast(Any, chdb).connect(self._path)
-            self._admin.query(f"KILL QUERY WHERE query LIKE '%{tag}%' AND query NOT LIKE 'KILL%' ASYNC")
+            self._admin_connection().query(f"KILL QUERY WHERE query LIKE '%{tag}%' AND query NOT LIKE 'KILL%' ASYNC")
 
     def _acquire(self, key: Settings, client: str) -> Session:
         deadline = time.monotonic() + self._wait_s
@@ -316,3 +336,7 @@ class Sessions:
             if self._admin is not None:
                 self._admin.close()
                 self._admin = None
+        with self._parser_lock:
+            if self._parser is not None:
+                self._parser.close()
+                self._parser = None

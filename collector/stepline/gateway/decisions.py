@@ -10,6 +10,7 @@ attribute is optional: a decision with no measured size is itself the evidence o
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,11 @@ UNITS = ("chars", "bytes", "tokens")
 DEFAULT_GATEWAY = "gateway"
 _MAX_SIZE = (1 << 63) - 1
 _MAX_TEXT = 2000  # a swallowed exception's text is kept to this many characters
+# An id or name (request id, engine, gateway, model, lane) kept in a column is at most this many UTF-8 bytes. Real ones
+# are tens of bytes (a vLLM request id about 45, a model path about 150); a longer one is a bug or an attack, and
+# cutting it could merge two identities, so the span carrying it is refused, never truncated.
+MAX_NAME_BYTES = 1024
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes "²", which int() refuses
 
 
 class DecisionRejected(ValueError):
@@ -62,6 +68,7 @@ def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: s
     """The row for one decision span; attrs are plain values (str, int, float, bool, lists of them)."""
     request_id = _text(attrs, REQUEST_ID)
     where = f"decision {request_id[:64]!r}" if request_id else "decision"
+    _check_name(request_id, REQUEST_ID, where)
     unit = _text(attrs, THRESHOLD_UNIT).lower()
     if unit not in ("", *UNITS):
         raise DecisionRejected(f"{where}: {THRESHOLD_UNIT} is {unit[:32]!r}, not one of {', '.join(UNITS)}")
@@ -72,19 +79,35 @@ def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: s
     candidates = attrs.get(CANDIDATES, [])
     if not isinstance(candidates, list | tuple) or not all(isinstance(c, str) for c in candidates):
         raise DecisionRejected(f"{where}: {CANDIDATES} is not an array of strings")
+    for candidate in candidates:
+        _check_name(candidate, CANDIDATES, where)
     return GatewayDecision(
-        ts=_micros(start_ns), host=host, engine=backend_engine(_text(attrs, BACKEND)),
-        gateway=_text(attrs, GATEWAY) or gateway, request_id=request_id,
-        attempt=_whole(attrs, ATTEMPT, where, 65535) or 1, lane=_text(attrs, LANE),
+        ts=_micros(start_ns), host=host, engine=backend_engine(_name(attrs, BACKEND, where)),
+        gateway=_name(attrs, GATEWAY, where) or _check_name(gateway, "the resource's gateway name", where),
+        request_id=request_id, attempt=_whole(attrs, ATTEMPT, where, 65535) or 1, lane=_name(attrs, LANE, where),
         candidates=[backend_engine(c) for c in candidates],
         size_chars=_whole(attrs, SIZE_CHARS, where, _MAX_SIZE), size_bytes=_whole(attrs, SIZE_BYTES, where, _MAX_SIZE),
         size_tokens=_whole(attrs, SIZE_TOKENS, where, _MAX_SIZE), threshold=threshold,
-        threshold_unit=unit, health=_text(attrs, HEALTH),
+        threshold_unit=unit, health=_name(attrs, HEALTH, where),
         in_flight=_whole(attrs, IN_FLIGHT, where, (1 << 32) - 1),
-        status=_whole(attrs, STATUS, where, 999) or 0, error_type=_text(attrs, ERROR_TYPE),
+        status=_whole(attrs, STATUS, where, 999) or 0, error_type=_name(attrs, ERROR_TYPE, where),
         client_disconnected=_flag(attrs, CLIENT_DISCONNECTED, where),
         first_byte_ts=None if first_byte is None else _micros(first_byte), end_ts=_micros(end_ns),
         swallowed_exception=_text(attrs, SWALLOWED)[:_MAX_TEXT])
+
+
+def text_cut(attrs: Mapping[str, Any]) -> bool:
+    """Whether to_decision keeps less of the span's free text (its swallowed exception) than the span holds."""
+    return len(_text(attrs, SWALLOWED)) > _MAX_TEXT
+
+
+def _check_name(text: str, what: str, where: str) -> str:
+    """The id or name as given; DecisionRejected when it is over MAX_NAME_BYTES."""
+    # Characters first: a long resource name is checked once per span, and len() does not read it.
+    if len(text) > MAX_NAME_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise DecisionRejected(f"{where}: {what} is over the {MAX_NAME_BYTES}-byte limit for ids and names "
+                               f"({len(text)} characters)")
+    return text
 
 
 def _micros(nanos: int) -> int:
@@ -96,6 +119,10 @@ def _text(attrs: Mapping[str, Any], key: str) -> str:
     if isinstance(value, bool) or value is None:
         return ""
     return str(value).strip() if isinstance(value, str | int) else ""
+
+
+def _name(attrs: Mapping[str, Any], key: str, where: str) -> str:
+    return _check_name(_text(attrs, key), key, where)
 
 
 def _number(attrs: Mapping[str, Any], key: str, where: str) -> float | None:
@@ -116,8 +143,9 @@ def _whole(attrs: Mapping[str, Any], key: str, where: str, most: int) -> int | N
     value = attrs.get(key)
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
+    text = value.strip() if isinstance(value, str) else ""
+    if _DIGITS.fullmatch(text) and len(text.lstrip("0")) <= 19:  # no bound needs more; int() refuses 4301
+        value = int(text)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:

@@ -36,8 +36,8 @@ from stepline.sources.otlp_decode import (
 logger = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
-STATS_KEYS = ("spans_accepted", "spans_ignored", "spans_rejected", "requests_accepted", "requests_bad",
-              "requests_too_large", "requests_unauthorized", "requests_busy", "requests_unsupported")
+STATS_KEYS = ("spans_accepted", "spans_ignored", "spans_rejected", "spans_truncated", "requests_accepted",
+              "requests_bad", "requests_too_large", "requests_unauthorized", "requests_busy", "requests_unsupported")
 _DRAIN_CAP_BYTES = 1 << 20
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes "²", which int() refuses
 # google.rpc.Code for each status we answer; OTLP/HTTP error bodies are a google.rpc.Status.
@@ -208,6 +208,9 @@ class OtlpReceiver(Address):
             return self._busy(media_type)
         if decoded.rejected:
             self._log.warning("rejected_spans", "otlp receiver: %s", decoded.error_message)
+        if decoded.truncated:
+            self._log.warning("truncated_spans", "otlp receiver: kept %d decision span(s) with their swallowed "
+                              "exception's text cut short", decoded.truncated)
         response = ExportTraceServiceResponse()
         if decoded.rejected:
             response.partial_success.rejected_spans = decoded.rejected
@@ -226,6 +229,7 @@ class OtlpReceiver(Address):
             self._counts["spans_accepted"] += rows
             self._counts["spans_ignored"] += decoded.ignored
             self._counts["spans_rejected"] += decoded.rejected
+            self._counts["spans_truncated"] += decoded.truncated
             self._counts["requests_accepted"] += 1
         return True
 

@@ -12,7 +12,14 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from stepline.gateway.decisions import DECISION_SPAN, DEFAULT_GATEWAY, DecisionRejected, to_decision
+from stepline.gateway.decisions import (
+    DECISION_SPAN,
+    DEFAULT_GATEWAY,
+    MAX_NAME_BYTES,
+    DecisionRejected,
+    text_cut,
+    to_decision,
+)
 from stepline.model.rows import GatewayDecision, Request
 
 SPAN_NAME = "llm_request"
@@ -55,6 +62,7 @@ class Decoded:
     decisions: list[GatewayDecision] = field(default_factory=list)
     ignored: int = 0
     rejected: int = 0
+    truncated: int = 0  # spans kept with their free text cut short
     problems: list[str] = field(default_factory=list)
 
     def reject(self, problem: str) -> None:
@@ -149,8 +157,9 @@ def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
                         continue
                     _check_interval("decision", start, end)
                     gateway = engine if engine != DEFAULT_ENGINE else DEFAULT_GATEWAY
-                    out.decisions.append(to_decision({kv.key: _plain(kv.value) for kv in span.attributes}, start,
-                                                     end, gateway, host))
+                    attrs = {kv.key: _plain(kv.value) for kv in span.attributes}
+                    out.decisions.append(to_decision(attrs, start, end, gateway, host))
+                    out.truncated += text_cut(attrs)
                 except (SpanRejected, DecisionRejected) as exc:
                     out.reject(str(exc))
     return out
@@ -180,20 +189,24 @@ def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str
     if not request_id:
         raise SpanRejected("a span without gen_ai.request.id")
     where = f"span {request_id[:64]!r}"
+    _check_name(request_id, "gen_ai.request.id", where)
+    _check_name(engine, "the resource's engine name", where)
     _check_interval(where, start_ns, end_ns)
     latencies = {column: _latency(attrs, key, where) for column, key in _LATENCIES}
     prompt_tokens = _count(attrs, "gen_ai.usage.prompt_tokens", where)
     generation_tokens = _count(attrs, "gen_ai.usage.completion_tokens", where)
     decode_s = latencies["decode_seconds"]
+    model_key = "gen_ai.response.model" if _text(attrs.get("gen_ai.response.model")) else "gen_ai.request.model"
     return Request(
         ts=_micros(end_ns),
         host=host,
         engine=engine,
         engine_index=0,
-        model_name=_text(attrs.get("gen_ai.response.model")) or _text(attrs.get("gen_ai.request.model")),
+        model_name=_check_name(_text(attrs.get(model_key)), model_key, where),
         request_id=request_id,
         source="otlp",
-        finish_reason=_first_text(attrs.get("gen_ai.response.finish_reasons")),
+        finish_reason=_check_name(_first_text(attrs.get("gen_ai.response.finish_reasons")),
+                                  "gen_ai.response.finish_reasons", where),
         arrival_ts=_micros(start_ns),
         mean_tpot_seconds=decode_s / (generation_tokens - 1) if generation_tokens > 1 else math.nan,
         prompt_tokens=prompt_tokens,
@@ -210,6 +223,15 @@ def _check_interval(where: str, start_ns: int, end_ns: int) -> None:
     a request or a decision (it would sit at the epoch on the timeline)."""
     if not _MIN_NANOS <= start_ns <= end_ns <= _MAX_NANOS:
         raise SpanRejected(f"{where}: start/end time {start_ns}/{end_ns} ns is not a valid interval")
+
+
+def _check_name(text: str, what: str, where: str) -> str:
+    """The id or name as given; SpanRejected when it is over MAX_NAME_BYTES (cutting it could merge two)."""
+    # Characters first: the resource's name is checked once per span, and len() does not read it.
+    if len(text) > MAX_NAME_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise SpanRejected(f"{where}: {what} is over the {MAX_NAME_BYTES}-byte limit for ids and names "
+                           f"({len(text)} characters)")
+    return text
 
 
 def _micros(nanos: int) -> int:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 from xml.sax.saxutils import escape
 
 PROFILE = "stepline_query"
@@ -126,8 +127,9 @@ def changeable(names_and_readonly: list[tuple[str, int]]) -> list[str]:
 def _write_names() -> None:
     import chdb  # the pinned engine, in a process that opens no store
 
+    engine: Any = chdb
     out = Path(__file__).with_name("chdb_settings.txt")
-    names = chdb.query("SELECT name FROM system.settings ORDER BY name", "TSV").bytes().decode().split()
+    names = engine.query("SELECT name FROM system.settings ORDER BY name", "TSV").bytes().decode().split()
     out.write_text(f"# Every setting chDB {chdb.__version__} knows (SELECT name FROM system.settings): "
                    "python -m stepline.store.query_profile rewrites it.\n" + "\n".join(names) + "\n")
     print(f"{out}: {len(names)} settings", file=sys.stderr)

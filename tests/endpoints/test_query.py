@@ -166,8 +166,10 @@ def test_settings_from_the_url_apply_but_cannot_lift_readonly(endpoint: QueryEnd
     assert r.body == b"3\t2\n"  # readonly=2: a read-only user who may set settings, as ClickHouse has them
     assert http(endpoint, query="SELECT 1", readonly="0").headers["X-ClickHouse-Exception-Code"] == "164"
     assert b"format_schema" in http(endpoint, query="SELECT 1", format_schema="/etc/passwd:x").body
-    capped = http(endpoint, query="SELECT getSetting('max_execution_time')", max_execution_time="0")
-    assert capped.body == b"60\n"  # 0 would mean no limit: capped to the endpoint's
+    lifted = http(endpoint, query="SELECT getSetting('max_execution_time')", max_execution_time="0")
+    assert lifted.headers["X-ClickHouse-Exception-Code"] == "452"  # 0 would mean no limit: the profile's min
+    lowered = http(endpoint, query="SELECT getSetting('max_execution_time')", max_execution_time="30")
+    assert lowered.body == b"30\n"
 
 
 def test_oversized_body_is_refused_with_413(endpoint: QueryEndpoint) -> None:

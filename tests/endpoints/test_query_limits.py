@@ -56,10 +56,10 @@ def test_a_query_cannot_take_more_memory_than_the_cap_nor_lift_it(endpoint: Quer
     assert (status, code) == (500, "241"), body[:200]  # MEMORY_LIMIT_EXCEEDED, from the engine
     assert _get(endpoint, f"{big} SETTINGS max_memory_usage = 0")[1] == "452"  # below the profile's least
     assert _get(endpoint, f"{big} SETTINGS `max_memory_usage` = 4000000000")[1] == "452"  # past its ceiling
-    asked = b"SELECT getSetting('max_memory_usage')"
-    url_lifted = urllib.request.Request(f"{endpoint.url}/?max_memory_usage=0", data=asked)
-    with urllib.request.urlopen(url_lifted, timeout=30) as response:
-        assert response.read() == b"67108864\n"  # a URL asking for no limit gets the endpoint's
+    url_lifted = urllib.request.Request(f"{endpoint.url}/?max_memory_usage=0", data=b"SELECT 1")
+    with pytest.raises(urllib.error.HTTPError) as refused:  # a URL asking for no limit: the profile's least
+        urllib.request.urlopen(url_lifted, timeout=30)
+    assert refused.value.headers["X-ClickHouse-Exception-Code"] == "452"
 
 
 def test_one_client_cannot_hold_every_session(endpoint: QueryEndpoint) -> None:

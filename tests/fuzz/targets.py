@@ -87,7 +87,7 @@ def sql(data: bytes) -> None:
         settings_named(text)
     params = {provider.ConsumeUnicodeNoSurrogates(12): provider.ConsumeUnicodeNoSurrogates(12) for _ in range(3)}
     with contextlib.suppress(SqlRefused):
-        query_settings(params, {"max_execution_time": 60})
+        query_settings(params)
     body = provider.ConsumeBytes(provider.ConsumeIntInRange(0, 512))
     with contextlib.suppress(SqlRefused):
         form_fields("multipart/form-data; boundary=B", body)

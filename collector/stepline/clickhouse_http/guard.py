@@ -167,19 +167,17 @@ def read_only_statement(sql: str) -> Statement:
     return Statement(sql[: toks[-1].end], fmt, leading)
 
 
-def settings_named(canonical: str) -> list[str]:
-    """The names every SETTINGS clause of a query sets, at any depth, from its canonical text (the query as
-    ClickHouse's formatQuerySingleLine prints it: `SETTINGS name = value, name = value`)."""
+def settings_named(canonical: str) -> list[tuple[str, str]]:
+    """(name, value as written) of every SETTINGS clause of a query, at any depth, from its canonical text (the
+    query as ClickHouse's formatQuerySingleLine prints it: `SETTINGS name = value, name = value`)."""
     toks = list(tokens(canonical))
-    names = []
+    found = []
     for k, tok in enumerate(toks):
         if tok.kind != "word" or tok.text.upper() != "SETTINGS":
             continue
         while k + 2 < len(toks) and toks[k + 1].kind in ("word", "ident") and toks[k + 2].text == "=":
-            name = toks[k + 1].text
-            names.append(name if toks[k + 1].kind == "word" else name[1:-1])
-            k += 3  # past the value's first token; a value of several tokens (-1, [1, 2]) ends at the next comma
-            depth = 0
+            name = toks[k + 1].text if toks[k + 1].kind == "word" else toks[k + 1].text[1:-1]
+            k, start, depth = k + 3, k + 3, 0  # a value of several tokens (-1, [1, 2]) ends at the next comma
             while k < len(toks) and not (depth == 0 and toks[k].text == ","):
                 if toks[k].kind == "punct" and toks[k].text in "([{":
                     depth += 1
@@ -188,6 +186,7 @@ def settings_named(canonical: str) -> list[str]:
                         break
                     depth -= 1
                 k += 1
+            found.append((name, "".join(t.text for t in toks[start:k])))
             if k >= len(toks) or toks[k].text != ",":
                 break
-    return names
+    return found

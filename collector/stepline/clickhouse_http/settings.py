@@ -3,7 +3,8 @@
 Whether a client may set them is the engine's call, not this module's: the sessions run under the `stepline_query`
 profile, whose constraints refuse anything outside its allow-list with ClickHouse's own error
 (`stepline.store.query_profile`). Here only what is not a setting is set aside, a name is checked to be a name
-(it is spliced into a SET statement), and the limits a URL asks for are clamped to the endpoint's own.
+(it is spliced into a SET statement). A limit a URL asks for goes to the engine as it is: within the profile's
+ceiling it holds, past it (or 0, "no limit") the engine refuses it.
 
 Public: `query_settings`, and `NAME` (a setting's or a format's name).
 """
@@ -28,20 +29,13 @@ _NO_OP_READONLY = (("readonly", "1"), ("readonly", "2"))
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _within(value: str, cap: int) -> bool:
-    try:
-        return 0 < float(value.strip("'")) <= cap
-    except ValueError:
-        return False
-
-
-def query_settings(params: Mapping[str, str], caps: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
-    """The settings among URL parameters, sorted (a session key); a limit in `caps` asked past it is clamped."""
+def query_settings(params: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The settings among URL parameters, sorted (a session key), for the engine to accept or refuse."""
     chosen: dict[str, str] = {}
     for key, value in params.items():
-        if key in _TRANSPORT_PARAMS or key.startswith(("http_", "param_")) or (key, value) in _NO_OP_READONLY:
+        if key in _TRANSPORT_PARAMS or key.startswith("param_") or (key, value) in _NO_OP_READONLY:
             continue
         if not NAME.match(key):
             raise SqlRefused(f"Unknown setting {key[:64]!r}", UNKNOWN_SETTING, "UNKNOWN_SETTING")
-        chosen[key] = value if key not in caps or _within(value, caps[key]) else str(caps[key])
+        chosen[key] = value
     return tuple(sorted(chosen.items()))

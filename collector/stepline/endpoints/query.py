@@ -278,7 +278,7 @@ class QueryEndpoint(Address):
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
         if not chsettings.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
-        key = chsettings.query_settings(params, self._caps)
+        key = chsettings.query_settings(params)
         settings = dict(key)
         frame = None
         if _flag(params, "compress"):
@@ -320,11 +320,20 @@ class QueryEndpoint(Address):
                       exception_tag=tag)
 
     @staticmethod
-    def _refuse_settings(names: list[str]) -> None:
-        """Refuse, as the engine refuses at the top level, a setting the query profile does not let clients change."""
-        for name in names:
-            if name not in ALLOWED and name not in CEILINGS:
-                raise SqlRefused(f"Setting {name[:64]} should not be changed (stepline's {PROFILE!r} profile)",
+    def _refuse_settings(found: list[tuple[str, str]]) -> None:
+        """Refuse, as the engine refuses at the top level, a setting the query profile does not let clients change,
+        or a limit past the profile's ceiling (a subquery's, which the engine would ignore, too)."""
+        for name, value in found:
+            why = None
+            if name in CEILINGS:
+                least, most = CEILINGS[name]
+                with contextlib.suppress(ValueError):  # not a number: the engine's to judge
+                    number = float(value.strip("'"))
+                    why = None if least <= number <= most else f"should be within {least}-{most}, not {value[:20]}"
+            elif name not in ALLOWED:
+                why = "should not be changed"
+            if why is not None:
+                raise SqlRefused(f"Setting {name[:64]} {why} (stepline's {PROFILE!r} profile)",
                                  cherrors.SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
 
     def _pieces(self, key: tuple[tuple[str, str], ...], database: str, sql: str, fmt: str, binds: dict[str, str],

@@ -1,4 +1,5 @@
-"""URL parameters as settings: transport parameters set aside, names checked to be names; whether a setting may be set at all is the engine's profile's call (tests/store/test_query_profile.py)."""
+"""URL parameters as settings: transport parameters set aside, names checked to be names; whether a setting may be
+set at all is the engine's profile's call (tests/store/test_query_profile.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from stepline.clickhouse_http.errors import SqlRefused
 from stepline.clickhouse_http.settings import NAME, query_settings
+
 
 def test_transport_parameters_are_not_settings() -> None:
     params = {"query": "SELECT 1", "database": "d", "compress": "1", "param_x": "1",

@@ -41,6 +41,9 @@ def test_password_from_a_file_is_never_shown(tmp_path: Path) -> None:
         ({}, {"scrape_interval_s": 1.0, "scrape_timeout_s": 3.0}, "exceeds the scrape interval"),
         ({"STEPLINE_QUERY_PASSWORD_FILE": "/nonexistent/pw"}, {}, "No such file"),
         ({}, {"engine_processes": ("prod=vllm",)}, "must be NAME=PID or NAME=cmdline:TEXT"),
+        ({}, {"listen": "0.0.0.0"}, "--listen 0.0.0.0 would serve the store's SQL with no password: set "
+                                    "STEPLINE_QUERY_PASSWORD"),
+        ({}, {"listen": "::"}, "STEPLINE_QUERY_OPEN=1"),
     ],
 )
 def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object], fragment: str) -> None:
@@ -83,3 +86,11 @@ def test_engine_and_gateway_names_are_split_from_their_url() -> None:
     assert split_named_url("sim=http://127.0.0.1:8000") == ("sim", "http://127.0.0.1:8000")
     assert split_named_url("http://127.0.0.1:8000/?a=b") == ("", "http://127.0.0.1:8000/?a=b")
     assert split_named_url("localhost:8000") == ("", "localhost:8000")
+
+
+def test_off_loopback_the_query_endpoint_needs_a_password_or_an_explicit_open() -> None:
+    assert Settings.from_env({"STEPLINE_QUERY_PASSWORD": "pw"}, listen="0.0.0.0").listen == "0.0.0.0"
+    assert Settings.from_env({"STEPLINE_QUERY_OPEN": "1"}, listen="10.0.0.5").query_open
+    assert Settings.from_env({}, listen="127.0.0.2").query_password is None  # loopback: as before
+    # A ClickHouse server store has no query endpoint to guard.
+    assert Settings.from_env({"STEPLINE_STORE": "http://ch:8123/tl"}, listen="0.0.0.0").listen == "0.0.0.0"

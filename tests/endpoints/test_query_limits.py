@@ -114,3 +114,12 @@ def test_no_cors_header_is_ever_sent(endpoint: QueryEndpoint) -> None:
     request = urllib.request.Request(f"{endpoint.url}/?add_http_cors_header=1", data=b"SELECT 1")
     with urllib.request.urlopen(request, timeout=30) as response:
         assert "Access-Control-Allow-Origin" not in response.headers
+
+
+def test_refusals_are_logged_rate_limited(endpoint: QueryEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="stepline.endpoints.query")
+    for _ in range(30):
+        assert _get(endpoint, "DROP TABLE x")[1] == "164"
+        assert _get(endpoint, "SELECT 1 SETTINGS output_format_schema = '/tmp/x'")[1] == "452"
+    lines = [r.getMessage() for r in caplog.records if r.name == "stepline.endpoints.query"]
+    assert 2 <= len(lines) <= 4, lines  # one per kind of refusal and interval, not one per request

@@ -92,3 +92,17 @@ def test_a_full_pool_is_refused_with_too_many_simultaneous_queries(chdb_dir: Pat
         pool.close()
     with pytest.raises(SqlRefused, match="stopping"):
         _text(pool, database, "SELECT 3")
+
+
+@pytest.mark.parametrize("name", ["no\\`; DROP DATABASE x; --", "a`b", "back\\slash", "tick\\"])
+def test_a_database_name_is_quoted_whole(pool: Sessions, name: str) -> None:
+    with pytest.raises(EngineError) as unknown:
+        _text(pool, name, "SELECT 1")
+    assert unknown.value.name == "UNKNOWN_DATABASE"  # the name reached the engine as one identifier, whatever it held
+
+
+def test_a_session_cannot_set_what_the_profile_does_not_allow(pool: Sessions, database: str) -> None:
+    with pytest.raises(EngineError) as refused:
+        _text(pool, database, "SELECT 1", (("output_format_schema", "/tmp/x.proto"),))
+    assert refused.value.code == 452
+    assert _text(pool, database, "SELECT 1", (("max_threads", "2"),)) == "1\n"

@@ -35,3 +35,12 @@ def test_writes_are_refused_and_failures_are_one_line(store: Store, store_url: s
     assert main(["query", "SELECT nope FROM steps", "--store", store_url]) == 1
     err = capsys.readouterr().err
     assert err.startswith("stepline: query failed: ") and err.count("\n") == 1
+
+
+def test_the_store_opened_directly_runs_the_query_under_the_endpoints_profile(
+        store: Store, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    sql = "SELECT 1 AS x SETTINGS `output_format_schema` = '/tmp/stepline-cli-should-not-exist.proto'"
+    assert main(["query", sql, "--store", store_url, "--format", "TSV"]) == 1
+    assert "SETTING_CONSTRAINT_VIOLATION" in capsys.readouterr().err
+    assert main(["query", "SELECT getSetting('readonly')", "--store", store_url, "--format", "TSV"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "2"

@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from stepline.clickhouse_http.errors import SqlRefused
     from stepline.clickhouse_http.guard import read_only_statement
     from stepline.core.texttable import render_table
+    from stepline.store.chdb import SafeChdbClient
+    from stepline.store.query_profile import PROFILE
     from stepline.store.reader import open_located
 
     try:  # read-only whichever way the store is reached (an embedded store opened directly is writable)
@@ -38,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     reader = open_located(args.store)[0]
     try:
+        if isinstance(reader.client, SafeChdbClient):  # the store itself, opened here: the endpoint's profile too
+            for statement in ("SET readonly = 2", f"SET profile = '{PROFILE}'"):
+                reader.client.command(statement)
         fmt = args.format.lower()
         if fmt == "table":
             result = reader.client.query(args.sql)

@@ -7,6 +7,13 @@ the endpoint process's RSS every 50 ms. The baseline is chDB in another process 
 (`send_query`, every block's bytes touched) on a store of its own, measured in the same run.
 
     python benchmarks/query_stream.py            # ~1 min on 2 cores; --rows N --rounds R --formats Native,TSV
+    python benchmarks/query_stream.py --checks   # the read-only checks' cost per dashboard query, against BASE
+
+--checks: what the read-only machinery costs a small query (the engine's profile, the Host check, the watch that
+kills an abandoned query, and ClickHouse's parser reading a query's SETTINGS when it has any): two endpoints
+serve the same store content side by side, this tree's and the code at --base (the endpoint before the engine
+enforced read-only), each in a process of its own; dashboard-sized queries alternate between them on kept-alive
+connections, and the p50/p99 of each are compared.
 """
 
 from __future__ import annotations
@@ -39,14 +46,13 @@ def query_sql(rows: int) -> str:
 
 def serve(pipe: Connection) -> None:
     """The endpoint's process: an embedded store and its query endpoint, until told to stop."""
-    import clickhouse_connect
-
     from stepline.endpoints.query import QueryEndpoint
+    from stepline.store.chdb import open_client
 
     path = tempfile.mkdtemp(prefix="stepline-bench-")
-    client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+    client = open_client(path)
     client.command("CREATE DATABASE IF NOT EXISTS stepline")
-    endpoint = QueryEndpoint(client, port=0, max_execution_time_s=600, max_result_bytes=1 << 40)
+    endpoint = QueryEndpoint(client, port=0, max_execution_time_s=600, max_result_bytes=8 << 30)
     endpoint.start()
     pipe.send(endpoint.port)
     pipe.recv()
@@ -138,12 +144,149 @@ def through_endpoint(port: int, sql: str, fmt: str) -> tuple[float, int, float]:
     return elapsed, size, first
 
 
+# One endpoint, from whichever tree PYTHONPATH puts first, on a store of its own with a small steps-like table.
+_CHECKS_SERVER = """
+import sys, tempfile
+from stepline.endpoints.query import QueryEndpoint
+from stepline.store.chdb import open_client
+path = tempfile.mkdtemp(prefix="stepline-bench-checks-")
+client = open_client(path)
+client.command("CREATE DATABASE IF NOT EXISTS stepline")
+client.command("CREATE TABLE stepline.steps ENGINE = MergeTree ORDER BY ts AS SELECT toDateTime64('2026-01-01', 6) "
+               "+ number / 100 AS ts, 'vllm-0' AS engine, rand() % 1000 / 1000 AS step_s FROM numbers(20000)")
+endpoint = QueryEndpoint(client, port=0)
+endpoint.start()
+print(endpoint.port, flush=True)
+sys.stdin.read()
+endpoint.stop()
+"""
+CHECKS_TARGET_MS = 1.0  # p99 added per dashboard query
+DASHBOARD_SQL = {  # a time-series panel's shape, without and with a SETTINGS clause (ClickHouse's parser reads it)
+    "panel": "SELECT toStartOfInterval(ts, INTERVAL 10 second) AS t, quantile(0.99)(step_s) FROM steps "
+             "WHERE engine = 'vllm-0' AND ts >= toDateTime64('2026-01-01 00:05:00', 6) GROUP BY t ORDER BY t",
+    "panel+SETTINGS": "SELECT toStartOfInterval(ts, INTERVAL 10 second) AS t, quantile(0.99)(step_s) FROM steps "
+                      "WHERE engine = 'vllm-0' GROUP BY t ORDER BY t SETTINGS max_threads = 2",
+}
+
+
+def _tree(ref: str) -> str:
+    """The collector package at git `ref`, extracted into a temporary folder (its path for PYTHONPATH)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = tempfile.mkdtemp(prefix="stepline-bench-base-")
+    archive = subprocess.run(["git", "-C", root, "archive", ref, "collector"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return os.path.join(out, "collector")
+
+
+def _endpoint(code: str) -> tuple[subprocess.Popen[str], int]:
+    env = {**os.environ, "PYTHONPATH": code}
+    child = subprocess.Popen([sys.executable, "-c", _CHECKS_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    assert child.stdout is not None
+    return child, int(child.stdout.readline())
+
+
+def _timed(conn: http.client.HTTPConnection, sql: str) -> float:
+    started = time.perf_counter()
+    conn.request("POST", "/?database=stepline", body=sql.encode(), headers={"Host": "localhost"})
+    response = conn.getresponse()
+    body = response.read()
+    if response.status != 200:
+        raise SystemExit(f"query endpoint answered {response.status}: {body[:300]!r}")
+    return (time.perf_counter() - started) * 1e3
+
+
+def checks(base: str, queries: int) -> int:
+    """p50/p99 ms of dashboard queries through this tree's endpoint and through `base`'s, interleaved."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "collector")
+    servers = {"now": _endpoint(here), f"base {base}": _endpoint(_tree(base))}
+    missed = []
+    try:
+        conns = {name: http.client.HTTPConnection("127.0.0.1", port, timeout=60) for name, (_, port) in servers.items()}
+        print(f"{'query':<16} {'endpoint':<14} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+        for label, sql in DASHBOARD_SQL.items():
+            times: dict[str, list[float]] = {name: [] for name in conns}
+            for conn in conns.values():  # warm: sessions opened, caches filled
+                for _ in range(20):
+                    _timed(conn, sql)
+            for _ in range(queries):
+                for name, conn in conns.items():
+                    times[name].append(_timed(conn, sql))
+            figures = {}
+            for name, got in times.items():
+                got.sort()
+                figures[name] = (got[len(got) // 2], got[int(len(got) * 0.99)], sum(got) / len(got))
+                p50, p99, mean = figures[name]
+                print(f"{label:<16} {name:<14} {p50:>8.2f} {p99:>8.2f} {mean:>8.2f}")
+            (now50, now99, _), (base50, base99, _) = figures.values()
+            print(f"{label:<16} {'added':<14} {now50 - base50:>+8.2f} {now99 - base99:>+8.2f}")
+            if now99 - base99 > CHECKS_TARGET_MS:
+                missed.append(f"{label}: {now99 - base99:+.2f} ms at p99 (target <= {CHECKS_TARGET_MS} ms)")
+    finally:
+        for child, _ in servers.values():
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(timeout=60)
+    print()
+    parts()
+    for line in missed:
+        print(f"TARGET MISSED: {line}")
+    return 0
+
+
+def parts(rounds: int = 2000) -> None:
+    """Each check alone, in this process: the Host check, the watch's thread, ClickHouse's parser on a clause."""
+    import socket
+    from email.message import Message
+
+    from stepline.endpoints.query import QueryEndpoint, Watch, Watchers
+    from stepline.store.chdb import open_client
+
+    endpoint = QueryEndpoint(open_client(tempfile.mkdtemp(prefix="stepline-bench-parts-")), port=0)
+    headers = Message()
+    headers["Host"] = "localhost:8124"
+    left, right = socket.socketpair()
+    watchers = Watchers()
+    watchers.start()
+    steps: dict[str, Any] = {
+        "Host/Origin check": lambda: endpoint._foreign(headers),
+        "watch start+stop": lambda: _watched(Watch(watchers, left)),
+        "SETTINGS via formatQuery": lambda: endpoint._sessions.canonical(DASHBOARD_SQL["panel+SETTINGS"]),
+    }
+    print(f"{'check (in-process)':<26} {'p50 us':>8} {'p99 us':>8}")
+    for label, step in steps.items():
+        got = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            step()
+            got.append((time.perf_counter() - started) * 1e6)
+        got.sort()
+        print(f"{label:<26} {got[len(got) // 2]:>8.1f} {got[int(len(got) * 0.99)]:>8.1f}")
+    watchers.stop()
+    left.close()
+    right.close()
+    endpoint.stop()
+
+
+def _watched(watch: Any) -> None:
+    watch.on_gone(lambda: None)
+    watch.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--formats", default="Native,TabSeparated,JSONEachRow")
+    parser.add_argument("--checks", action="store_true", help="the read-only checks' cost per dashboard query")
+    parser.add_argument("--base", default="ed74ab4", help="--checks: the git ref to compare with (the endpoint "
+                        "before the engine enforced read-only)")
+    parser.add_argument("--queries", type=int, default=400, help="--checks: queries of each kind per endpoint")
     args = parser.parse_args(argv)
+    if args.checks:
+        print(f"machine: {platform.platform()}; python {platform.python_version()}; cpu_count={os.cpu_count()}")
+        return checks(args.base, args.queries)
     sql = query_sql(args.rows)
     print(f"machine: {platform.platform()}; python {platform.python_version()}; cpu_count={os.cpu_count()}")
     print(f"query: {sql}; {args.rounds} round(s) per format; the best round of each side is compared")

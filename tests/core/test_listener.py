@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
+import struct
+import sys
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
 
 from stepline.core.listener import (
+    LISTEN_BACKLOG,
     Address,
     HttpServer,
     ServerThread,
@@ -146,3 +151,129 @@ def test_the_bearer_token_check(header: str, authorized: bool) -> None:
 
 def test_no_token_authorizes_nobody() -> None:
     assert not bearer_authorized("Bearer ", []) and not bearer_authorized("Bearer t0ken", [])
+
+
+class _KeepAlive(_Hello):
+    protocol_version = "HTTP/1.1"
+    timeout = 30.0  # as the query, OTLP and events handlers have
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def serving(server: HttpServer) -> Iterator[HttpServer]:
+    thread = ServerThread(server, "test-listener")
+    try:
+        yield server
+    finally:
+        thread.stop()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (its end of stream, or a reset), without waiting."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 16) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def test_a_head_dripped_a_byte_at_a_time_is_cut_off_at_the_deadline() -> None:
+    with serving(HttpServer(("127.0.0.1", 0), _KeepAlive, head_deadline_s=1.0)) as server:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as sock:
+            started = time.monotonic()
+            sock.sendall(b"GET / HTTP/1.1\r\n")
+            closed_after = None
+            # Each byte well within the handler's 30 s per-recv timeout: only a deadline on the whole head ends this.
+            for byte in b"X-Drip: " + b"z" * 50:
+                with contextlib.suppress(OSError):
+                    sock.send(bytes([byte]))
+                time.sleep(0.2)
+                if _closed_by_server(sock):
+                    closed_after = time.monotonic() - started
+                    break
+        assert closed_after is not None, "the dripping client was still connected after 10 s"
+        assert 0.9 <= closed_after <= 2.5
+        assert server.stats() == {"slow_heads": 1, "busy_refused": 0}
+        assert get("127.0.0.1", server.server_address[1]) == (200, "hello 127.0.0.1")  # others are served as ever
+
+
+def test_the_deadline_is_per_request_not_the_keep_alive_connections_idle_time() -> None:
+    with serving(HttpServer(("127.0.0.1", 0), _KeepAlive, head_deadline_s=0.5)) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        try:
+            for body in (b"one", b"two"):
+                conn.request("POST", "/", body=body)
+                response = conn.getresponse()
+                assert (response.status, response.read()) == (200, body)
+                time.sleep(1.0)  # idle between requests, past the deadline: the handler's own timeout governs that
+        finally:
+            conn.close()
+        assert server.stats()["slow_heads"] == 0
+
+
+def test_a_slow_body_is_left_to_the_handlers_timeout() -> None:
+    with serving(HttpServer(("127.0.0.1", 0), _KeepAlive, head_deadline_s=0.5)) as server, \
+            socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        for byte in b"body":
+            time.sleep(0.3)
+            sock.sendall(bytes([byte]))
+        reply = b""
+        while not reply.endswith(b"\r\n\r\nbody") and (chunk := sock.recv(1 << 16)):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\nbody")
+        assert server.stats()["slow_heads"] == 0
+
+
+def test_connections_past_the_thread_bound_are_refused_at_once() -> None:
+    with serving(HttpServer(("127.0.0.1", 0), _KeepAlive, max_handler_threads=2)) as server:
+        address = ("127.0.0.1", server.server_address[1])
+        held = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        try:
+            time.sleep(0.3)  # both accepted, each holding a handler thread
+            with socket.create_connection(address, timeout=5) as refused:
+                started = time.monotonic()
+                assert refused.recv(1 << 16).startswith(b"HTTP/1.1 503 ")
+                assert refused.recv(1 << 16) == b""
+                assert time.monotonic() - started < 1.0
+            assert server.stats() == {"slow_heads": 0, "busy_refused": 1}
+        finally:
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + 5
+        while (reply := _try_get(*address)) != (200, "hello 127.0.0.1") and time.monotonic() < deadline:
+            time.sleep(0.1)  # the held connections' threads give their places back as they end
+        assert reply == (200, "hello 127.0.0.1")
+
+
+def _try_get(host: str, port: int) -> tuple[int, str] | None:
+    """get(), or None where a refused connection was reset before its 503 could be read."""
+    try:
+        return get(host, port)
+    except (OSError, http.client.HTTPException):
+        return None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the listen backlog from Linux's TCP_INFO")
+def test_the_listen_backlog_is_raised_from_pythons_5() -> None:
+    server = HttpServer(("127.0.0.1", 0), _Hello)
+    try:
+        assert server.request_queue_size == LISTEN_BACKLOG == 128
+        # For a listening socket Linux reports its backlog in tcpi_sacked (as `ss -lt` shows in Send-Q), capped by
+        # net.core.somaxconn.
+        info = server.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        (backlog,) = struct.unpack_from("I", info, 28)
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        assert backlog == min(LISTEN_BACKLOG, somaxconn)
+    finally:
+        server.server_close()

@@ -117,6 +117,7 @@ class QueryEndpoint(Address):
         self._loopback = host == "localhost" or _is_loopback(host)
         self._password = password.encode() if password is not None else None
         self._refusals = RateLimitedLog(logger, 10.0)
+        self.watchers = Watchers()
         self._counts = {"served": 0, "refused": 0, "failed": 0}
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -132,6 +133,7 @@ class QueryEndpoint(Address):
         if self._server is not None:
             raise RuntimeError("query endpoint already started")
         self._sessions.verify()  # the engine's profile covers every setting, or nothing is served
+        self.watchers.start()
         self._server = _Server((self.host, self._port), _Handler)
         self._server.endpoint = self
         self._serving = ServerThread(self._server, "stepline-query")
@@ -142,6 +144,7 @@ class QueryEndpoint(Address):
         serving, self._serving, self._server = self._serving, None, None
         if serving is not None:
             serving.stop()
+        self.watchers.stop()
         self._sessions.close()
         self._client.close()
 
@@ -370,43 +373,77 @@ def _loopback_name(host: str) -> bool:
     return name == "localhost" or _is_loopback(name)
 
 
-class Watch:
-    """A request's connection, looked at while its query runs: when the client has gone, the query is killed."""
+class Watchers:
+    """One thread that looks at the connections whose queries run: a client that has closed its end gets its query
+    killed. One for the endpoint, not one per query: registering costs a dict entry, not a thread's start."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._kill: Callable[[], None] | None = None
+    def __init__(self) -> None:
+        self._watched: dict[int, tuple[socket.socket, Callable[[], None]]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def on_gone(self, kill: Callable[[], None]) -> None:
-        """Watch from now on, and call `kill` (once) if the client closes its end."""
-        self._kill = kill
         self._thread = threading.Thread(target=self._run, name="stepline-query-watch", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._done.wait(_WATCH_S):
-            try:
-                readable, _, _ = select.select([self._sock], [], [], 0)
-                if not readable or self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                    continue  # nothing, or the client's next request: it is still there
-            except (BlockingIOError, InterruptedError):
-                continue
-            except (OSError, ValueError):  # reset, or closed by the handler: gone either way
-                pass
-            if not self._done.is_set() and self._kill is not None:
-                logger.warning("query endpoint: the client left before its result: killing its query")
-                try:
-                    self._kill()
-                except Exception as ex:  # the query may have ended meanwhile; nothing then runs for nobody
-                    logger.warning("query endpoint: could not kill a query whose client left: %s", ex)
-            return
+    def start(self) -> None:
+        self._thread.start()
 
     def stop(self) -> None:
         self._done.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join()
+
+    def add(self, sock: socket.socket, kill: Callable[[], None]) -> int:
+        with self._lock:
+            self._next += 1
+            self._watched[self._next] = (sock, kill)
+            return self._next
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._watched.pop(key, None)
+
+    def _run(self) -> None:
+        while not self._done.wait(_WATCH_S):
+            with self._lock:
+                watched = dict(self._watched)
+            by_fd = {sock.fileno(): key for key, (sock, _) in watched.items() if sock.fileno() >= 0}
+            try:
+                readable, _, _ = select.select(list(by_fd), [], [], 0)
+            except (OSError, ValueError):  # a socket closed between the copy and the look: next round
+                continue
+            for fd in readable:
+                sock, kill = watched[by_fd[fd]]
+                try:
+                    if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        continue  # the client's next request: it is still there
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:  # reset: gone as well
+                    pass
+                with self._lock:
+                    if self._watched.pop(by_fd[fd], None) is None:
+                        continue  # its query ended meanwhile
+                logger.warning("query endpoint: the client left before its result: killing its query")
+                try:
+                    kill()
+                except Exception as ex:  # the query may have ended meanwhile; nothing then runs for nobody
+                    logger.warning("query endpoint: could not kill a query whose client left: %s", ex)
+
+
+class Watch:
+    """A request's connection, watched (by the endpoint's Watchers) while its query runs."""
+
+    def __init__(self, watchers: Watchers, sock: socket.socket) -> None:
+        self._watchers, self._sock = watchers, sock
+        self._key: int | None = None
+
+    def on_gone(self, kill: Callable[[], None]) -> None:
+        """Watch from now on, and call `kill` (once) if the client closes its end."""
+        self._key = self._watchers.add(self._sock, kill)
+
+    def stop(self) -> None:
+        if self._key is not None:
+            self._watchers.remove(self._key)
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -437,6 +474,13 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 60.0  # an idle keep-alive connection gives its thread back
     server: _Server
 
+    def setup(self) -> None:
+        super().setup()
+        # A result goes out as headers, then chunks: without this, Nagle holds the first chunk for the client's
+        # delayed ACK (40 ms on Linux), a dashboard panel's whole time.
+        with contextlib.suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_GET(self) -> None:
         self._serve()
 
@@ -466,7 +510,7 @@ class _Handler(BaseHTTPRequestHandler):
             endpoint.count("failed")
             self.close_connection = True
             return
-        watch = Watch(self.connection)
+        watch = Watch(endpoint.watchers, self.connection)
         try:
             self._send(endpoint.answer(self.command, self.path, self.headers, body, self.client_address[0], watch),
                        head)

@@ -5,6 +5,10 @@ With a token (STEPLINE_PLUGIN_TOKEN), only datagrams carrying its credential are
 datagrams lost on the way, go on the timeline as `plugin_data_lost` events: at once, then at most once a
 minute per engine with the counts of the minute in between, and whatever is still untold when the receiver
 stops; what a plugin dropped before this receiver first heard from it is told at that first datagram.
+
+What it keeps per sender and per engine is bounded (MAX_SENDERS): past it the one heard from least recently is
+forgotten and counted (`evicted_senders`); a forgotten sender heard from again is met as after a restart, and counted
+(`resumed_senders`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import socket
 import stat
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from stepline.core.ratelimit import RateLimitedLog
@@ -31,6 +36,10 @@ log = logging.getLogger(__name__)
 
 EMIT_BATCH_ROWS = 5_000
 LOSS_EVENT_INTERVAL_S = 60.0  # per engine, at most one plugin_data_lost event in this long
+# Senders (engine, pid, plugin instance) and engines remembered at once. A host runs a handful of vLLM API-server
+# processes per engine, each one sender: a few thousand is generous, and it caps what datagrams with made-up senders
+# can make the receiver keep (200k of them grew it by 80 MB).
+MAX_SENDERS = 4_096
 
 _STEP, _REQUEST, _HAS_DETAILS, _DUMMY = wire.STEP_RECORD, wire.REQUEST_RECORD, wire.STEP_HAS_DETAILS, wire.STEP_DUMMY
 _REASONS = wire.FINISH_REASONS
@@ -38,7 +47,7 @@ _new_step = Step._make
 _new_request = Request._make
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sender:
     """What the receiver knows of one plugin instance (one vLLM process)."""
 
@@ -71,14 +80,15 @@ class PluginReceiver:
         self._sock: socket.socket | None = None
         self._leftover: list[Row] = []
         self._lock = threading.Lock()
-        self._senders: dict[tuple[str, int, int], _Sender] = {}
+        # Least recently heard first: the one to forget when full.
+        self._senders: OrderedDict[tuple[str, int, int], _Sender] = OrderedDict()
         self._models: dict[str, str] = {}
         self._bad_log = RateLimitedLog(log, interval_s=30.0)
         self._auth_log = RateLimitedLog(log, interval_s=60.0)
-        self._told_at: dict[str, float] = {}
+        self._told_at: OrderedDict[str, float] = OrderedDict()
         self._untold: dict[str, _Untold] = {}
         self.counts = {"datagrams": 0, "malformed": 0, "unauthorized": 0, "steps": 0, "requests": 0,
-                       "lost_datagrams": 0, "plugin_dropped_records": 0}
+                       "lost_datagrams": 0, "plugin_dropped_records": 0, "evicted_senders": 0, "resumed_senders": 0}
 
     def remember_models(self, models: dict[str, str]) -> None:
         """Model names engines announced before this start (their engine_config is sent once, at engine start):
@@ -237,16 +247,29 @@ class PluginReceiver:
     def _account(self, header: wire.Header) -> list[Row]:
         """Track each sender's sequence and drop counter; say so on the timeline when data was lost."""
         key = (header.engine, header.pid, header.instance)
-        sender = self._senders.get(key)
-        self._senders[key] = _Sender(header.sequence, header.dropped)
-        # At the first datagram of a plugin instance, what it dropped so far (while no sidecar listened) is news.
-        lost = 0 if sender is None else max(0, header.sequence - sender.sequence - 1)
-        dropped = header.dropped if sender is None else max(0, header.dropped - sender.dropped)
+        senders = self._senders
+        sender = senders.get(key)
+        if sender is None:
+            # At the first datagram of a plugin instance, what it dropped so far (while no sidecar listened) is news.
+            lost, dropped = 0, header.dropped
+            self._meet(header)
+            senders[key] = _Sender(header.sequence, header.dropped)
+        else:
+            senders.move_to_end(key)
+            lost = max(0, header.sequence - sender.sequence - 1)
+            dropped = max(0, header.dropped - sender.dropped)
+            sender.sequence, sender.dropped = header.sequence, header.dropped
         engine = header.engine
+        told: list[Row] = []
         if lost or dropped:
             self.counts["lost_datagrams"] += lost
             self.counts["plugin_dropped_records"] += dropped
-            untold = self._untold.setdefault(engine, _Untold())
+            untold = self._untold.get(engine)
+            if untold is None:
+                if len(self._untold) >= MAX_SENDERS:
+                    # Told early rather than forgotten: what was counted still reaches the timeline.
+                    told = self._tell(next(iter(self._untold)), self._ctx.clock.time())
+                untold = self._untold[engine] = _Untold()
             untold.dropped += dropped
             untold.lost += lost
             untold.pid = header.pid
@@ -254,12 +277,32 @@ class PluginReceiver:
             return []
         now = self._ctx.clock.time()
         if now - self._told_at.get(engine, -math.inf) < LOSS_EVENT_INTERVAL_S:
-            return []  # counted already; on the timeline with the next event for this engine
-        return self._tell(engine, now)
+            return told  # counted already; on the timeline with the next event for this engine
+        return told + self._tell(engine, now)
+
+    def _meet(self, header: wire.Header) -> None:
+        """Make room for a sender not in the table, forgetting the one heard from least recently."""
+        counts = self.counts
+        if header.sequence and counts["evicted_senders"]:
+            # Past its first datagram and maybe one forgotten below: met as after a collector restart, its gap since
+            # then unseen and its drops told from its start again. Counted, so that this is never silent.
+            counts["resumed_senders"] += 1
+            self._bad_log.warning("resumed", "met plugin sender engine %r (pid %d) at sequence %d after senders were "
+                                  "forgotten: if it was one of them, datagrams it lost meanwhile are not counted",
+                                  header.engine[:64], header.pid, header.sequence)
+        if len(self._senders) >= MAX_SENDERS:
+            self._senders.popitem(last=False)
+            counts["evicted_senders"] += 1
+            self._bad_log.warning("evicted", "forgot the plugin sender heard from least recently: more than %d "
+                                  "senders (engine, pid, instance) at once; are datagrams forged?", MAX_SENDERS)
 
     def _tell(self, engine: str, now: float) -> list[Row]:
         untold = self._untold.pop(engine)
-        self._told_at[engine] = now
+        told_at = self._told_at
+        told_at[engine] = now
+        told_at.move_to_end(engine)
+        if len(told_at) > MAX_SENDERS:
+            told_at.popitem(last=False)  # that engine's next event may come sooner than a minute, no more
         return [Event(micros(now), self._ctx.host, engine, "plugin", "plugin_data_lost", "warning",
                       f"engine {engine}: the plugin dropped {untold.dropped} records and {untold.lost} datagrams were "
                       "lost (sidecar absent or too slow)",

@@ -55,6 +55,8 @@ ALLOWED = frozenset({
     "output_format_tsv_crlf_end_of_line", "output_format_csv_crlf_end_of_line", "output_format_pretty_color",
     "output_format_pretty_max_rows", "output_format_pretty_max_value_width", "output_format_pretty_row_numbers",
     "output_format_pretty_grid_charset", "output_format_pretty_display_footer_column_names",
+    # stepline's own reads (queries/requests.py: FINAL within each day's partition)
+    "do_not_merge_across_partitions_select_final",
     # types a client may ask to read
     "allow_experimental_json_type", "enable_json_type", "allow_experimental_dynamic_type",
     "allow_experimental_variant_type",

@@ -31,9 +31,12 @@ from xml.sax.saxutils import escape
 
 PROFILE = "stepline_query"
 
-# What a read client sends, measured against clickhouse-connect 1.12, @clickhouse/client 1.x, Grafana's ClickHouse
-# datasource (clickhouse-go v2 over HTTP) and DBeaver's JDBC driver, and the output options of the formats the
-# endpoint serves. None names a file, a path, a schema, a template, a URL, an identity or a cache that persists.
+# What a read client sends: what clickhouse-connect 1.12 and @clickhouse/client 1.x send in tests/clients (progress,
+# compression, the JSON and Arrow string options, the JSON type), and `max_execution_time`, which Grafana's
+# ClickHouse datasource sets for each query through clickhouse-go (grafana/clickhouse-datasource
+# docs/sources/configure.md: a read-only user must be allowed to change it); JDBC drivers' readonly=1|2 is a no-op
+# (clickhouse_http/settings.py). Then the output options of the formats the endpoint serves. None names a file, a
+# path, a schema, a template, a URL, an identity or a cache that persists.
 ALLOWED = frozenset({
     # progress and compression on the HTTP interface
     "send_progress_in_http_headers", "http_headers_progress_interval_ms", "enable_http_compression",
@@ -55,7 +58,7 @@ ALLOWED = frozenset({
     "output_format_tsv_crlf_end_of_line", "output_format_csv_crlf_end_of_line", "output_format_pretty_color",
     "output_format_pretty_max_rows", "output_format_pretty_max_value_width", "output_format_pretty_row_numbers",
     "output_format_pretty_grid_charset", "output_format_pretty_display_footer_column_names",
-    # stepline's own reads (queries/requests.py: FINAL within each day's partition)
+    # stepline's own reads (queries/requests.py: requests merged within each day's partition)
     "do_not_merge_across_partitions_select_final",
     # types a client may ask to read
     "allow_experimental_json_type", "enable_json_type", "allow_experimental_dynamic_type",

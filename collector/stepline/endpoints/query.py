@@ -276,7 +276,8 @@ class QueryEndpoint(Address):
         statement = chguard.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
         if not valid:
             raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
-        if "settings" in statement.sql.lower():  # the engine ignores a subquery's settings: refuse them here too
+        # The engine drops a subquery's settings the profile forbids, silently: refuse them, as at the top level.
+        if "settings" in statement.sql.lower():
             self._refuse_settings(chguard.settings_named(self._sessions.canonical(statement.sql)))
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
         if not chsettings.NAME.match(fmt):

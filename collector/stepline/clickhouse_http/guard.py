@@ -32,6 +32,7 @@ _WRITING_LEADING = frozenset({
 _DENIED_FUNCTIONS = frozenset({
     "file", "filecluster", "url", "urlcluster", "gcs", "oss", "cosn", "cluster", "clusterallreplicas",
     "redis", "sqlite", "odbc", "jdbc", "input", "mongodb", "dictionary", "catboostevaluate",
+    "merge",  # every table whose name matches a pattern, in any database: system's too (below)
 })
 _DENIED_PREFIXES = (
     "s3", "hdfs", "azureblob", "iceberg", "deltalake", "hudi", "paimon", "remote", "mysql", "postgresql",
@@ -40,8 +41,6 @@ _DENIED_PREFIXES = (
     # filesystem() lists its files. The sessions run with readonly=2, which lets table functions run: only
     # the guard stands between these and a client.
     "python", "arrowstream", "filesystem", "eval",
-    # merge() reads every table whose name matches a pattern, in any database: system's too (below).
-    "merge",
 )
 # Tables that show what other clients run (their SQL, bound values) or the engine's logs: every client of the
 # endpoint is the same ClickHouse user, so the engine cannot tell whose rows are whose. Refused by name, whatever

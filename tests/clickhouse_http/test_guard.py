@@ -65,6 +65,12 @@ def test_guard_reads_the_format_and_the_leading_keyword_and_leaves_settings_to_t
     assert read_only_statement("show tables").leading == "SHOW"
 
 
+def test_other_clients_queries_are_not_read_from_the_system_database_but_a_column_so_named_is() -> None:
+    with pytest.raises(SqlRefused, match=r"reading system\.query_log"):
+        read_only_statement("SELECT query FROM query_log", database="system")
+    assert read_only_statement("SELECT processes FROM gpu_samples", database="stepline").leading == "SELECT"
+
+
 @pytest.mark.parametrize(("sql", "kind"), [
     ("INSERT INTO t VALUES (1)", "INSERT"),
     ("select 1; select 2", "a second statement"),
@@ -74,8 +80,8 @@ def test_guard_reads_the_format_and_the_leading_keyword_and_leaves_settings_to_t
     ("SELECT `File`(1)", "file()"),
     ("SELECT * FROM s3Cluster('c', 'u')", "s3cluster()"),
     ("SELECT `fi\\x6ce`('x')", "an escaped name"),
-    ("SELECT query FROM system.processes", "reading processes"),
-    ("SELECT * FROM `system`.\"PROCESSES\"", "reading processes"),
+    ("SELECT query FROM system.processes", "reading system.processes"),
+    ("SELECT * FROM `system`.\"PROCESSES\"", "reading system.processes"),
     ("SELECT * FROM merge('system', '^proc')", "merge()"),
 ])
 def test_guard_refuses(sql: str, kind: str) -> None:

@@ -43,8 +43,8 @@ _DENIED_PREFIXES = (
     "python", "arrowstream", "filesystem", "eval",
 )
 # Tables that show what other clients run (their SQL, bound values) or the engine's logs: every client of the
-# endpoint is the same ClickHouse user, so the engine cannot tell whose rows are whose. Refused by name, whatever
-# database or quoting precedes it.
+# endpoint is the same ClickHouse user, so the engine cannot tell whose rows are whose. Refused as system.NAME in
+# any quoting, and by name alone when the request reads from the system database.
 _DENIED_TABLES = frozenset({
     "processes", "query_log", "query_thread_log", "query_views_log", "session_log", "text_log",
     "processors_profile_log", "asynchronous_insert_log", "opentelemetry_span_log", "query_metric_log",
@@ -125,8 +125,9 @@ def _function_name(tok: Token) -> str | None:
     return None
 
 
-def read_only_statement(sql: str) -> Statement:
-    """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise."""
+def read_only_statement(sql: str, database: str = "") -> Statement:
+    """Check that `sql` is one read-only statement and return it; raise SqlRefused otherwise. `database` is the one
+    its unqualified table names read from."""
     toks: list[Token] = []
     leading: str | None = None
     it = tokens(sql)
@@ -152,8 +153,9 @@ def read_only_statement(sql: str) -> Statement:
         upper = tok.text.upper() if tok.kind == "word" else ""
         if upper in ("OUTFILE", "INFILE"):
             raise read_only(f"INTO {upper}" if upper == "OUTFILE" else "FROM INFILE")
-        if (name := _function_name(tok)) in _DENIED_TABLES:
-            raise read_only(f"reading {name}")
+        qualified = k >= 2 and toks[k - 1].text == "." and _function_name(toks[k - 2]) == "system"
+        if (name := _function_name(tok)) in _DENIED_TABLES and (qualified or database.lower() == "system"):
+            raise read_only(f"reading system.{name}")
         if nxt is not None and nxt.text == "(" and name is not None and (
             name in _DENIED_FUNCTIONS or name.startswith(_DENIED_PREFIXES)
         ):

@@ -273,7 +273,9 @@ class QueryEndpoint(Address):
             text, valid = body.decode(), True
         except UnicodeDecodeError:
             text, valid = body.decode(errors="replace"), False  # still guarded first: an INSERT's binary rows
-        statement = chguard.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text)
+        database = params.get("database") or headers.get("X-ClickHouse-Database") or self.database
+        statement = chguard.read_only_statement(f"{params['query']}\n{text}" if params.get("query") else text,
+                                                database)
         if not valid:
             raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
         # The engine drops a subquery's settings the profile forbids, silently: refuse them, as at the top level.
@@ -297,7 +299,6 @@ class QueryEndpoint(Address):
         if watch is not None:
             watch.on_gone(lambda: self._sessions.kill(tag))
         binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
-        database = params.get("database") or headers.get("X-ClickHouse-Database") or self.database
         started, progress = time.monotonic_ns(), Progress()
         revision = params.get("client_protocol_version", "0")
         pieces = self._pieces(key, database, sql, fmt, binds, progress, statement.leading in ("SELECT", "WITH"),

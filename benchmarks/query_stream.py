@@ -240,7 +240,8 @@ def parts(rounds: int = 2000) -> None:
     import socket
     from email.message import Message
 
-    from stepline.endpoints.query import QueryEndpoint, Watch, Watchers
+    from stepline.endpoints.query import QueryEndpoint
+    from stepline.endpoints.watch import Watch, Watchers
     from stepline.store.chdb import open_client
 
     endpoint = QueryEndpoint(open_client(tempfile.mkdtemp(prefix="stepline-bench-parts-")), port=0)

@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import secrets
-import select
 import socket
 import string
 import tempfile
@@ -33,11 +32,13 @@ from stepline.clickhouse_http import formats as chformats
 from stepline.clickhouse_http import guard as chguard
 from stepline.clickhouse_http import native as chnative
 from stepline.clickhouse_http import settings as chsettings
+from stepline.clickhouse_http.chunked import ChunkedBody
 from stepline.clickhouse_http.errors import SqlRefused
 from stepline.core.listener import Address, HttpServer, ServerThread
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
+from stepline.endpoints.watch import Watch, Watchers
 from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ _SPOOL_IN_MEMORY_BYTES = 16 << 20  # wait_end_of_query: beyond this, the result 
 _TEXT = "text/plain; charset=UTF-8"
 _TAG_ALPHABET = string.ascii_letters + string.digits
 _ECHO_CHARS = 2000  # of an error's text sent back: the engine's messages can quote a whole query
-_WATCH_S = 0.25  # how often a connection is looked at while its query runs: gone, and the query is killed
 
 
 @dataclass
@@ -375,79 +375,6 @@ def _loopback_name(host: str) -> bool:
     return name == "localhost" or _is_loopback(name)
 
 
-class Watchers:
-    """One thread that looks at the connections whose queries run: a client that has closed its end gets its query
-    killed. One for the endpoint, not one per query: registering costs a dict entry, not a thread's start."""
-
-    def __init__(self) -> None:
-        self._watched: dict[int, tuple[socket.socket, Callable[[], None]]] = {}
-        self._next = 0
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stepline-query-watch", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def add(self, sock: socket.socket, kill: Callable[[], None]) -> int:
-        with self._lock:
-            self._next += 1
-            self._watched[self._next] = (sock, kill)
-            return self._next
-
-    def remove(self, key: int) -> None:
-        with self._lock:
-            self._watched.pop(key, None)
-
-    def _run(self) -> None:
-        while not self._done.wait(_WATCH_S):
-            with self._lock:
-                watched = dict(self._watched)
-            by_fd = {sock.fileno(): key for key, (sock, _) in watched.items() if sock.fileno() >= 0}
-            try:
-                readable, _, _ = select.select(list(by_fd), [], [], 0)
-            except (OSError, ValueError):  # a socket closed between the copy and the look: next round
-                continue
-            for fd in readable:
-                sock, kill = watched[by_fd[fd]]
-                try:
-                    if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        continue  # the client's next request: it is still there
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:  # reset: gone as well
-                    pass
-                with self._lock:
-                    if self._watched.pop(by_fd[fd], None) is None:
-                        continue  # its query ended meanwhile
-                logger.warning("query endpoint: the client left before its result: killing its query")
-                try:
-                    kill()
-                except Exception as ex:  # the query may have ended meanwhile; nothing then runs for nobody
-                    logger.warning("query endpoint: could not kill a query whose client left: %s", ex)
-
-
-class Watch:
-    """A request's connection, watched (by the endpoint's Watchers) while its query runs."""
-
-    def __init__(self, watchers: Watchers, sock: socket.socket) -> None:
-        self._watchers, self._sock = watchers, sock
-        self._key: int | None = None
-
-    def on_gone(self, kill: Callable[[], None]) -> None:
-        """Watch from now on, and call `kill` (once) if the client closes its end."""
-        self._key = self._watchers.add(self._sock, kill)
-
-    def stop(self) -> None:
-        if self._key is not None:
-            self._watchers.remove(self._key)
-
-
 def _flag(params: Mapping[str, str], name: str) -> bool:
     return params.get(name, "0").strip().lower() in ("1", "true")
 
@@ -569,7 +496,7 @@ class _Handler(BaseHTTPRequestHandler):
         """A result, chunk by chunk as the engine makes it, in bounded memory."""
         assert reply.rest is not None
         endpoint = self.server.endpoint
-        body = _ChunkedBody(self.connection, reply.frame, reply.encoding)
+        body = ChunkedBody(self.connection, reply.frame, reply.encoding)
         try:
             self.send_response(reply.status)
             for key, value in reply.headers.items():
@@ -600,45 +527,3 @@ class _Handler(BaseHTTPRequestHandler):
             logger.warning("query endpoint: client %s left during a result: %s", self.client_address[0], ex)
             self.close_connection = True
             endpoint.count("failed")
-
-
-class _ChunkedBody:
-    """A response body in HTTP/1.1 chunks, through compress=1 framing and a Content-Encoding when asked."""
-
-    def __init__(self, sock: socket.socket, frame: Callable[[bytes], bytes] | None, encoding: str | None) -> None:
-        self._sock = sock
-        self._frame = frame
-        self._encoder = chcompress.encoder(encoding) if encoding is not None else None
-
-    def write(self, data: bytes) -> None:
-        if data and self._frame is not None:
-            data = self._frame(data)
-        if data and self._encoder is not None:
-            data = self._encoder.encode(data)
-        self._chunk(data)
-
-    def finish(self) -> None:
-        if self._encoder is not None:
-            self._chunk(self._encoder.finish())
-        self._sock.sendall(b"0\r\n\r\n")
-
-    def fail(self, text: str, tag: str) -> None:
-        """ClickHouse's error after a result began (25.11 and newer): a tagged block, and no last chunk, so that
-        no client can take the cut result for a whole one (src/Server/HTTP/HTTP1/HTTP1ServerResponse.cpp)."""
-        message = text.rstrip("\n").encode() + b"\n"
-        block = (b"\r\n__exception__\r\n" + tag.encode() + b"\r\n" + message
-                 + f"{len(message)} {tag}\r\n__exception__\r\n".encode())
-        if self._encoder is not None:
-            block = self._encoder.encode(block) + self._encoder.finish()
-        self._chunk(block)
-
-    def _chunk(self, data: bytes) -> None:
-        """One chunk in one gathered write: a block is never copied to put its frame around it."""
-        parts = [memoryview(b"%x\r\n" % len(data)), memoryview(data), memoryview(b"\r\n")] if data else []
-        while parts:
-            sent = self._sock.sendmsg(parts)
-            while parts and sent >= len(parts[0]):
-                sent -= len(parts[0])
-                parts.pop(0)
-            if parts:
-                parts[0] = parts[0][sent:]

@@ -32,11 +32,11 @@ from stepline.clickhouse_http import formats as chformats
 from stepline.clickhouse_http import guard as chguard
 from stepline.clickhouse_http import native as chnative
 from stepline.clickhouse_http import settings as chsettings
-from stepline.clickhouse_http.chunked import ChunkedBody
 from stepline.clickhouse_http.errors import SqlRefused
 from stepline.core.listener import Address, HttpServer, ServerThread
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
+from stepline.endpoints.chunked import ChunkedBody
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
 from stepline.endpoints.watch import Watch, Watchers
 from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE

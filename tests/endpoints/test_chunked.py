@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import socket
 
-from stepline.clickhouse_http.chunked import ChunkedBody
+from stepline.endpoints.chunked import ChunkedBody
 
 
 def _chunks(raw: bytes) -> tuple[list[bytes], bool]:

@@ -104,7 +104,7 @@ def test_a_loopback_listener_answers_only_loopback_names(endpoint: QueryEndpoint
 
 
 @pytest.mark.parametrize("headers", [{"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
-                                     {"Origin": "http://localhost:1"}])
+                                     {"Origin": "http://localhost:1"}, {"Origin": "null"}, {"Origin": "http://[x"}])
 def test_a_page_of_another_origin_gets_nothing(endpoint: QueryEndpoint, headers: dict[str, str]) -> None:
     status, _, body = _get(endpoint, "SELECT 1", headers)
     assert status == 403 and b"cross-origin" in body

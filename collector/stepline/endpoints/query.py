@@ -194,8 +194,8 @@ class QueryEndpoint(Address):
         if self._loopback and not _loopback_name(host):
             # DNS rebinding: a page's own name, resolved to 127.0.0.1, reaches a loopback listener.
             return f"Host {host[:80]!r} is not a loopback name: this endpoint answers only localhost"
-        origin = headers.get("Origin")
-        if origin is not None and origin != "null" and urlsplit(origin).netloc.lower() != host.lower():
+        origin = headers.get("Origin")  # "null" too: a sandboxed page or a file's
+        if origin is not None and _netloc(origin) != host.lower():
             return f"a request from the web page {origin[:80]!r} (no cross-origin queries)"
         if headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site"):
             return "a request from another site's web page (no cross-origin queries)"
@@ -363,6 +363,13 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def _netloc(origin: str) -> str | None:
+    try:
+        return urlsplit(origin).netloc.lower()
+    except ValueError:  # "http://[x": no origin a page of this host sends
+        return None
 
 
 def _loopback_name(host: str) -> bool:

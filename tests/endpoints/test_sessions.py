@@ -106,3 +106,29 @@ def test_a_session_cannot_set_what_the_profile_does_not_allow(pool: Sessions, da
         _text(pool, database, "SELECT 1", (("output_format_schema", "/tmp/x.proto"),))
     assert refused.value.code == 452
     assert _text(pool, database, "SELECT 1", (("max_threads", "2"),)) == "1\n"
+
+
+def test_the_parser_prints_a_query_back_once_per_text(pool: Sessions, monkeypatch: pytest.MonkeyPatch) -> None:
+    sql = "SELECT * FROM (SELECT 1 SETTINGS `max_threads` = 2) /* x */ SETTINGS \"max_block_size\" = 10"
+    assert pool.canonical(sql) == "SELECT * FROM (SELECT 1 SETTINGS max_threads = 2) SETTINGS max_block_size = 10"
+    calls: list[str] = []
+    parser = pool._parser
+    assert parser is not None
+    real = parser.conn
+
+    class Counting:
+        def query(self, *args: object, **kwargs: object) -> object:
+            calls.append("query")
+            return real.query(*args, **kwargs)
+
+        def close(self) -> None:
+            real.close()
+
+    monkeypatch.setattr(parser, "conn", Counting())
+    pool.canonical(sql)
+    assert calls == []  # the same text again: the answer kept
+    pool.canonical(sql + " ")
+    assert calls == ["query"]
+    with pytest.raises(EngineError) as bad:
+        pool.canonical("SELECT 1 SETTINGS")
+    assert bad.value.name == "SYNTAX_ERROR"

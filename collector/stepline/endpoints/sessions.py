@@ -7,6 +7,7 @@ import queue
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,6 +19,9 @@ from stepline.store.query_profile import PROFILE, changeable
 
 Settings = tuple[tuple[str, str], ...]
 
+# The SQL of stepline's own reads (diagnose, report, the CLI) binds its values as parameters, so the same text
+# comes again and again: the parser's answer is kept for it. At most 256 texts of up to 64 KiB each.
+_PARSED_ENTRIES, _PARSED_MAX_CHARS = 256, 64 << 10
 _SESSION_WAIT_S = 10.0  # then ClickHouse's own 202: a client retries sooner than a dashboard times out
 _PREFETCH_BLOCKS = 4  # blocks of up to ~1 MiB each (max_block_size rows) computed ahead of the wire
 _ESCAPED = str.maketrans({"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0": "\\0"})
@@ -232,6 +236,7 @@ class Sessions:
         self._admin_lock = threading.Lock()
         self._parser: Session | None = None
         self._parser_lock = threading.Lock()
+        self._parsed: OrderedDict[str, str] = OrderedDict()  # the parser's answers for texts that come again
 
     def verify(self) -> None:
         """Open one session and check the engine's profile covers every setting (ProfileMissing if not)."""
@@ -258,6 +263,10 @@ class Sessions:
     def canonical(self, sql: str) -> str:
         """`sql` as ClickHouse's own parser prints it back (formatQuerySingleLine): no comments, no quoting that is
         not needed, one spelling per name; an EngineError where it does not parse."""
+        with self._parser_lock:
+            if (known := self._parsed.get(sql)) is not None:
+                self._parsed.move_to_end(sql)
+                return known
         escaped = sql.translate(_ESCAPED)  # a bound String is read in TabSeparated's escaping
         try:
             with self._parser_lock:
@@ -267,7 +276,13 @@ class Sessions:
                                                  params={"q": escaped})
         except Exception as ex:
             raise EngineError.of(ex) from None
-        return bytes(result.bytes()).decode().rstrip("\n")
+        canonical = bytes(result.bytes()).decode().rstrip("\n")
+        if len(sql) <= _PARSED_MAX_CHARS:
+            with self._parser_lock:
+                self._parsed[sql] = canonical
+                while len(self._parsed) > _PARSED_ENTRIES:
+                    self._parsed.popitem(last=False)
+        return canonical
 
     def _admin_connection(self) -> Any:
         if self._admin is None:

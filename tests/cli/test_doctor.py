@@ -71,8 +71,11 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
 
 def test_a_wired_engine_prints_one_ok_line_a_check_and_exits_0(running: Running, monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(running.run_dir))  # found by its runtime file, as from a shell
+    # ... in a directory of its own: where the README's `stepline demo` ran, ./stepline-data is the store it names.
+    monkeypatch.chdir(tmp_path)
     assert main(["doctor", "--engine", running.engine, "--wait", "10"]) == 0
     out = capsys.readouterr()
     lines = out.out.splitlines()

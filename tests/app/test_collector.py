@@ -59,6 +59,11 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
                 '[Errno 111] Connection refused",source="vllm_metrics:dead"} 1.0') in text
         assert 'source="vllm_metrics:sim"} 1.0' not in text.split("stepline_source_last_error_info{", 1)[1]
         assert 'stepline_writer_rows_written_total{table="engine_samples"}' in text
+        # Every HTTP listener says what it closed or refused (none here): query, OTLP, events, /metrics.
+        for listener in ("query", "otlp", "events", "metrics"):
+            for reason in ("slow_heads", "busy_refused"):
+                line = f'stepline_listener_connections_refused_total{{listener="{listener}",reason="{reason}"}} 0.0'
+                assert line in text, line
     finally:
         collector.stop()
     # After a clean stop everything accepted is in the store, and the store opens directly.

@@ -123,3 +123,13 @@ def test_the_port_is_known_before_start_and_free_after_stop(metrics: SelfMetrics
     assert port > 0
     server.stop()  # never started: the socket is closed all the same
     MetricsServer(metrics.registry, "127.0.0.1", port).stop()
+
+
+def test_each_listeners_refusals_are_read_when_scraped(metrics: SelfMetrics) -> None:
+    counts = {"slow_heads": 0, "busy_refused": 0}
+    metrics.listeners.add("query", lambda: counts)
+    assert metrics.registry.get_sample_value("stepline_listener_connections_refused_total",
+                                             {"listener": "query", "reason": "busy_refused"}) == 0
+    counts["busy_refused"] = 3
+    assert metrics.registry.get_sample_value("stepline_listener_connections_refused_total",
+                                             {"listener": "query", "reason": "busy_refused"}) == 3

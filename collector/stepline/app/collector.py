@@ -14,6 +14,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.config.settings import Settings
 from stepline.core.clock import Clock, SystemClock
+from stepline.core.listener import Address
 from stepline.core.selfmetrics import MetricsServer, SelfMetrics
 from stepline.endpoints.events import EventsIngest
 from stepline.endpoints.query import QueryEndpoint
@@ -109,6 +110,7 @@ class Collector:
         except BaseException:
             self._close()
             raise
+        self._count_listeners(scheduled)
         self.sources = [item.source for item in scheduled]
         self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe,
                              retention_days=s.retention_days, clock=self.clock)
@@ -119,6 +121,18 @@ class Collector:
         self._announce(url, metrics_url)
         log.info("collecting from %d source(s) into %s; self-metrics on %s%s", len(scheduled), url.redacted(),
                  metrics_url, f"; SQL on {self.query_endpoint.url}" if self.query_endpoint else "")
+
+    def _count_listeners(self, scheduled: list[Scheduled]) -> None:
+        counts = self.metrics.listeners
+        for item in scheduled:
+            if isinstance(item.source, Address):
+                counts.add(item.source.name, item.source.refused_connections)
+        if self.metrics_server is not None:
+            counts.add("metrics", self.metrics_server.refused_connections)
+        if self.events_ingest is not None:
+            counts.add("events", self.events_ingest.refused_connections)
+        if self.query_endpoint is not None:
+            counts.add("query", self.query_endpoint.refused_connections)
 
     def _announce(self, url: StoreUrl, metrics_url: str) -> None:
         try:

@@ -412,6 +412,7 @@ def metrics_page() -> str:
 
     metrics = selfmetrics.SelfMetrics()
     labels = {m._name: m._labelnames for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
+    labels[selfmetrics.ListenerCounts.NAME] = selfmetrics.ListenerCounts.LABELS  # read from the listeners when scraped
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     rows = []
     for family in sorted(metrics.registry.collect(), key=lambda f: f.name):

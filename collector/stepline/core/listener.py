@@ -275,6 +275,10 @@ class Address:
         """http://host:port, an IPv6 host in brackets."""
         return url(self.host, self.port)
 
+    def refused_connections(self) -> dict[str, int]:
+        """What the listener closed or refused since it started (HttpServer.stats); nothing before it starts."""
+        return self._server.stats() if isinstance(self._server, HttpServer) else {}
+
 
 class ServerThread:
     """Serves `server` from a background thread until stop(), which also releases its port."""

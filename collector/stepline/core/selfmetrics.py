@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from stepline.core.listener import HttpServer, ServerThread, url
 
@@ -144,10 +146,44 @@ class SelfMetrics:
             "stepline_gateway_decisions", "Routing decisions received, by outcome: answered, refused (429/503), error, "
             "disconnected (the client left), failed_open (a hook swallowed an exception or measured nothing).",
             ["gateway", "lane", "outcome"], registry=r)
+        self.listeners = ListenerCounts()
+        r.register(self.listeners)
         self.top_finding = Gauge("stepline_engine_top_finding_info",
                                  "The engine's top warning or critical diagnosis finding over the last 5 minutes "
                                  "(refreshed on each state change and every few seconds while work is in flight).",
                                  ["engine", "kind", "severity", "title"], registry=r)
+
+
+class ListenerCounts:
+    """stepline_listener_connections_refused_total{listener, reason}: the connections each HTTP listener closed or
+    refused (reason slow_heads: request line and headers past the deadline; busy_refused: every handler thread
+    taken), read from the listeners when scraped."""
+
+    NAME = "stepline_listener_connections_refused"
+    LABELS = ("listener", "reason")
+
+    def __init__(self) -> None:
+        self._listeners: dict[str, Callable[[], Mapping[str, int]]] = {}
+
+    def add(self, name: str, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Count the listener `name` by what `stats` returns (counter name -> count since it started)."""
+        self._listeners[name] = stats
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for name, stats in sorted(self._listeners.items()):
+            for reason, count in sorted(stats().items()):
+                family.add_metric([name, reason], count)
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            ListenerCounts.NAME, "Connections an HTTP listener closed or refused: slow_heads (request line and headers "
+            "past the deadline), busy_refused (every handler thread taken).", labels=list(ListenerCounts.LABELS))
 
 
 class MetricsServer:
@@ -170,6 +206,10 @@ class MetricsServer:
 
     def start(self) -> None:
         self._serving = ServerThread(self._server, "self-metrics")
+
+    def refused_connections(self) -> dict[str, int]:
+        """What the listener closed or refused since it started (HttpServer.stats)."""
+        return self._server.stats()
 
     def stop(self) -> None:
         if self._serving is not None:

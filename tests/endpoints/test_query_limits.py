@@ -95,6 +95,22 @@ def test_a_query_whose_client_left_is_killed(endpoint: QueryEndpoint, chdb_dir: 
     assert _get(endpoint, "SELECT 2") == (200, "", b"2\n")  # its session was closed, the others serve
 
 
+def test_a_query_whose_client_left_part_way_through_its_result_is_killed(endpoint: QueryEndpoint,
+                                                                        chdb_dir: Path) -> None:
+    marker = "left_mid_result_5c1e"
+    # One row a block, 3 s each: without the kill, the engine would go on until a write to the closed socket failed.
+    sql = f"SELECT sleepEachRow(3) AS {marker} FROM numbers(20) SETTINGS max_block_size = 1"
+    with socket.create_connection((endpoint.host, endpoint.port)) as sock:
+        sock.sendall(f"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(sql)}\r\n\r\n{sql}".encode())
+        sock.settimeout(30)
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 200")  # headers and the first block: the result began
+    left = time.monotonic()
+    while _running(chdb_dir, marker) and time.monotonic() - left < 10:
+        time.sleep(0.1)
+    assert _running(chdb_dir, marker) == 0
+    assert time.monotonic() - left < 2.5  # killed, not left to fail on its next block 3 s on
+
+
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8124", "127.0.0.1.nip.io", "localhost.evil.example"])
 def test_a_loopback_listener_answers_only_loopback_names(endpoint: QueryEndpoint, host: str) -> None:
     status, code, _ = _get(endpoint, "SELECT 1", {"Host": host})

@@ -13,7 +13,7 @@ import chdb
 import pytest
 
 from stepline.store import query_profile
-from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE, changeable, settings_names, users_xml
+from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE, changeable, refusal, settings_names, users_xml
 
 
 @pytest.fixture
@@ -104,3 +104,14 @@ def test_the_configuration_is_private_to_the_collector() -> None:
     config = Path(query_profile.engine_options()["config-file"])
     assert config.parent.stat().st_mode & 0o077 == 0  # nobody else may write the profile the endpoint trusts
     assert f"<users_config>{config.parent / 'users.xml'}</users_config>" in config.read_text()
+
+
+@pytest.mark.parametrize(("name", "value", "why"), [
+    ("max_threads", "2", None), ("output_format_json_quote_decimals", "1", None),
+    ("output_format_schema", "'/tmp/x'", "should not be changed"), ("readonly", "0", "should not be changed"),
+    ("max_execution_time", "0", "should be within 1-600, not 0"), ("max_execution_time", "'30'", None),
+    ("max_memory_usage", "4000000000", "should be within 1048576-1073741824, not 4000000000"),
+    ("max_execution_time", "x", None),  # no number: the engine's to judge
+])
+def test_refusal_says_why_the_profile_refuses_a_clause(name: str, value: str, why: str | None) -> None:
+    assert refusal(name, value) == why

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hmac
 import ipaddress
 import json
@@ -39,7 +40,7 @@ from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.chunked import ChunkedBody
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
 from stepline.endpoints.watch import Watch, Watchers
-from stepline.store.query_profile import ALLOWED, CEILINGS, PROFILE
+from stepline.store.query_profile import CEILINGS, PROFILE, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +281,10 @@ class QueryEndpoint(Address):
             raise SqlRefused("the query is not valid UTF-8", 36, "BAD_ARGUMENTS")
         # The engine drops a subquery's settings the profile forbids, silently: refuse them, as at the top level.
         if "settings" in statement.sql.lower():
-            self._refuse_settings(chguard.settings_named(self._sessions.canonical(statement.sql)))
+            for name, value in chguard.settings_named(self._sessions.canonical(statement.sql)):
+                if (why := refusal(name, value)) is not None:
+                    raise SqlRefused(f"Setting {name[:64]} {why} (stepline's {PROFILE!r} profile)",
+                                     cherrors.SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
         fmt = statement.format or params.get("default_format") or headers.get("X-ClickHouse-Format") or "TabSeparated"
         if not chsettings.NAME.match(fmt):
             raise SqlRefused(f"Unknown format {fmt!r}", 73, "UNKNOWN_FORMAT")
@@ -294,10 +298,10 @@ class QueryEndpoint(Address):
         if _flag(params, "enable_http_compression") or _flag(settings, "enable_http_compression"):
             encoding = chcompress.response_encoding(headers.get("Accept-Encoding", ""))
         sql = statement.sql if statement.format else f"{statement.sql}\nFORMAT {fmt}"
-        tag = uuid.uuid4().hex  # in the text the engine lists the query by: KILL QUERY finds it when the client goes
-        sql = f"{sql}\n/* stepline-query {tag} */"
+        query_tag = uuid.uuid4().hex  # in the text the engine lists the query by: KILL QUERY finds it
+        sql = f"{sql}\n/* stepline-query {query_tag} */"
         if watch is not None:
-            watch.on_gone(lambda: self._sessions.kill(tag))
+            watch.on_gone(functools.partial(self._sessions.kill, query_tag))
         binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
         started, progress = time.monotonic_ns(), Progress()
         revision = params.get("client_protocol_version", "0")
@@ -323,23 +327,6 @@ class QueryEndpoint(Address):
         reply_headers["X-ClickHouse-Exception-Tag"] = tag
         return _Reply(200, first, "served", reply_headers, rest=rest, frame=frame, encoding=encoding,
                       exception_tag=tag)
-
-    @staticmethod
-    def _refuse_settings(found: list[tuple[str, str]]) -> None:
-        """Refuse, as the engine refuses at the top level, a setting the query profile does not let clients change,
-        or a limit past the profile's ceiling (a subquery's, which the engine would ignore, too)."""
-        for name, value in found:
-            why = None
-            if name in CEILINGS:
-                least, most = CEILINGS[name]
-                with contextlib.suppress(ValueError):  # not a number: the engine's to judge
-                    number = float(value.strip("'"))
-                    why = None if least <= number <= most else f"should be within {least}-{most}, not {value[:20]}"
-            elif name not in ALLOWED:
-                why = "should not be changed"
-            if why is not None:
-                raise SqlRefused(f"Setting {name[:64]} {why} (stepline's {PROFILE!r} profile)",
-                                 cherrors.SETTING_CONSTRAINT_VIOLATION, "SETTING_CONSTRAINT_VIOLATION")
 
     def _pieces(self, key: tuple[tuple[str, str], ...], database: str, sql: str, fmt: str, binds: dict[str, str],
                 progress: Progress, streams: bool, client: str) -> Iterator[bytes]:

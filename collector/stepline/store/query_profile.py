@@ -14,7 +14,7 @@ with. The names come from `chdb_settings.txt` (the pinned chDB's `system.setting
 and the list does not would be changeable, so the query endpoint asks the engine which settings it may change
 before it serves, and refuses to start when any is outside the allow-list (`changeable`).
 
-Public: PROFILE, ALLOWED, CEILINGS, engine_options, changeable, settings_names.
+Public: PROFILE, ALLOWED, CEILINGS, engine_options, changeable, refusal, settings_names.
 """
 
 from __future__ import annotations
@@ -127,6 +127,19 @@ def changeable(names_and_readonly: list[tuple[str, int]]) -> list[str]:
     that the profile does not allow (empty when the profile covers the engine)."""
     allowed = ALLOWED | set(CEILINGS)
     return sorted(name for name, readonly in names_and_readonly if not readonly and name not in allowed)
+
+
+def refusal(name: str, value: str) -> str | None:
+    """Why the profile refuses `name = value` (value as written), or None: a setting outside the allow-list, or a
+    limit past its ceiling. A value that is no number is left for the engine to judge."""
+    if name in CEILINGS:
+        least, most = CEILINGS[name]
+        try:
+            number = float(value.strip("'"))
+        except ValueError:
+            return None
+        return None if least <= number <= most else f"should be within {least}-{most}, not {value[:20]}"
+    return None if name in ALLOWED else "should not be changed"
 
 
 def _write_names() -> None:

@@ -107,7 +107,8 @@ def test_the_configuration_is_private_to_the_collector() -> None:
 
 
 @pytest.mark.parametrize(("name", "value", "why"), [
-    ("max_threads", "2", None), ("output_format_json_quote_decimals", "1", None),
+    ("max_threads", "2", None), ("max_threads", "1", None), ("max_threads", "0", None),
+    ("max_threads", "65", "should be within 1-64, not 65"), ("output_format_json_quote_decimals", "1", None),
     ("output_format_schema", "'/tmp/x'", "should not be changed"), ("readonly", "0", "should not be changed"),
     ("max_execution_time", "0", "should be within 1-600, not 0"), ("max_execution_time", "'30'", None),
     ("max_memory_usage", "4000000000", "should be within 1048576-1073741824, not 4000000000"),
@@ -115,3 +116,11 @@ def test_the_configuration_is_private_to_the_collector() -> None:
 ])
 def test_refusal_says_why_the_profile_refuses_a_clause(name: str, value: str, why: str | None) -> None:
     assert refusal(name, value) == why
+
+
+def test_a_client_may_ask_for_one_thread_or_auto_on_any_machine(session: Any) -> None:
+    # A MaxThreads minimum of 0 is read by the engine as "auto" (its count of cores): max_threads = 1 was refused
+    # on a 2-core machine and anything under the core count on a larger one.
+    for value in ("0", "1", "64"):
+        assert _refusal(session, f"SELECT 1 SETTINGS max_threads = {value}") == ""
+    assert "Code: 452." in _refusal(session, "SELECT 1 SETTINGS max_threads = 65")

@@ -73,7 +73,7 @@ CEILINGS: dict[str, tuple[int, int]] = {
     "max_result_bytes": (1, 8 << 30),
     "max_memory_usage": (1 << 20, 1 << 30),
     "max_query_size": (1, 1 << 20),  # the endpoint's body limit is 1 MiB
-    "max_threads": (0, 64),  # 0 is "auto": the engine's own count of cores
+    "max_threads": (1, 64),  # not 0: the engine reads a MaxThreads 0 as "auto", its count of cores, as the least
 }
 
 
@@ -138,7 +138,8 @@ def refusal(name: str, value: str) -> str | None:
             number = float(value.strip("'"))
         except ValueError:
             return None
-        return None if least <= number <= most else f"should be within {least}-{most}, not {value[:20]}"
+        auto = name == "max_threads" and number == 0  # what the engine reads as its count of cores: allowed
+        return None if auto or least <= number <= most else f"should be within {least}-{most}, not {value[:20]}"
     return None if name in ALLOWED else "should not be changed"
 
 

@@ -8,6 +8,7 @@ import socket
 import struct
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -277,3 +278,26 @@ def test_the_listen_backlog_is_raised_from_pythons_5() -> None:
         assert backlog == min(LISTEN_BACKLOG, somaxconn)
     finally:
         server.server_close()
+
+
+def test_accepted_connections_send_without_waiting_for_an_ack() -> None:
+    # Headers then body in two writes: Nagle would hold the second for the client's delayed ACK (40 ms).
+    seen: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            """Quiet."""
+
+    server = HttpServer(("127.0.0.1", 0), Handler)
+    serving = ServerThread(server, "nodelay")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/", timeout=10) as response:
+            assert response.status == 204
+    finally:
+        serving.stop()
+    assert seen and seen[0] != 0

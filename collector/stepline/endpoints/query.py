@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import secrets
-import socket
 import string
 import tempfile
 import threading
@@ -396,13 +395,6 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "stepline-query"
     timeout = 60.0  # an idle keep-alive connection gives its thread back
     server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        # A result goes out as headers, then chunks: without this, Nagle holds the first chunk for the client's
-        # delayed ACK (40 ms on Linux), a dashboard panel's whole time.
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:
         self._serve()

@@ -86,25 +86,19 @@ def test_columns_added_since_a_store_was_created_are_added_in_place(store: Store
     assert store.query("SELECT count() FROM timeline").result_rows == [(0,)]
 
 
-def test_a_cluster_store_is_left_to_its_operator(store: Store, caplog: pytest.LogCaptureFixture,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # chDB has no clusters to hold Distributed tables: the cluster check is stood in, the rest is real.
+def test_a_cluster_store_named_without_its_cluster_is_refused_and_left_alone(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # chDB's test engine has no clusters to hold Distributed tables: the cluster check is stood in, the rest is real
+    # (tests/store/test_cluster.py runs a cluster).
     db = store.database
     store.client.command(f"ALTER TABLE `{db}`.`events` DROP COLUMN attributes")
-    store.client.command(f"ALTER TABLE `{db}`.`steps` COMMENT COLUMN elapsed_ms '', COMMENT COLUMN step ''")
-    store.client.command(f"CREATE TABLE `{db}`.`requests_local` (ts DateTime64(6, 'UTC')) ENGINE = MergeTree "
-                         "ORDER BY ts")  # as version 1 made it
     monkeypatch.setattr(Migration, "on_cluster", lambda self: True)
-    with caplog.at_level("WARNING"):
-        store.ensure_schema(7)  # no ALTER: on a cluster that is the operator's ON CLUSTER job
-    assert "requests_local is not today's AggregatingMergeTree table" in caplog.text
-    assert "lack events.attributes" in caplog.text
-    assert "comments on 2 columns of steps" in caplog.text
-    assert _comments(store)[("steps", "elapsed_ms")] == ""
-    assert "steps_local.steps_per_second" in caplog.text  # projections are added ON CLUSTER to the shards' tables
+    with pytest.raises(StoreError, match=r"holds a cluster's Distributed tables: name the cluster in the store URL "
+                                         r"\(\?cluster=NAME\)"):
+        store.ensure_schema(7)
     columns = {r[0] for r in store.query("SELECT name FROM system.columns WHERE database = {db:String} "
                                          "AND table = 'events'", parameters={"db": db}).result_rows}
-    assert "attributes" not in columns
+    assert "attributes" not in columns  # no ALTER: a cluster's tables are the schema job's
     assert "toIntervalDay(30)" in store.query("SELECT engine_full FROM system.tables WHERE database = {db:String} "
                                               "AND name = 'steps'", parameters={"db": db}).result_rows[0][0]
 

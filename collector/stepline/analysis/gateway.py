@@ -29,7 +29,7 @@ _SLOTS = f"""
 SELECT toStartOfMinute(d.ts) AS minute, max(d.in_flight) AS gateway_in_flight, count() AS decisions,
        ifNull(any(s.held), 0) AS engine_running_waiting, ifNull(any(s.busy), 0) AS busy_steps
 FROM gateway_decisions AS d
-LEFT JOIN (SELECT toStartOfMinute(ts) AS minute, max(running + waiting) AS held,
+GLOBAL LEFT JOIN (SELECT toStartOfMinute(ts) AS minute, max(running + waiting) AS held,
                   countIf(num_ctx_tokens + num_generation_tokens > 0) AS busy
            FROM steps WHERE {IN_WINDOW} AND engine = {{backend:String}} GROUP BY minute) AS s
     ON s.minute = toStartOfMinute(d.ts)

@@ -43,7 +43,7 @@ WITH slow AS (
 near AS (
     SELECT host, engine, toUnixTimestamp64Micro(ts) AS step_us, elapsed_ms, num_ctx_tokens
     FROM steps
-    WHERE (host, engine) IN (SELECT host, engine FROM slow)
+    WHERE (host, engine) GLOBAL IN (SELECT host, engine FROM slow)
       AND ts >= (SELECT min(arrival_ts) FROM slow) AND ts <= (SELECT max(ts) FROM slow)
 )
 SELECT slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_tokens, slow.cached_tokens,
@@ -58,7 +58,7 @@ SELECT slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_to
                              AND near.step_us <= slow.finish_us) AS step_p99_ms,
        maxIf(near.elapsed_ms, near.step_us > slow.first_token_us AND near.step_us <= slow.finish_us) AS worst_step_ms
 FROM slow
-LEFT JOIN near ON near.host = slow.host AND near.engine = slow.engine
+GLOBAL LEFT JOIN near ON near.host = slow.host AND near.engine = slow.engine
 GROUP BY slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_tokens, slow.cached_tokens,
          slow.generation_tokens, slow.queue_seconds, slow.ttft_seconds, slow.mean_tpot_seconds, slow.e2e_seconds
 ORDER BY slow.ORDER_COLUMN DESC

@@ -26,7 +26,7 @@ SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_
        NULL AS dram_bw_util_pct, NULL AS tensor_active_pct, NULL AS util_gpu_pct, NULL AS nvlink_bytes_per_s,
        CAST([], 'Array(LowCardinality(String))') AS clock_event_flags
 FROM DB.steps AS s
-WHERE (s.host, s.engine) NOT IN (SELECT DISTINCT host, engine FROM DB.gpu_samples WHERE engine != '' GPU_FILTER)
+WHERE (s.host, s.engine) GLOBAL NOT IN (SELECT DISTINCT host, engine FROM DB.gpu_samples WHERE engine != '' GPU_FILTER)
 STEP_FILTER"""
 
 

@@ -86,7 +86,7 @@ class Collector:
             self.writers = Writers(sink, self.metrics, spool_dir=spool_dir,
                                    spool_max_bytes=s.spool_max_bytes or MEMORY_SPOOL_BYTES,
                                    max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
-                                   flush_interval_s=s.flush_interval_s, lookup=self._look_up_requests)
+                                   flush_interval_s=s.flush_interval(), lookup=self._look_up_requests)
             if self.store is not None:
                 self._remember_written_requests(self.store)
                 self._remember_engine_models(self.store)

@@ -17,6 +17,11 @@ from stepline.store.url import StoreUrlError, default_store_url, parse_store_url
 ROLES = ("sidecar", "node")
 
 
+# A sidecar's batches to a ClickHouse server: five seconds of rows per table and insert (the server batches further,
+# stepline.store.store.remote_insert_settings).
+REMOTE_FLUSH_S = 5.0
+
+
 class SettingsError(UsageError):
     """A setting has a value stepline cannot run with; the message names it."""
 
@@ -72,8 +77,9 @@ class Settings:
     """Rows each table's writer holds in memory; beyond them rows are dropped, counted (queue_full)."""
     writer_batch_rows: int = 20_000
     """Rows of one insert at most; a queue this long is written without waiting for the flush interval."""
-    flush_interval_s: float = 1.0
-    """Seconds between batches cut, spooled and inserted; also the spool's sync interval: what a kill -9 can lose."""
+    flush_interval_s: float | None = None
+    """Seconds between batches cut, spooled and inserted; also the spool's sync interval: what a kill -9 can lose.
+    None: 1 s on the embedded store, REMOTE_FLUSH_S on a server (see flush_interval)."""
     spool_dir: str | None = None
     """Where rows wait on disk until the store takes them; None: beside the store (see spool_path)."""
     spool_max_bytes: int = 1 << 30
@@ -97,17 +103,7 @@ class Settings:
             if secret_file and name not in values:
                 values[name] = _read_secret(f"{var}_FILE", secret_file)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        # The ClickHouse password alone, from the file a Kubernetes Secret mounts: one secret key serves ClickHouse
-        # and the collector, and the password never sits in the collector's environment.
-        var, var_file = STORE_PASSWORD_VARS
-        password = env.get(var) or None
-        if password is None and env.get(var_file):
-            password = _read_secret(var_file, env[var_file])
-        if password is not None:
-            try:
-                values["store"] = with_password(values.get("store") or default_store_url(), password)
-            except StoreUrlError as exc:
-                raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
+        values["store"] = store_url_with_password(values.get("store") or default_store_url(), env)
         return cls(**values).validated()
 
     def validated(self) -> Settings:
@@ -201,6 +197,13 @@ class Settings:
         """Seconds one scrape may take: never more than the interval, so scrapes cannot pile up."""
         return self.scrape_timeout_s if self.scrape_timeout_s is not None else min(3.0, self.scrape_interval_s)
 
+    def flush_interval(self) -> float:
+        """Seconds between batches: as set, else 1 s on the embedded store and REMOTE_FLUSH_S on a server, whose
+        inserts ClickHouse asks to be few (a fleet's sidecars share its parts: benchmarks/write_model.py)."""
+        if self.flush_interval_s is not None:
+            return self.flush_interval_s
+        return 1.0 if parse_store_url(self.store).embedded else REMOTE_FLUSH_S
+
     def spool_path(self) -> str:
         """Where rows wait on disk for the store: --spool-dir, else beside the embedded store or in ./stepline-spool."""
         if self.spool_dir:
@@ -274,6 +277,23 @@ def _read_secret(var: str, path: str) -> str:
 
 # The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names.
 STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
+
+
+def store_url_with_password(url: str, env: Mapping[str, str] | None = None) -> str:
+    """`url` given the ClickHouse password alone, from STEPLINE_STORE_PASSWORD or the file STEPLINE_STORE_PASSWORD_FILE
+    names (what a Kubernetes Secret mounts: one secret key serves ClickHouse and the collector, and the password never
+    sits in the collector's environment); `url` as it is when neither is set. SettingsError when they clash."""
+    env = os.environ if env is None else env
+    var, var_file = STORE_PASSWORD_VARS
+    password = env.get(var) or None
+    if password is None and env.get(var_file):
+        password = _read_secret(var_file, env[var_file])
+    if password is None:
+        return url
+    try:
+        return with_password(url, password)
+    except StoreUrlError as exc:
+        raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
 
 # Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
 _SECRETS = (

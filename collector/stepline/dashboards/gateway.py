@@ -31,11 +31,11 @@ LANE = "$__conditionalAll(lane IN (${lane:singlequote}), $lane)"
 # `host` is the collector that took a row in, gateway's and engine's alike; `engine` is the backend a gateway chose.
 DECISIONS = f"$__timeFilter_ms(ts) AND {HOST} AND {GATEWAY} AND {ENGINE} AND {LANE}"
 # Samples and steps carry no lane: with lanes chosen, only the backends those lanes' decisions went to.
-LANE_BACKENDS = ("$__conditionalAll(engine IN (SELECT engine FROM gateway_decisions WHERE $__timeFilter_ms(ts) "
+LANE_BACKENDS = ("$__conditionalAll(engine GLOBAL IN (SELECT engine FROM gateway_decisions WHERE $__timeFilter_ms(ts) "
                  f"AND {LANE}), $lane)")
 SAMPLES = f"$__timeFilter_ms(ts) AND {HOST} AND {GATEWAY} AND {ENGINE} AND {LANE_BACKENDS}"
 # The engines' side shows only the backends the chosen gateways route to, not every engine collected.
-BACKENDS = (f"engine IN (SELECT engine FROM gateway_decisions WHERE {DECISIONS} "
+BACKENDS = (f"engine GLOBAL IN (SELECT engine FROM gateway_decisions WHERE {DECISIONS} "
             f"UNION ALL SELECT engine FROM gateway_samples WHERE {SAMPLES})")
 
 HOST_VARIABLE_SQL = (

@@ -54,8 +54,8 @@ GROUP BY engine ORDER BY engine
 _GPU_WINDOW = " AND ts >= {start:DateTime64(6)} - INTERVAL 10 SECOND AND ts <= {end:DateTime64(6)}"
 _TIMELINE = timeline_sql(
     "", f" AND s.engine = {{engine:String}} AND {between(column='s.ts')} AND s.step % {{every:UInt64}} = 0",
-    f"{_GPU_WINDOW} AND (host, gpu_index) IN (SELECT host, gpu_index FROM gpu_samples WHERE engine = {{engine:String}}"
-    f"{_GPU_WINDOW})")
+    f"{_GPU_WINDOW} AND (host, gpu_index) GLOBAL IN (SELECT host, gpu_index FROM gpu_samples "
+    f"WHERE engine = {{engine:String}}{_GPU_WINDOW})")
 # Decode-only steps by batch shape (decoding requests in steps of ~19%: round(4 * log2)), throttled or not, and
 # what every throttled step held up: its time times the requests decoding or waiting through it.
 _MATCHED = f"""

@@ -666,9 +666,9 @@ SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_
        g.util_gpu_pct AS util_gpu_pct, g.nvlink_tx_bytes_per_s + g.nvlink_rx_bytes_per_s AS nvlink_bytes_per_s,
        g.clock_event_flags AS clock_event_flags
 FROM DB.steps AS s
-INNER JOIN (SELECT DISTINCT host, engine, gpu_index FROM DB.gpu_samples WHERE engine != '' GPU_FILTER) AS eg
+GLOBAL INNER JOIN (SELECT DISTINCT host, engine, gpu_index FROM DB.gpu_samples WHERE engine != '' GPU_FILTER) AS eg
     ON eg.host = s.host AND eg.engine = s.engine
-ASOF LEFT JOIN (SELECT * FROM DB.gpu_samples WHERE 1 GPU_FILTER) AS g
+GLOBAL ASOF LEFT JOIN (SELECT * FROM DB.gpu_samples WHERE 1 GPU_FILTER) AS g
     ON g.host = eg.host AND g.gpu_index = eg.gpu_index AND g.ts <= s.ts
 WHERE 1 STEP_FILTER"""
 
@@ -702,26 +702,46 @@ def _columns_sql(table: Table) -> str:
                       + [f"    PROJECTION `{p.name}` ({p.select()})" for p in table.projections])
 
 
-def add_projection_sql(database: str, table: Table, projection: Projection) -> list[str]:
-    """What gives a store created before `projection` existed the projection, for new parts and then the old ones.
+def add_projection_sql(database: str, table: Table, projection: Projection, name: str | None = None) -> list[str]:
+    """What gives a store created before `projection` existed the projection, for new parts and then the old ones
+    (on table `name`, when not the table's own: a cluster's `*_local`).
 
     MATERIALIZE is a background mutation: until it reaches a part, queries read that part's rows (same answers).
     """
-    target = f"`{database}`.`{table.name}`"
+    target = f"`{database}`.`{name or table.name}`"
     return [f"ALTER TABLE {target} ADD PROJECTION IF NOT EXISTS `{projection.name}` ({projection.select()})",
             f"ALTER TABLE {target} MATERIALIZE PROJECTION `{projection.name}`"]
 
 
-def _storage_sql(table: Table, retention_days: int) -> str:
+def _storage_sql(table: Table, retention_days: int, replicated: bool = False) -> str:
     return (
         f"PARTITION BY toDate(ts)\n"
         f"ORDER BY ({', '.join(table.order_by)})\n"
         f"TTL toDateTime(ts) + INTERVAL {retention_days} DAY\n"
         # Whole-day parts expire at once: cheap, and no partial rewrites of old parts.
-        # The deduplication window makes retried inserts with the same token idempotent.
-        f"SETTINGS ttl_only_drop_parts = 1, non_replicated_deduplication_window = 1000{_projection_mode(table)}\n"
+        f"SETTINGS ttl_only_drop_parts = 1, {_dedup_window(replicated)}{_projection_mode(table)}\n"
         f"COMMENT {_quote(table.comment)}"
     )
+
+
+# A retried insert with the same deduplication token (the spool's, per segment) is stored once while the table still
+# remembers the token: the last DEDUP_INSERTS inserts per table (per shard on a cluster), for at most DEDUP_SECONDS.
+# A writer retries a segment within its backoff (30 s at most) while it runs and replays the spool at its next
+# start, so a day covers a restart the same day. Replicated tables keep the block ids in Keeper, synchronous and
+# asynchronous inserts each their own list; plain MergeTree keeps them on disk (no time bound there).
+# https://clickhouse.com/docs/guides/developer/deduplicating-inserts-on-retries
+# https://clickhouse.com/docs/operations/settings/merge-tree-settings#replicated_deduplication_window
+DEDUP_INSERTS = 10_000
+DEDUP_SECONDS = 86_400
+
+
+def _dedup_window(replicated: bool) -> str:
+    if not replicated:
+        return f"non_replicated_deduplication_window = {DEDUP_INSERTS}"
+    return (f"replicated_deduplication_window = {DEDUP_INSERTS}, "
+            f"replicated_deduplication_window_seconds = {DEDUP_SECONDS}, "
+            f"replicated_deduplication_window_for_async_inserts = {DEDUP_INSERTS}, "
+            f"replicated_deduplication_window_seconds_for_async_inserts = {DEDUP_SECONDS}")
 
 
 # A MergeTree that merges rows (AggregatingMergeTree) keeps projections only when told what a merge does to them:
@@ -749,40 +769,56 @@ def create_table_sql(database: str, table: Table, retention_days: int, name: str
             f"ENGINE = {table.engine}\n{_storage_sql(table, retention_days)}")
 
 
+# Each replicated table's Keeper path holds its UUID, which ON CLUSTER gives every replica alike: a table dropped and
+# made again (a rebuild) gets a new path, never the old table's leftovers. ClickHouse's own default_replica_path.
+# https://clickhouse.com/docs/engines/table-engines/mergetree-family/replication#creating-replicated-tables
+REPLICA_PATH = "/clickhouse/tables/{uuid}/{shard}"
+REPLICA_NAME = "{replica}"
+# schema_version is one table replicated on every server (no shard in its path), so any server answers its version.
+VERSION_REPLICA_PATH = "/clickhouse/tables/{uuid}/all"
+VERSION_REPLICA_NAME = "{shard}-{replica}"
+
+
+def local_name(table: str) -> str:
+    """The name of a timeline table's shard-local table on a cluster."""
+    return f"{table}_local"
+
+
 def ddl(database: str, retention_days: int, cluster: str | None = None) -> list[str]:
-    """The statements that create the store: database, tables, and the schema-version table."""
+    """The statements that create the store: database, tables, the timeline view, then the schema-version table."""
     if retention_days < 1:
         raise ValueError(f"retention must be at least 1 day, got {retention_days}")
     on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
     statements = [f"CREATE DATABASE IF NOT EXISTS `{database}`{on_cluster}"]
     for table in TABLES:
         if cluster is None:
-            statements.append(
-                create_table_sql(database, table, retention_days)
-            )
+            statements.append(create_table_sql(database, table, retention_days))
             continue
-        local = f"{table.name}_local"
+        local = local_name(table.name)
         statements.append(
             f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on_cluster}\n(\n{_columns_sql(table)}\n)\n"
-            f"ENGINE = Replicated{table.engine}('/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}')\n"
-            f"{_storage_sql(table, retention_days)}"
+            f"ENGINE = Replicated{table.engine}('{REPLICA_PATH}', '{REPLICA_NAME}')\n"
+            f"{_storage_sql(table, retention_days, replicated=True)}"
         )
-        # Shard by (host, engine) so one engine's timeline stays on one shard.
-        statements.append(
-            f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}`{on_cluster}\n"
-            f"AS `{database}`.`{local}`\n"
-            f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local}`, cityHash64(host, engine))"
-        )
+        statements.append(distributed_sql(database, table, cluster))
     # OR REPLACE: the view holds no data, and a store created by an older stepline gets today's definition.
     statements.append(f"CREATE OR REPLACE VIEW `{database}`.`timeline`{on_cluster} AS{timeline_sql(database)}")
-    version_engine = (
-        f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/schema_version', '{{replica}}')"
-        if cluster
-        else "MergeTree"
-    )
+    version_engine = (f"ReplicatedMergeTree('{VERSION_REPLICA_PATH}', '{VERSION_REPLICA_NAME}')" if cluster
+                      else "MergeTree")
     statements.append(
         f"CREATE TABLE IF NOT EXISTS `{database}`.`schema_version`{on_cluster}\n"
         f"(\n{_columns_sql(SCHEMA_VERSION_TABLE)}\n)\n"
         f"ENGINE = {version_engine}\nORDER BY version\nCOMMENT {_quote(SCHEMA_VERSION_TABLE.comment)}"
     )
     return statements
+
+
+def distributed_sql(database: str, table: Table, cluster: str) -> str:
+    """The Distributed table over a cluster's `*_local` tables: sharded by (host, engine), so one engine's timeline,
+    both reports of each of its requests included, stays on one shard."""
+    return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{table.name}` ON CLUSTER `{cluster}`\n"
+            f"AS `{database}`.`{local_name(table.name)}`\n"
+            f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local_name(table.name)}`, {SHARDING_KEY})")
+
+
+SHARDING_KEY = "cityHash64(host, engine)"

@@ -73,10 +73,10 @@ def _requests(columns: tuple[str, ...]) -> str:
     """The engine requests, merged, on the backends the window's decisions chose that arrived near the window, or
     up to 10 minutes before it where a decision names them."""
     return merged_matching(
-        f"{EACH_ENGINE} AND engine IN (SELECT engine FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE})"
+        f"{EACH_ENGINE} AND engine GLOBAL IN (SELECT engine FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE})"
         f" AND arrival_ts <= {{end:DateTime64(6)}} + {_ms(MATCH_FORWARD_S + MATCH_SKEW_S)}"
         f" AND (arrival_ts >= {{start:DateTime64(6)}} - {_ms(MATCH_SKEW_S)} OR arrival_ts >= {{start:DateTime64(6)}}"
-        f" - INTERVAL 10 MINUTE AND request_id IN {_NAMED})",
+        f" - INTERVAL 10 MINUTE AND request_id GLOBAL IN {_NAMED})",
         tuple(dict.fromkeys(("prompt_tokens", *columns))))
 
 
@@ -91,14 +91,15 @@ def _outcomes() -> str:
     # window.
     pairs = f"""SELECT {pair}, 1 AS is_id
 FROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id FROM {_DECISIONS} WHERE request_id != '') AS d
-INNER JOIN {requests} AS r ON r.engine = d.engine AND r.request_id = d.engine_id
+GLOBAL INNER JOIN {requests} AS r ON r.engine = d.engine AND r.request_id = d.engine_id
 UNION ALL
 SELECT {pair}, 0 AS is_id
 FROM (SELECT *, ts - {_ms(MATCH_SKEW_S)} AS earliest,
              least(coalesce(first_byte_ts, end_ts), ts + {_ms(MATCH_FORWARD_S)}) + {_ms(MATCH_SKEW_S)} AS latest,
              arrayJoin(range({_bucket('earliest')}, {_bucket('latest')} + 1)) AS slot
       FROM {_DECISIONS} WHERE engine != '') AS d
-INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS slot FROM {requests} WHERE request_id NOT IN {_NAMED}) AS r
+GLOBAL INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS slot FROM {requests}
+                   WHERE request_id GLOBAL NOT IN {_NAMED}) AS r
     ON r.engine = d.engine AND r.slot = d.slot
 WHERE r.arrival_ts >= d.earliest AND r.arrival_ts <= d.latest"""
     calibrated = " ".join(
@@ -145,8 +146,8 @@ def joined(columns: str, decided: str, request_columns: tuple[str, ...], where: 
                "key.1 AS engine, key.2 AS request_id, key.3 AS arrival_ts\n"
                f"FROM {_outcomes()}\nWHERE outcome IN ('id', 'time_and_size', 'time'))")
     return (f"SELECT {columns}\nFROM (SELECT * FROM {_DECISIONS} WHERE {decided}) AS d\n"
-            f"INNER JOIN {matches} AS m ON m.decision_key = d.decision_key\n"
-            f"INNER JOIN {_requests(request_columns)} AS r\n"
+            f"GLOBAL INNER JOIN {matches} AS m ON m.decision_key = d.decision_key\n"
+            f"GLOBAL INNER JOIN {_requests(request_columns)} AS r\n"
             "    ON r.engine = m.engine AND r.request_id = m.request_id AND r.arrival_ts = m.arrival_ts\n"
             f"WHERE {where}\nORDER BY d.gateway, d.ts")
 
@@ -158,4 +159,5 @@ def join_outcomes(decided: str) -> str:
     counts = "".join(f", countIf(o.outcome = '{o}') AS {o}" for o in JOIN_OUTCOMES[:-1])
     return (f"SELECT d.gateway{counts}, count() - {' - '.join(JOIN_OUTCOMES[:-1])} AS unjoined\n"
             f"FROM (SELECT * FROM {_DECISIONS} WHERE {decided}) AS d\n"
-            f"LEFT JOIN {_outcomes()} AS o ON o.decision_key = d.decision_key\nGROUP BY d.gateway ORDER BY d.gateway")
+            f"GLOBAL LEFT JOIN {_outcomes()} AS o ON o.decision_key = d.decision_key\n"
+            "GROUP BY d.gateway ORDER BY d.gateway")

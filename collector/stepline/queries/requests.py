@@ -50,15 +50,15 @@ def _merge(column: str) -> str:
 
 
 def merged_matching(where: str, columns: Sequence[str]) -> str:
-    """The requests whose reports match `where`, merged: a table expression of one row per request (engine,
+    """The requests whose reports match `where`, merged: a table expression of one row per request (host, engine,
     request id and arrival), `columns` merged as the table merges them, read from those reports only (`merged()`
     merges every row first).
 
     `where` must hold alike for every report of a request that knows the fields it reads (engine, times, prompt
     tokens, queue time), never test a field only one report carries (cached tokens): a request whose reports it
     splits would be merged from part of them. Filter on merged values outside."""
-    fields = [c for c in columns if c not in KEY]
-    key = ", ".join(KEY)
+    fields = [c for c in columns if c not in KEY and c != "host"]
+    key = ", ".join(("host", *KEY))  # host too: a fleet's engines may share a name, and a cluster shards by host
     merged_columns = "".join(f", {_merge(c)}({c}) AS {c}" for c in fields)
     return (f"(SELECT {key}{merged_columns} FROM (SELECT {key}{''.join(f', {c}' for c in fields)} "
             f"FROM requests WHERE {where}) GROUP BY {key})")

@@ -1,8 +1,7 @@
 """Schema creation and migration: a store's database brought to this stepline's schema, in place.
 
 Every step is idempotent and only adds or converts, so a start that stops part way is finished by the next one. A
-store of a newer schema is refused. On a cluster (`stepline schema --cluster` made Distributed tables) nothing is
-changed: what differs from today's schema is logged, for the operator to change ON CLUSTER.
+store of a newer schema is refused, and so is a cluster's (`stepline.store.cluster` keeps a cluster's schema).
 """
 
 from __future__ import annotations
@@ -32,6 +31,11 @@ class Migration:
         store's URL without its password) for a store of a newer schema or a statement that fails."""
         statements = schema.ddl(self.database, retention_days)
         try:
+            if self.on_cluster():
+                # `stepline schema --cluster` made these tables: only that job changes them, ON CLUSTER.
+                raise StoreError(f"the store at {store_name} holds a cluster's Distributed tables: name the cluster "
+                                 "in the store URL (?cluster=NAME), whose schema `stepline schema --cluster NAME "
+                                 "--apply URL` keeps")
             self.client.command(statements[0])
             self.client.command(statements[-1])  # schema_version first: check before touching tables
             found = self.version()
@@ -40,11 +44,6 @@ class Migration:
                     f"the store at {store_name} holds schema version {found}, newer than this "
                     f"stepline's {schema.SCHEMA_VERSION}: upgrade stepline"
                 )
-            if self.on_cluster():
-                # `stepline schema --cluster` made these tables: changing them is an ON CLUSTER job for an operator,
-                # not something one sidecar does to Distributed tables.
-                self._report_cluster_drift()
-                return
             views = [st for st in statements[1:-1] if st.startswith("CREATE OR REPLACE VIEW")]
             for statement in statements[1:-1]:
                 if statement not in views:
@@ -78,29 +77,6 @@ class Migration:
                                  "AND engine = 'Distributed'", parameters={"db": self.database}).result_rows
         return bool(rows[0][0])
 
-    def _report_cluster_drift(self) -> None:
-        """Log what a cluster's tables lack of today's schema: the operator changes them ON CLUSTER."""
-        missing = self._missing_columns() + self._missing_projections(suffix="_local")
-        if missing:
-            log.warning("the cluster's tables lack %s: add them ON CLUSTER (see `stepline schema --cluster`); "
-                        "dashboards and diagnosis over long windows are slow until then", ", ".join(missing))
-        widened = self._widened_columns()
-        if widened:
-            log.warning("the cluster's tables hold %s as plain types where this stepline writes NULL for a "
-                        "failed reading: MODIFY COLUMN ... ON CLUSTER to today's types (`stepline schema "
-                        "--cluster`) before this collector writes to them",
-                        ", ".join(f"{t.name}.{c.name}" for t, c in widened))
-        for table in self._outdated_engines(suffix="_local"):
-            log.warning("the cluster's %s_local is not today's %s table ordered by (%s): until it is rebuilt "
-                        "ON CLUSTER (see `stepline schema --cluster`), a request reported by the plugin and by "
-                        "OTLP may be two rows, and two requests that share an id one", table.name, table.engine,
-                        ", ".join(table.order_by))
-        undescribed = self._undescribed()
-        if undescribed:
-            log.warning("the cluster's tables lack today's comments on %d columns of %s: set them with ALTER "
-                        "TABLE ... ON CLUSTER ... COMMENT COLUMN (`stepline schema --cluster` has the words)",
-                        sum(map(len, undescribed.values())), ", ".join(undescribed))
-
     def _missing_columns(self) -> list[str]:
         """`table.column` for each column this stepline has and the store's tables lack, in schema order."""
         rows = self.client.query("SELECT table, name FROM system.columns WHERE database = {db:String}",
@@ -111,18 +87,24 @@ class Migration:
         return [f"{t.name}.{name}" for t in schema.TABLES if t.name in present
                 for name, _ in t.columns if name not in present[t.name]]
 
-    def _add_missing_columns(self) -> None:
-        """Columns added to a table since the store was created are added in place (additive changes only)."""
+    def missing_columns_in_order(self) -> list[tuple[str, schema.Column, str]]:
+        """(table, column, ` AFTER ...` or ` FIRST`) for each column the store's tables lack, in schema order."""
         missing = set(self._missing_columns())
+        found = []
         for table in schema.TABLES:
             previous = None
             for column in table.definition:
                 if f"{table.name}.{column.name}" in missing:
-                    after = f" AFTER `{previous}`" if previous else " FIRST"
-                    log.info("adding column %s.%s", table.name, column.name)
-                    self.client.command(f"ALTER TABLE `{self.database}`.`{table.name}` "
-                                        f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
+                    found.append((table.name, column, f" AFTER `{previous}`" if previous else " FIRST"))
                 previous = column.name
+        return found
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table since the store was created are added in place (additive changes only)."""
+        for table, column, after in self.missing_columns_in_order():
+            log.info("adding column %s.%s", table, column.name)
+            self.client.command(f"ALTER TABLE `{self.database}`.`{table}` "
+                                f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}")
 
     def _widened_columns(self) -> list[tuple[schema.Table, schema.Column]]:
         """The columns this stepline declares Nullable that the store's tables hold as plain types (before schema 3)."""
@@ -159,7 +141,7 @@ class Migration:
                     "SELECT name, engine, sorting_key FROM system.tables WHERE database = {db:String}",
                     parameters={"db": self.database}).result_rows}
 
-    def _outdated_engines(self, suffix: str = "") -> list[schema.Table]:
+    def outdated_engines(self, suffix: str = "") -> list[schema.Table]:
         """The tables (`table` + suffix) whose engine (Replicated or not) or sorting key is not this stepline's:
         version 1's MergeTree `requests`, versions 2-4's `requests` keyed without arrival_ts."""
         layouts = self._layouts()
@@ -179,7 +161,7 @@ class Migration:
         columns the old key shares with today's (two reports of one request become one row).
         """
         layouts = self._layouts()
-        for table in self._outdated_engines():
+        for table in self.outdated_engines():
             spare = f"`{self.database}`.`{table.name}_rebuild`"
             rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
             log.info("rebuilding %s as %s ordered by (%s): %d rows", table.name, table.engine,
@@ -221,13 +203,17 @@ class Migration:
             if comments.get(table.name, table.comment) != table.comment:
                 self.client.command(schema.comment_table_sql(self.database, table))
 
-    def _missing_projections(self, suffix: str = "") -> list[str]:
-        """`table.projection` for each projection this stepline has and the store's tables (`table` + suffix) lack."""
+    def missing_projections(self, suffix: str = "") -> list[tuple[schema.Table, schema.Projection]]:
+        """Each projection this stepline has that the store's tables (`table` + suffix) lack."""
         present = {(str(t), str(n)) for t, n in self.client.query(
             "SELECT table, name FROM system.projections WHERE database = {db:String}",
             parameters={"db": self.database}).result_rows}
-        return [f"{table.name}{suffix}.{projection.name}" for table in schema.TABLES for projection in table.projections
+        return [(table, projection) for table in schema.TABLES for projection in table.projections
                 if (f"{table.name}{suffix}", projection.name) not in present]
+
+    def _missing_projections(self, suffix: str = "") -> list[str]:
+        """`table.projection` for each projection this stepline has and the store's tables (`table` + suffix) lack."""
+        return [f"{table.name}{suffix}.{projection.name}" for table, projection in self.missing_projections(suffix)]
 
     def _set_projection_mode(self) -> None:
         """Tables that merge rows and now have projections are told how a merge treats them (schema.PROJECTION_MODE),

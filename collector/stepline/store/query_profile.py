@@ -104,6 +104,18 @@ def users_xml(names: list[str]) -> str:
     )
 
 
+# More of the engine's configuration, for processes that start it (stepline.testing.cluster: clusters whose servers
+# are this process). Read once, when the first store of the process opens.
+_extra_config: list[str] = []
+
+
+def add_engine_config(fragment: str) -> None:
+    """Add XML elements to the configuration the embedded engine starts with; before any store is opened."""
+    if _config_file.cache_info().currsize:
+        raise RuntimeError("the embedded engine has started: its configuration is read once, at the first open")
+    _extra_config.append(fragment)
+
+
 @functools.cache
 def _config_file() -> str:
     # A private directory (mode 0700, a name nobody can guess): whoever could write this file would choose the
@@ -113,7 +125,8 @@ def _config_file() -> str:
     users = folder / "users.xml"
     users.write_text(users_xml(settings_names()))
     config = folder / "config.xml"
-    config.write_text(f"<clickhouse><users_config>{escape(str(users))}</users_config></clickhouse>\n")
+    config.write_text(f"<clickhouse><users_config>{escape(str(users))}</users_config>{''.join(_extra_config)}"
+                      "</clickhouse>\n")
     return str(config)
 
 

@@ -16,6 +16,7 @@ from clickhouse_connect.driver.query import QueryResult
 from stepline.model.rows import Request
 from stepline.queries.requests import merged
 from stepline.store.chdb import open_client
+from stepline.store.cluster import ClusterSchema
 from stepline.store.discovery import read_beside_store
 from stepline.store.errors import StoreError, StoreLocked, StoreUnreachable, one_line
 from stepline.store.locking import embedded_store_locked
@@ -32,6 +33,8 @@ class Store:
         self.url = url
         self.client = client
         self.database = url.database
+        # What each insert asks of the server: set by ensure_schema, which learns how many servers a cluster has.
+        self._insert_settings = remote_insert_settings(1, cluster=False) if url.remote else {}
 
     @classmethod
     def open(cls, url: str | StoreUrl, *, connect_timeout_s: float = 5.0) -> Store:
@@ -58,7 +61,13 @@ class Store:
         return cls(parsed, client)
 
     def ensure_schema(self, retention_days: int) -> None:
-        """Create database and tables if missing (idempotent); refuse a store of a newer schema."""
+        """Create database and tables if missing (idempotent); refuse a store of a newer schema.
+
+        On a cluster (`?cluster=NAME`) nothing is created: refuse one that does not hold this stepline's schema."""
+        if self.url.cluster:
+            servers = ClusterSchema(self.client, self.database, self.url.cluster).check(self.url.redacted())
+            self._insert_settings = remote_insert_settings(servers, cluster=True)
+            return
         Migration(self.client, self.database).ensure(retention_days, self.url.redacted())
 
     def schema_version(self) -> int:
@@ -75,7 +84,9 @@ class Store:
 
         With `dedup_token`, a retry of the same batch is stored once (the tables keep a deduplication window).
         """
-        settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+        settings = dict(self._insert_settings)
+        if dedup_token:
+            settings["insert_deduplication_token"] = dedup_token
         self.client.raw_insert(f"`{self.database}`.`{table}`", list(column_names), data, settings=settings,
                                fmt="Native")
 
@@ -87,15 +98,20 @@ class Store:
 
     def requests_of(self, host: str, keys: Sequence[tuple[str, str]]) -> list[Request]:
         """Every request this host holds under each (engine, request id) of `keys`, in the order they finished."""
-        return self._requests("host = {host:String} AND (engine, request_id) IN {keys:Array(Tuple(String, String))}",
-                              {"host": host, "keys": list(keys)})
+        # On a cluster the host and its engines name the shards that can hold them (the sharding key is
+        # cityHash64(host, engine)): only those are read.
+        # https://clickhouse.com/docs/operations/settings/settings#optimize_skip_unused_shards
+        return self._requests("host = {host:String} AND engine IN {engines:Array(String)} "
+                              "AND (engine, request_id) IN {keys:Array(Tuple(String, String))}",
+                              {"host": host, "keys": list(keys), "engines": sorted({e for e, _ in keys})},
+                              " SETTINGS optimize_skip_unused_shards = 1")
 
-    def _requests(self, where: str, parameters: dict[str, Any]) -> list[Request]:
+    def _requests(self, where: str, parameters: dict[str, Any], settings: str = "") -> list[Request]:
         times = ("ts", "arrival_ts")
         columns = ", ".join(f"toUnixTimestamp64Micro(`{name}`)" if name in times else f"`{name}`"
                             for name in Request._fields)
         return [Request._make(row) for row in self.client.query(
-            f"SELECT {columns} FROM {merged(f'`{self.database}`.`requests`')} WHERE {where} ORDER BY ts",
+            f"SELECT {columns} FROM {merged(f'`{self.database}`.`requests`')} WHERE {where} ORDER BY ts{settings}",
             parameters=parameters,
         ).result_rows]
 
@@ -128,6 +144,40 @@ class Store:
 
     def close(self) -> None:
         self.client.close()
+
+
+# Inserts into a ClickHouse server are batched by the server: a fleet's sidecars each send a few rows per table every
+# few seconds, and ClickHouse asks for about one insert (one new part) per second per table, of at least 1,000 rows
+# ("keeping the number of insert queries around one insert query per second", https://clickhouse.com/docs/optimize/
+# bulk-inserts), and names asynchronous inserts as the way when many agents send small batches, as the OpenTelemetry
+# ClickHouse exporter does (https://clickhouse.com/docs/optimize/asynchronous-inserts). The server gathers the inserts
+# of every sidecar into one buffer per table and writes it as one part per busy timeout; wait_for_async_insert makes
+# the answer come after that write, so a batch acknowledged is a batch stored, and a failure is retried from the spool
+# with its deduplication token (async_insert_deduplicate). On a cluster, each server that takes inserts writes its
+# buffer through the Distributed table, one insert per shard: with a busy timeout of one second per server, each
+# shard gets about one new part per second per table, however many sidecars write (benchmarks/write_model.py).
+# distributed_foreground_insert sends to the shards before answering: an acknowledged row is on its shard, readable
+# by a restarted collector's lookups, and a retry carries its token to the shard's Replicated table.
+# The settings are those of ClickHouse 24.8 LTS and later (async_insert_use_adaptive_busy_timeout came in 24.2).
+# https://clickhouse.com/docs/operations/settings/settings#async_insert_busy_timeout_max_ms
+# https://clickhouse.com/docs/operations/settings/settings#distributed_foreground_insert
+ASYNC_BUSY_S_PER_SERVER = 1.0
+ASYNC_BUSY_MAX_S = 30.0
+ASYNC_MAX_QUERIES = 10_000  # sidecars' inserts gathered into one part at most (ClickHouse's default is 450)
+ASYNC_MAX_BYTES = 64 << 20  # one part's data at most (ClickHouse's default is 10 MiB)
+
+
+def remote_insert_settings(servers: int, *, cluster: bool) -> dict[str, Any]:
+    """The settings of every insert into a ClickHouse server, or a cluster of `servers` servers."""
+    busy_ms = round(1000 * min(ASYNC_BUSY_MAX_S, ASYNC_BUSY_S_PER_SERVER * max(1, servers)))
+    settings: dict[str, Any] = {
+        "async_insert": 1, "wait_for_async_insert": 1, "async_insert_deduplicate": 1,
+        "async_insert_use_adaptive_busy_timeout": 0, "async_insert_busy_timeout_max_ms": busy_ms,
+        "async_insert_max_query_number": ASYNC_MAX_QUERIES, "async_insert_max_data_size": ASYNC_MAX_BYTES,
+    }
+    if cluster:
+        settings["distributed_foreground_insert"] = 1
+    return settings
 
 
 class LazyStore:

@@ -1,4 +1,8 @@
-"""Store URLs: `chdb:///path` (embedded ClickHouse) or `http(s)://user:pass@host:port/db` (a server)."""
+"""Store URLs: `chdb:///path` (embedded ClickHouse) or `http(s)://user:pass@host:port/db` (a server).
+
+`?cluster=NAME` says the store is a ClickHouse cluster whose tables `stepline schema --cluster NAME --apply` made:
+collectors then write through its Distributed tables and never create or change a table.
+"""
 
 from __future__ import annotations
 
@@ -26,18 +30,25 @@ class StoreUrl:
     port: int = 0
     username: str = "default"
     password: str = field(default="", repr=False)
+    cluster: str = ""
 
     @property
     def embedded(self) -> bool:
         return self.scheme == "chdb"
 
+    @property
+    def remote(self) -> bool:
+        """A ClickHouse server (or a cluster's), reached over HTTP: its writes are batched by the server."""
+        return not self.embedded
+
     def redacted(self) -> str:
         """The URL as it may be printed: never with its password."""
-        if self.embedded:
-            return f"chdb://{self.path}"
+        cluster = f"?cluster={self.cluster}" if self.cluster else ""
+        if self.embedded:  # a cluster over an embedded store is the test suite's (stepline.testing.cluster)
+            return f"chdb://{self.path}" + (f"?database={self.database}&cluster={self.cluster}" if cluster else "")
         user = f"{self.username}@" if self.username != "default" else ""
         host = f"[{self.host}]" if ":" in self.host else self.host  # urlsplit's hostname drops an IPv6 host's brackets
-        return f"{self.scheme}://{user}{host}:{self.port}/{self.database}"
+        return f"{self.scheme}://{user}{host}:{self.port}/{self.database}{cluster}"
 
 
 def default_store_url() -> str:
@@ -68,8 +79,9 @@ def _parse(text: str) -> StoreUrl:
         path_part, _, query = rest.partition("?")
         if not path_part:
             raise StoreUrlError(f"store URL {text!r} names no directory: use chdb:///path/to/dir")
-        database = parse_qs(query).get("database", [DEFAULT_DATABASE])[0]
-        return StoreUrl("chdb", _identifier(database, text), path=os.path.abspath(unquote(path_part)))
+        options = _options(query, text, ("database", "cluster"))
+        return StoreUrl("chdb", _identifier(options.get("database", DEFAULT_DATABASE), text),
+                        path=os.path.abspath(unquote(path_part)), cluster=_cluster(options, text))
     if scheme in ("http", "https"):
         parts = urlsplit(text)
         if not parts.hostname:
@@ -79,6 +91,7 @@ def _parse(text: str) -> StoreUrl:
         except ValueError as exc:
             raise StoreUrlError(f"store URL {text!r} has a bad port: {exc}") from None
         database = unquote(parts.path.strip("/")) or DEFAULT_DATABASE
+        options = _options(parts.query, text, ("cluster",))
         return StoreUrl(
             scheme,
             _identifier(database, text),
@@ -86,6 +99,7 @@ def _parse(text: str) -> StoreUrl:
             port=port,
             username=unquote(parts.username or "default"),
             password=unquote(parts.password or ""),
+            cluster=_cluster(options, text),
         )
     raise StoreUrlError(
         f"store URL {text!r} has scheme {scheme!r}: stepline knows chdb:// (embedded) and http(s):// (server)"
@@ -104,6 +118,27 @@ def with_password(text: str, password: str) -> str:
     userinfo = f"{quote(url.username, safe='')}:{quote(password, safe='')}@"
     host = parts.netloc.rpartition("@")[2]
     return parts._replace(netloc=userinfo + host).geturl()
+
+
+def _options(query: str, text: str, known: tuple[str, ...]) -> dict[str, str]:
+    """The URL's query parameters, each given once and each one stepline knows."""
+    options: dict[str, str] = {}
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name not in known:
+            raise StoreUrlError(f"store URL {text!r} has the parameter {name!r}: it knows {', '.join(known)}")
+        if len(values) > 1:
+            raise StoreUrlError(f"store URL {text!r} gives {name!r} {len(values)} times")
+        options[name] = values[0]
+    return options
+
+
+def _cluster(options: dict[str, str], text: str) -> str:
+    if "cluster" not in options:
+        return ""
+    name = options["cluster"]
+    if not name or not all(ch.isalnum() or ch in "_-" for ch in name):
+        raise StoreUrlError(f"store URL {text!r}: cluster name {name!r} must be letters, digits, _ or -")
+    return name
 
 
 def _identifier(database: str, text: str) -> str:

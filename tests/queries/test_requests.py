@@ -60,11 +60,10 @@ def test_merged_matching_merges_the_reports_the_condition_picks(store: Store, ro
 
 
 def test_merged_matching_merges_only_what_the_table_merges() -> None:
-    # The key that tells one engine's requests apart comes through as it is, asked for or not; the host is not
-    # read (a merged read is of one host's requests or of all), and is no field to merge.
-    assert merged_matching("1", ("request_id", "arrival_ts")) == merged_matching("1", ())
-    with pytest.raises(ValueError, match="host is part of the key"):
-        merged_matching("1", ("host",))
+    # The table's key comes through as it is, asked for or not, the host included: a fleet's engines may share a
+    # name, and a cluster keeps each host's requests on the shards of its (host, engine).
+    assert merged_matching("1", ("host", "request_id", "arrival_ts")) == merged_matching("1", ())
+    assert "GROUP BY host, engine, request_id, arrival_ts)" in merged_matching("1", ("prompt_tokens",))
     with pytest.raises(KeyError):
         merged_matching("1", ("no_such_column",))
 

@@ -1,6 +1,6 @@
 """stepline on a ClickHouse cluster: every read on Distributed tables, retries, and the schema's one owner.
 
-The clusters live in one chDB process of their own (stepline.testing.cluster: its docstring says how and what that
+The clusters live in one chDB process of their own (tests/store/cluster_run.py: its docstring says how and what that
 cannot show): `one_shard` must answer every read exactly as a single-node store holding the same rows does;
 `two_shards` holds every row twice (both shards read the one set of local tables), so its reads must plan and run
 across shards and its sums be exactly twice the single node's.
@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from stepline.model import schema
-from stepline.testing.cluster import CLUSTERS, SINGLE, reads
+from tests.store.cluster_run import CLUSTERS, SINGLE, reads
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = ROOT / "dashboards"
 ONE, TWO = CLUSTERS["one_shard"], CLUSTERS["two_shards"]
 READS = sorted(reads(DASHBOARDS))
 
@@ -27,8 +28,8 @@ READS = sorted(reads(DASHBOARDS))
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("cluster") / "results.json"
-    done = subprocess.run([sys.executable, "-m", "stepline.testing.cluster", str(out), str(DASHBOARDS)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "tests.store.cluster_run", str(out), str(DASHBOARDS)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     if not out.exists():
         pytest.fail(f"the cluster run wrote nothing (exit {done.returncode}): {done.stderr[-3000:]}")
     found: dict[str, Any] = json.loads(out.read_text())

@@ -104,7 +104,7 @@ def users_xml(names: list[str]) -> str:
     )
 
 
-# More of the engine's configuration, for processes that start it (stepline.testing.cluster: clusters whose servers
+# More of the engine's configuration, for processes that start it (tests/store/cluster_run.py: clusters whose servers
 # are this process). Read once, when the first store of the process opens.
 _extra_config: list[str] = []
 

@@ -44,7 +44,7 @@ class StoreUrl:
     def redacted(self) -> str:
         """The URL as it may be printed: never with its password."""
         cluster = f"?cluster={self.cluster}" if self.cluster else ""
-        if self.embedded:  # a cluster over an embedded store is the test suite's (stepline.testing.cluster)
+        if self.embedded:  # a cluster over an embedded store is the test suite's (tests/store/cluster_run.py)
             return f"chdb://{self.path}" + (f"?database={self.database}&cluster={self.cluster}" if cluster else "")
         user = f"{self.username}@" if self.username != "default" else ""
         host = f"[{self.host}]" if ":" in self.host else self.host  # urlsplit's hostname drops an IPv6 host's brackets

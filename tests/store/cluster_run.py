@@ -12,8 +12,9 @@ Two clusters over the same data, each in a database of its own, beside a single-
   run (a subquery over a Distributed table inside IN or JOIN is refused on two shards, unless GLOBAL), and what
   adds up must be exactly twice the single node's.
 
-Run as `python -m stepline.testing.cluster OUT.json`: one engine per process, started with the clusters' config, so
-the test suite (tests/store/test_cluster.py) runs it in a process of its own and reads the JSON it writes.
+Run as `python -m tests.store.cluster_run OUT.json` from the repository: one engine per process, started with the
+clusters' config, so tests/store/test_cluster.py runs it in a process of its own and reads the JSON it writes. It
+lives with the tests, not in stepline.testing: it drives everything above the store (the CLI, the drills).
 """
 
 from __future__ import annotations
@@ -471,7 +472,7 @@ def run_all(dashboards: Path, folder: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
-    dashboards = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[3] / "dashboards"
+    dashboards = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[2] / "dashboards"
     with tempfile.TemporaryDirectory(prefix="stepline-cluster-") as folder:
         result = run_all(dashboards, folder)
     out.write_text(json.dumps(result, indent=1, default=str))

@@ -726,13 +726,16 @@ def _storage_sql(table: Table, retention_days: int, replicated: bool = False) ->
 
 # A retried insert with the same deduplication token (the spool's, per segment) is stored once while the table still
 # remembers the token: the last DEDUP_INSERTS inserts per table (per shard on a cluster), for at most DEDUP_SECONDS.
-# A writer retries a segment within its backoff (30 s at most) while it runs and replays the spool at its next
-# start, so a day covers a restart the same day. Replicated tables keep the block ids in Keeper, synchronous and
-# asynchronous inserts each their own list; plain MergeTree keeps them on disk (no time bound there).
+# A retry is only needed when an insert's answer is lost; a writer retries within its backoff (30 s at most) while the
+# store answers, so the window must outlast that at the fleet's insert rate. On a cluster every sidecar's insert is a
+# block id in Keeper (asynchronous inserts keep one per insert, not per flushed part): at 1,000 8-GPU nodes a shard
+# sees about 200 a second per table (benchmarks/write_model.py), so 100,000 cover about 8 minutes, and the hour bounds
+# the window on a smaller fleet. Keeper holds them: about 100,000 small nodes per table and shard. A retry later than
+# the window (a store down for longer, with the answer to an insert lost) may store a segment twice.
 # https://clickhouse.com/docs/guides/developer/deduplicating-inserts-on-retries
 # https://clickhouse.com/docs/operations/settings/merge-tree-settings#replicated_deduplication_window
-DEDUP_INSERTS = 10_000
-DEDUP_SECONDS = 86_400
+DEDUP_INSERTS = 100_000
+DEDUP_SECONDS = 3_600
 
 
 def _dedup_window(replicated: bool) -> str:

@@ -155,7 +155,10 @@ class Store:
 # the answer come after that write, so a batch acknowledged is a batch stored, and a failure is retried from the spool
 # with its deduplication token (async_insert_deduplicate). On a cluster, each server that takes inserts writes its
 # buffer through the Distributed table, one insert per shard: with a busy timeout of one second per server, each
-# shard gets about one new part per second per table, however many sidecars write (benchmarks/write_model.py).
+# shard gets about one new part per second per table while no buffer fills before its timeout (ASYNC_MAX_BYTES,
+# ASYNC_MAX_QUERIES): up to about 1,000 8-GPU nodes on 3 shards x 2 replicas (benchmarks/write_model.py). Past that,
+# parts per shard grow with the fleet's bytes whatever the shard count: sidecars would have to write to their shard's
+# local tables, which stepline does not do yet (docs/limitations.md).
 # distributed_foreground_insert sends to the shards before answering: an acknowledged row is on its shard, readable
 # by a restarted collector's lookups, and a retry carries its token to the shard's Replicated table.
 # The settings are those of ClickHouse 24.8 LTS and later (async_insert_use_adaptive_busy_timeout came in 24.2).
@@ -164,7 +167,10 @@ class Store:
 ASYNC_BUSY_S_PER_SERVER = 1.0
 ASYNC_BUSY_MAX_S = 30.0
 ASYNC_MAX_QUERIES = 10_000  # sidecars' inserts gathered into one part at most (ClickHouse's default is 450)
-ASYNC_MAX_BYTES = 64 << 20  # one part's data at most (ClickHouse's default is 10 MiB)
+# One buffer's data at most (ClickHouse's default is 10 MiB): at 1,000 nodes a server's steps buffer takes 131 MiB in
+# its 6 s, and a fuller buffer flushes early, one more part on every shard (benchmarks/write_model.py). A server holds
+# one such buffer per table while it fills: size its memory for it.
+ASYNC_MAX_BYTES = 256 << 20
 
 
 def remote_insert_settings(servers: int, *, cluster: bool) -> dict[str, Any]:

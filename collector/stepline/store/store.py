@@ -161,6 +161,12 @@ class Store:
 # local tables, which stepline does not do yet (docs/limitations.md).
 # distributed_foreground_insert sends to the shards before answering: an acknowledged row is on its shard, readable
 # by a restarted collector's lookups, and a retry carries its token to the shard's Replicated table.
+# A retried asynchronous insert is deduplicated by its token as a synchronous one is: ClickHouse's guide now puts both
+# under one window (replicated_deduplication_window; the *_for_async_inserts settings remain for rolling upgrades):
+# https://clickhouse.com/docs/guides/developer/deduplicating-inserts-on-retries and https://clickhouse.com/docs/
+# reference/settings/merge-tree-settings/replicated-deduplication-window. Older servers deduplicate asynchronous
+# inserts into Replicated tables only (async_insert_deduplicate), and whether a token survives a Distributed table is
+# not documented (ClickHouse issue 76405): docs/limitations.md says what was not run.
 # The settings are those of ClickHouse 24.8 LTS and later (async_insert_use_adaptive_busy_timeout came in 24.2).
 # https://clickhouse.com/docs/operations/settings/settings#async_insert_busy_timeout_max_ms
 # https://clickhouse.com/docs/operations/settings/settings#distributed_foreground_insert

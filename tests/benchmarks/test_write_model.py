@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -98,9 +97,9 @@ def test_sharding_keys_reads_host_and_engine_of_the_writers_batches(wm: ModuleTy
     assert wm.sharding_keys(batches.encode("requests", requests)) == {(b"node-1", b"e")}
 
 
-def test_two_collectors_insert_each_table_once_a_flush_with_the_new_settings(wm: ModuleType) -> None:
-    tmp = tempfile.mkdtemp(prefix="stepline-test-write-model-")
-    server = wm.CountingServer(tmp)
+def test_two_collectors_insert_each_table_once_a_flush_with_the_new_settings(wm: ModuleType, chdb_dir: Path) -> None:
+    # The session's engine directory: one chDB engine per process, which the other tests of this worker share.
+    server = wm.CountingServer(str(chdb_dir))
     server.start()
     try:
         setup = wm.Store.open(server.store_url(wm.DATABASE))
@@ -113,7 +112,6 @@ def test_two_collectors_insert_each_table_once_a_flush_with_the_new_settings(wm:
                          warmup_s=1.0)
     finally:
         server.close()
-        shutil.rmtree(tmp, ignore_errors=True)
     assert run.dropped == 0
     assert set(settings) | {"insert_deduplication_token"} <= run.settings_seen
     assert all(isinstance(answer, float) for answer in run.engine_answers.values()), run.engine_answers

@@ -136,7 +136,7 @@ def labels(**extra: str) -> dict[str, str]:
 
 
 WEDGE_DESCRIPTION = (
-    "Engine wedged has requests queued but its GPUs are idle and nothing moves: a leaked slot or a stuck lane, "
+    "Engine wedged has requests queued and nothing moves (GPUs idle): a leaked slot or a stuck lane, "
     "not slow work. state stalled, no progress for 3m 0s against a budget of 2m 0s (derived from the work in "
     "flight); 4 waiting, 2 running. Top finding: critical engine_wedged: 4 requests waiting with GPUs idle "
     "for 3m. Run: stepline diagnose --engine wedged --since 30m"
@@ -173,7 +173,7 @@ def scenarios() -> list[dict[str, object]]:
                     "exp_labels": labels(engine="wedged", severity="critical"),
                     "exp_annotations": {
                         **expected("EngineWedgedWithQueue", "critical", engine="wedged", value="4", age="3m 0s",
-                                   **watchdog_ctx),
+                                   gpus="GPUs idle", **watchdog_ctx),
                         "description": WEDGE_DESCRIPTION,
                     },
                 }]},
@@ -408,7 +408,7 @@ def test_grafana_rules_from_the_same_definitions() -> None:
     from stepline.alerting.grafana import rules_file
 
     doc = rules_file(CFG)
-    rules = doc["groups"][0]["rules"]  # type: ignore[index]
+    rules = [r for group in doc["groups"] for r in group["rules"]]  # type: ignore[attr-defined]
     assert len(rules) == len(alerts(CFG))
     assert len({r["uid"] for r in rules}) == len(rules) == len({r["title"] for r in rules})
     for r in rules:

@@ -83,7 +83,7 @@ def test_grafana_templates_read_the_condition_and_the_auxiliary_queries() -> Non
 def test_grafana_needs_the_auxiliary_queries_its_texts_name_in_a_fixed_order() -> None:
     assert grafana_aux_refs("[engine] [value]") == []
     assert grafana_aux_refs("[finding] [age]", "[state] [budget] [age]") == ["STATE", "BUDGET", "AGE", "FINDING"]
-    every = grafana_aux_refs("[state] [budget] [age] [waiting] [running] [finding]")
+    every = grafana_aux_refs("[state] [budget] [age] [waiting] [running] [finding] [gpus]")
     assert every == list(GRAFANA_AUX)
     assert all("{sel}" in GRAFANA_AUX[ref] for ref in every)
 

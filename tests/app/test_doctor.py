@@ -34,6 +34,7 @@ from stepline.app.doctor import (
     Check,
     Doctor,
     Options,
+    Reply,
     alertmanager_check,
     as_json,
     exit_code,
@@ -322,19 +323,48 @@ def test_steps_without_iteration_details_fail_the_plugin_line_alone(wired: Wired
 def waited(message: str, wait_s: int = 3) -> str:
     """`message` with the seconds the doctor says it waited put back to `wait_s`, once they are `wait_s` or up to 10 s
     more: it reports the seconds it actually waited, which a busy machine stretches (4 s seen for 3)."""
-    found = re.search(r" in (\d+) s[;, —]", message)
+    found = re.search(r" in (\d+) s[;,: —]", message)
     assert found is not None and wait_s <= int(found.group(1)) <= wait_s + 10, message
     return message[:found.start(1)] + str(wait_s) + message[found.end(1):]
 
 
 def test_no_plugin_fails_the_plugin_line_alone(wired: Wired) -> None:
+    # The probe makes the engine step: its /metrics counters move, and no step arrives. The plugin is silent.
     with feeding(wired, telemetry(wired, plugin=False)):
         checks = wired.doctor(wait_s=3.0)
     assert statuses(checks) == ALL_OK | {"plugin": FAIL}, [c.line() for c in checks.values()]
-    assert waited(checks["plugin"].message).startswith("no steps from engine sim in 3 s — start vLLM with "
-                                                       "--enable-logging-iteration-details and install stepline's "
-                                                       "plugin")
+    message = waited(checks["plugin"].message)
+    assert re.fullmatch(r"no steps from engine sim in 3 s while its /metrics counters moved by \d+: its plugin is "
+                        r"silent — install stepline's plugin \(pip install stepline\) in vLLM's environment, named in "
+                        r"VLLM_PLUGINS if that is set, its STEPLINE_PLUGIN_SOCKET the collector's; a vLLM that scaled "
+                        r"up with elastic EP has dropped it: restart vLLM", message), message
     assert checks["model"].message == "test/model (/metrics, /v1/models, spans agree)"  # spans alone reported
+
+
+def test_a_plugin_the_collector_saw_fall_silent_fails_the_plugin_line_saying_so(wired: Wired) -> None:
+    # The collector's watchdog has seen the engine's counters move without a step for 95 s (a plugin dropped by an
+    # elastic EP scale-up); the doctor, sending no probe to an idle engine, sees no counter move of its own.
+    assert wired.collector.metrics_server is not None
+    collector_metrics = wired.collector.metrics_server.url
+    line = 'stepline_engine_plugin_silent_seconds{engine="sim"} 95.0\n'
+
+    def silent_for_95_s(url: str, timeout_s: float, body: bytes | None = None,
+                        headers: dict[str, str] | None = None) -> Reply:
+        reply = fetch(url, timeout_s, body, headers)
+        if url != collector_metrics:
+            return reply
+        text = re.sub(r'^stepline_engine_plugin_silent_seconds\{engine="sim"\} .*\n', "", reply.body.decode(),
+                      flags=re.M)
+        return replace(reply, body=(text + line).encode())
+
+    with feeding(wired, telemetry(wired, plugin=False)):
+        checks = {c.name: c for c in Doctor(Options(engine=f"sim={wired.sim.url}", store=wired.store,
+                                                    runtime_dir=wired.run_dir, wait_s=3.0, probe=False),
+                                            fetch=silent_for_95_s).run()}
+    assert checks["plugin"].status == FAIL
+    assert waited(checks["plugin"].message).startswith(
+        "no steps from engine sim in 3 s: its plugin is silent (the collector has seen it so for 95 s: a "
+        "plugin_silent event) — install stepline's plugin"), checks["plugin"].message
 
 
 def test_a_plugin_named_otherwise_fails_the_plugin_line_with_the_name_to_give(wired: Wired) -> None:

@@ -7,9 +7,22 @@ import pytest
 from stepline.alerting.config import AlertConfig
 from stepline.config.slo import Slo
 from stepline.dashboards import fleet
+from stepline.dashboards.macros import ALL, QueryContext
 from stepline.store.store import Store
-from tests.dashboards.conftest import GOLDEN, STEPS, answer, context, panel_sql, panels, problems, promql, rendered
+from tests.dashboards.conftest import (
+    GOLDEN,
+    INTERVALS_MS,
+    STEPS,
+    answer,
+    context,
+    panel_sql,
+    panels,
+    problems,
+    promql,
+    rendered,
+)
 from tests.diagnosis.test_detectors import ENGINE
+from tests.diagnosis.test_hardware import decode_tokens, speculative_run
 
 MODEL = rendered(fleet.dashboard)
 
@@ -37,6 +50,25 @@ def test_throughput_counts_the_tokens_generated_each_second(timeline: Store) -> 
     rows = answer(timeline, panel_sql(MODEL, "Generation throughput"), context(1000))
     assert len(rows) == STEPS
     assert sorted({r["tokens_per_s"] for r in rows}) == [2.0, 4.0]  # two decoding; a second with two steps
+
+
+def test_throughput_of_a_drafting_engine_is_the_tokens_its_requests_got(store_url: str) -> None:
+    run, window = speculative_run(store_url)
+    generated = sum(decode_tokens(s) for s in run.steps)
+    scheduled = sum(s.num_generation_tokens for s in run.steps)
+    assert scheduled > 1.4 * generated  # the drafts scheduled and rejected, which the panel once counted
+    store = Store.open(store_url)
+    try:
+        # The store keeps what vLLM reported, scheduled tokens (drafts included); the panel reads tokens generated.
+        assert store.query("SELECT sum(num_generation_tokens) FROM steps").result_rows == [(scheduled,)]
+        span = (int(window.start.timestamp() * 1000) - 120_000, int(window.end.timestamp() * 1000) + 60_000)
+        for interval_ms in INTERVALS_MS:  # every row, per-second projection, per-minute projection
+            ctx = QueryContext(*span, interval_ms, {"host": ALL, "engine": ALL})
+            rows = answer(store, panel_sql(MODEL, "Generation throughput"), ctx)
+            assert sum(r["tokens_per_s"] for r in rows) * interval_ms / 1000 == pytest.approx(generated)
+    finally:
+        store.client.command(f"DROP DATABASE IF EXISTS `{store.database}`")
+        store.close()
 
 
 def test_decode_rate_is_a_range_per_prompt_band(timeline: Store) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -9,8 +10,12 @@ import pytest
 
 from stepline.diagnosis import common
 from stepline.diagnosis.findings import Window
-from stepline.diagnosis.hardware import RATES_APPROXIMATE, gpu_xid, scheduler_vs_hardware
+from stepline.diagnosis.hardware import RATES_APPROXIMATE, _alone, gpu_xid, scheduler_vs_hardware
+from stepline.drills.scenarios import Scenario, ScenarioRun, run_engines
 from stepline.model.rows import Event, Request, Step
+from stepline.sim.config import EngineConfig, SpecDecode
+from stepline.sim.records import StepRecord
+from stepline.sim.workloads import chat_arrivals, compose, one_request
 from stepline.store.store import Store
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import ENGINE, WINDOW, _ts, insert, request, steady, step
@@ -21,6 +26,46 @@ def loaded(decode_s: float) -> list[Any]:
     `decode_s` to generate their 100 tokens under load."""
     rows = [r for r in steady() if not isinstance(r, Request)]
     return rows + [request(f"loaded{i}", 10.0 + i, 0.0, 0.05, decode_s, 2000) for i in range(50)]
+
+
+def speculative_run(store_url: str, end_at: float | None = None) -> tuple[ScenarioRun, Window]:
+    """Three long answers decoding mostly alone beside a little chat, on an engine drafting 3 tokens a step (each
+    accepted at 70%), recorded through the collector from what the plugin hears (vLLM's scheduled tokens)."""
+    pool = [one_request(f"long-{i}", 0.2 * i, 1000, 500, 0.9) for i in range(3)]
+    chat = chat_arrivals("chat", 2, 12, 1.0, output_median=80)
+    config = EngineConfig(speculative=SpecDecode(3, 0.7, seed=7))
+    [run], window = run_engines([("spec", Scenario("spec", None, compose("spec", 15, 30, pool, chat), config))],
+                                store_url, end_at=end_at)
+    assert run.drained and not any(s.num_preempted_reqs for s in run.steps)  # a token past the first is a decode's
+    return run, window
+
+
+def decode_tokens(step: StepRecord) -> int:
+    """The tokens the simulated engine gave its requests past their first token in `step` (what it knows)."""
+    return step.num_output_tokens - len(step.time_to_first_tokens_iter)
+
+
+def test_the_alone_rate_of_a_drafting_engine_is_what_its_requests_got(store_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ended 5 minutes ago: every step falls in the whole minutes a long window reads from the projection.
+    run, window = speculative_run(store_url, end_at=time.time() - 300)
+    alone = sorted(decode_tokens(s) / s.num_generation_requests * 1000 / s.elapsed_ms for s in run.steps
+                   if s.num_ctx_tokens == 0 and 1 <= s.num_generation_requests <= 4 and s.elapsed_ms > 0)
+    truth = [alone[int(q * len(alone))] for q in (0.1, 0.5, 0.9)]  # as quantilesExact picks them
+    store = Store.open(store_url)
+    try:
+        [(steps, rates, _, approximate)] = _alone(store, window).values()
+        assert (steps, approximate) == (len(alone), "")
+        # About 2.5 tokens a request a step: one token a step would be 1000 / elapsed_ms, 2.5x too slow.
+        assert rates == pytest.approx(tuple(truth), rel=1e-4)
+        monkeypatch.setattr(common, "EXACT_MAX_STEPS", 10)  # as if the window held a busy day of the engine
+        [(_, rates, _, approximate)] = _alone(store, Window(window.start - timedelta(hours=3), window.end,
+                                                            window.engine)).values()
+        assert rates[1] == pytest.approx(truth[1], rel=0.03)
+        assert approximate.endswith("tokens a decoding request gets a step")
+    finally:
+        store.client.command(f"DROP DATABASE IF EXISTS `{store.database}`")
+        store.close()
 
 
 def test_a_decode_rate_far_below_the_engine_alone_is_told(timelines: Timelines) -> None:

@@ -119,6 +119,15 @@ def test_the_budget_follows_the_engines_scrapes_and_the_scraped_queue_counts(tim
     assert (e["waiting"], e["scrape_interval_s"], e["progress_budget_s"]) == (20, 5.0, 11.0)  # 2 scrapes + 1 s
 
 
+def test_a_wedge_says_gpus_idle_only_where_the_gpus_were_read(timelines: Timelines) -> None:
+    # A CPU engine (the real-engine run's) has no GPU reading: its wedge must not claim idle GPUs.
+    [cpu] = wedged_engine(timelines.store, timelines.add("wedged_cpu", _stopped(util=0.0)[:601]))
+    assert cpu.title.endswith(", no GPU readings") and "GPUs idle" not in cpu.title, cpu.title
+    assert cpu.evidence["gpu_util_pct"] is None
+    [gpu_idle] = wedged_engine(timelines.store, timelines.add("wedged_gpu", _stopped(util=0.0)))
+    assert gpu_idle.title.endswith(", GPUs idle"), gpu_idle.title
+
+
 def test_a_busy_gpu_is_no_wedge(timelines: Timelines) -> None:
     assert wedged_engine(timelines.store, timelines.add("stopped_busy", _stopped(util=90.0))) == []
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from stepline.core.clock import ManualClock
 from stepline.diagnosis.baseline import MIN_LEAK_STEPS
 from stepline.diagnosis.slots import leaked_slots
 from stepline.model.rows import Step
+from stepline.plugin import wire
+from stepline.sources.base import SourceContext
+from stepline.sources.plugin_receiver import PluginReceiver
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import config, steady, step
 
@@ -14,6 +18,18 @@ def held(count: int, running: int, decoding: int = 4, waiting: int = 5, start_s:
     `decoding` are scheduled, and `waiting` queued."""
     return [step(start_s + 0.5 * i, decoding=decoding, waiting=waiting, n=5000 + i)._replace(running=running)
             for i in range(count)]
+
+
+def deferred(steps: list[Step]) -> list[Step]:
+    """`steps` as the collector stores them from the plugin, when vLLM 0.33 deferred every waiting request: its
+    num_waiting_reqs 0, its num_skipped_waiting_reqs the rest."""
+    records = b"".join(wire.encode_step(wire.StepRecord(
+        s.ts / 1e6, s.step, s.engine_index, s.elapsed_ms, s.num_ctx_requests, s.num_ctx_tokens,
+        s.num_generation_requests, s.num_generation_tokens, s.running, 0, s.waiting, s.kv_cache_usage,
+        s.prefix_cache_queries, s.prefix_cache_hits, s.preempted, s.spec_num_drafts, s.spec_num_draft_tokens,
+        s.spec_num_accepted_tokens, s.is_dummy, tuple(s.ttft_seconds), tuple(s.itl_seconds))) for s in steps)
+    receiver = PluginReceiver(SourceContext("h", ManualClock()), "/nonexistent/plugin.sock")
+    return [r for r in receiver.rows(wire.encode_header(b"e", 1, 1, 0, 0) + records) if isinstance(r, Step)]
 
 
 def test_slots_held_without_work_while_requests_wait_are_a_wedge_on_its_way(timelines: Timelines) -> None:
@@ -26,6 +42,13 @@ def test_slots_held_without_work_while_requests_wait_are_a_wedge_on_its_way(time
     assert "(8192, engine_config)" in e["idle_from"]
     assert found.title == "wedging: 12 of 16 slots do no work, 5 waiting"
     assert timelines.store.query(found.sql).result_rows[0][1] == 100  # the SQL counts the same steps
+
+
+def test_requests_the_scheduler_deferred_are_waiting_too(timelines: Timelines) -> None:
+    # The engine's whole queue is deferred (grammars compiling, KVs on their way): vLLM's num_waiting_reqs says 0.
+    window = timelines.add("leaking_deferred", [*steady(), *deferred(held(100, running=16))])
+    [found] = leaked_slots(timelines.store, window)
+    assert found.title == "wedging: 12 of 16 slots do no work, 5 waiting"
 
 
 def test_every_running_request_scheduled_is_no_leak(timelines: Timelines) -> None:

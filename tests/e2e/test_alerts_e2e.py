@@ -1,12 +1,19 @@
 """End to end on loopback: a wedged engine pages through a real Prometheus and Alertmanager, and resolves after
-recovery; a legitimately slow engine watched over the same span does not page."""
+recovery; a legitimately slow engine watched over the same span does not page. With the timings as deployed, a
+killed engine pages within 30 s while one whose scrapes time out keeps EngineDown's patience."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,7 +29,10 @@ from stepline.sim.telemetry import LateBound, Telemetry
 from stepline.sim.workloads import chat_arrivals, compose, one_request
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
-from stepline.testing.alertstack import ALERTMANAGER, PROMETHEUS, AlertStack, Webhook, wait_for
+from stepline.testing.alertstack import ALERTMANAGER, PROMETHEUS, AlertStack, Webhook, free_port, wait_for
+from tests.conftest import VLLM_METRICS_FIXTURE
+
+CRASH_PAGE_S = 30.0  # a refused engine pages within this of its process being gone
 
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and ALERTMANAGER),
                                 reason="needs Debian's prometheus and prometheus-alertmanager (.ci/run installs them)")
@@ -102,3 +112,109 @@ def test_a_wedged_engine_pages_and_resolves_a_slow_one_does_not(stack: tuple[Web
         wedge.stop()
         slow.stop()
         collector.stop()
+
+
+class HangingEngine:
+    """vLLM's captured /metrics, answered until `hang()`; from then on every scrape is held until `stop()`: a hung
+    engine whose process is still there, its port accepting."""
+
+    def __init__(self) -> None:
+        self._hung = threading.Event()
+        self._stopped = threading.Event()
+        body = VLLM_METRICS_FIXTURE.read_bytes()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if engine._hung.is_set():
+                    engine._stopped.wait()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def hang(self) -> None:
+        self._hung.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def test_a_killed_engine_pages_within_30_s_and_a_hung_one_keeps_its_patience(tmp_path: Path, store_url: str,
+                                                                               sock_dir: str) -> None:
+    # As deployed: the generated rules and Alertmanager waits, the collector scraping every 5 s (3 s timeout), and
+    # Prometheus scraping it every 5 s (deploy/prometheus/prometheus.yml).
+    hook = Webhook()
+    cfg = replace(AlertConfig(), webhook_url=f"{hook.url}/stepline", heartbeat_url=f"{hook.url}/heartbeat")
+    socket_path = f"{sock_dir}/p.sock"
+    port = free_port()
+    crashed = subprocess.Popen([sys.executable, "-m", "stepline", "sim", "--port", str(port), "--engine-name",
+                                "crashed", "--plugin-socket", socket_path], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    crashed_url = f"http://127.0.0.1:{port}"
+    hung = HangingEngine()
+    settings = Settings.from_env({}, store=store_url, engines=(f"crashed={crashed_url}", f"hung={hung.url}"),
+                                 metrics_port=0, query_port=0, otlp_port=0, plugin_socket=socket_path,
+                                 disabled_sources=frozenset({"gpu", "host"}))
+    assert (settings.scrape_interval_s, settings.scrape_timeout) == (5.0, 3.0)
+    collector = Collector(settings)
+    stack: AlertStack | None = None
+    try:
+        wait_for(lambda: _answers(crashed_url) or crashed.poll() is not None, 60, "the simulated engine")
+        assert crashed.poll() is None
+        collector.start()
+        assert collector.metrics_server is not None
+        stack = AlertStack(cfg, hook, collector.metrics_server.port, tmp_path, scrape_s=5.0, generated_waits=True)
+        # The whole path is live (Prometheus evaluates, Alertmanager delivers) and both engines are scraped.
+        wait_for(lambda: [a for a in hook.snapshot() if a["labels"]["alertname"] == "Watchdog"], 60, "the heartbeat")
+        for engine in ("crashed", "hung"):
+            assert collector.metrics.registry.get_sample_value(
+                "stepline_source_up", {"source": f"vllm_metrics:{engine}"}) == 1
+
+        crashed.send_signal(signal.SIGKILL)
+        hung.hang()
+        gone_at = time.time()
+        crashed.wait(10)
+        page = wait_for(lambda: hook.find("EngineGone", "crashed", "firing"), CRASH_PAGE_S + 30, "EngineGone page")
+        paged_s = page["received"] - gone_at
+        print(f"EngineGone paged {paged_s:.1f} s after the kill")
+        assert paged_s <= CRASH_PAGE_S, paged_s
+        assert page["labels"]["reason"] == "refused" and page["labels"]["severity"] == "critical"
+        assert "crashed" in page["annotations"]["summary"] and "refused" in page["annotations"]["description"]
+
+        # The hung engine's scrapes time out all along; through the same 30 s (and 5 s more) nothing pages for it.
+        time.sleep(max(0.0, gone_at + CRASH_PAGE_S + 5 - time.time()))
+        failure = collector.metrics.registry.get_sample_value(
+            "stepline_source_failure_info", {"source": "vllm_metrics:hung", "reason": "timeout"})
+        assert failure == 1
+        assert not hook.names("hung") & {"EngineGone", "EngineDown"}, hook.snapshot()
+        assert "EngineDown" not in hook.names("crashed")  # EngineGone inhibits it, and its minute has not passed
+    finally:
+        if stack is not None:
+            stack.stop()
+        if crashed.poll() is None:
+            crashed.kill()
+            crashed.wait()
+        hung.stop()
+        collector.stop()
+        hook.close()

@@ -21,7 +21,8 @@ from stepline.config.settings import Settings
 from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.merge import RecentRequests, arrival_tolerance_us, known_fields
 from stepline.ingest.writer import Writers
-from stepline.model.rows import Request, micros
+from stepline.model.rows import UNKNOWN_FINISH_REASON, Request, micros
+from stepline.plugin import wire
 from stepline.sources.otlp_decode import PROTOBUF, decode
 from stepline.sources.registry import REGISTRY
 from stepline.store import batches
@@ -141,6 +142,26 @@ def test_the_same_report_twice(store: Store, writers: Writers) -> None:
     writers.write([_otlp("a")])
     writers.stop()
     _assert_merged(store, ["a"])
+
+
+def test_the_plugins_finish_reason_wins_over_a_span_that_has_none(store: Store, writers: Writers) -> None:
+    # vLLM's span gives no finish reason: its row says UNKNOWN_FINISH_REASON, which must lose the table's max merge to
+    # every reason the plugin sends ("abort" sorts first of them), whichever report comes first.
+    reasons = [r for r in wire.FINISH_REASONS if r]
+    assert _otlp("x").finish_reason == UNKNOWN_FINISH_REASON
+    writers.write([_otlp(f"{reason}-span-first") for reason in reasons])
+    writers.write([_plugin(f"{reason}-plugin-first")._replace(finish_reason=reason) for reason in reasons])
+    _written(store, 2 * len(reasons))
+    writers.write([_plugin(f"{reason}-span-first")._replace(finish_reason=reason) for reason in reasons])
+    writers.write([_otlp(f"{reason}-plugin-first") for reason in reasons])
+    writers.stop()
+    assert sorted((r.request_id, r.finish_reason) for r in _stored(store)) == sorted(
+        (f"{reason}-{first}", reason) for reason in reasons for first in ("span-first", "plugin-first"))
+    # The table merges so too where the collector wrote both reports (a replayed spool, two collectors).
+    plugin = _plugin("both")._replace(finish_reason="abort")
+    store.insert("requests", [_otlp("both")._replace(arrival_ts=plugin.arrival_ts), plugin], Request._fields)
+    assert store.query("SELECT finish_reason FROM requests FINAL WHERE request_id = 'both'").result_rows == [
+        ("abort",)]
 
 
 def test_a_batch_inserted_again_counts_once(store: Store) -> None:

@@ -97,3 +97,27 @@ def test_poll_once_reports_recovery(caplog: pytest.LogCaptureFixture) -> None:
         assert runner.poll_once(flaky)
     assert "source flaky recovered" in caplog.text
     assert _value(metrics, "stepline_source_up", source="flaky") == 1
+
+
+def test_a_failure_exports_its_kind_while_it_lasts() -> None:
+    metrics = SelfMetrics()
+    runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
+
+    class Engine:
+        name = "vllm_metrics:e1"
+        reason: str | None = "timeout"
+
+        def poll(self, emit: Emit) -> None:
+            if self.reason is not None:
+                raise SourceError("engine e1 unreachable", self.reason)
+
+    engine = Engine()
+    assert not runner.poll_once(engine)
+    assert _value(metrics, "stepline_source_failure_info", source="vllm_metrics:e1", reason="timeout") == 1
+    engine.reason = "refused"  # one series per source: the latest failure's kind
+    assert not runner.poll_once(engine)
+    assert _value(metrics, "stepline_source_failure_info", source="vllm_metrics:e1", reason="timeout") is None
+    assert _value(metrics, "stepline_source_failure_info", source="vllm_metrics:e1", reason="refused") == 1
+    engine.reason = None
+    assert runner.poll_once(engine)
+    assert _value(metrics, "stepline_source_failure_info", source="vllm_metrics:e1", reason="refused") is None

@@ -81,8 +81,9 @@ def test_round_trip_is_exact(receiver: PluginReceiver) -> None:
     assert config.kind == "engine_config" and config.engine == "prod-a"
     assert config.attributes["max_num_batched_tokens"] == "8192"
     (step,) = [r for r in rows if isinstance(r, Step)]
+    # waiting: vLLM's 3 waiting plus its 1 deferred, as vllm:num_requests_waiting counts them; skipped_waiting: the 1.
     assert step._replace(ttft_seconds=[], itl_seconds=[]) == Step(micros(NOW), "node-1", "prod-a", 1, "Qwen/Qwen3-8B",
-                                                                  7, 412.5, 1, 8192, 31, 31, 32, 3, 1, 0.5, 9000, 512,
+                                                                  7, 412.5, 1, 8192, 31, 31, 32, 4, 1, 0.5, 9000, 512,
                                                                   2, 4, 12, 7, [], [], False)
     # The samples come as the wire carries them: float32 (stepline.plugin.wire._samples).
     assert list(step.ttft_seconds) == [1.5] and step.itl_seconds == pytest.approx([0.4125] * 31)

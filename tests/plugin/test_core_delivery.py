@@ -28,10 +28,12 @@ NOW = 1_790_000_000.25
 COLLECTOR_DIR = str(Path(__file__).resolve().parents[2] / "collector")
 
 
-def _stats(i: int, running: int = 64, waiting: int = 3) -> tuple[standins.SchedulerStats, standins.IterationStats]:
-    """Step `i` of a busy engine: 64 ITL samples and a finished request, about 450 bytes on the wire."""
+def _stats(i: int, running: int = 64, waiting: int = 3, deferred: int = 0
+           ) -> tuple[standins.SchedulerStats, standins.IterationStats]:
+    """Step `i` of a busy engine: 64 ITL samples and a finished request, about 450 bytes on the wire; `deferred`
+    waiting requests besides the `waiting` ones, as vLLM 0.33 counts them apart."""
     sched = standins.SchedulerStats(
-        num_running_reqs=running, num_waiting_reqs=waiting, kv_cache_usage=0.5,
+        num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=deferred, kv_cache_usage=0.5,
         iteration_details=standins.SchedulerIterationDetails(i, 1, 512, max(0, running - 1), max(0, running - 1), 9.5),
     )
     it = standins.IterationStats(
@@ -107,6 +109,18 @@ def test_an_engine_going_idle_is_flushed_at_once(sidecar: Reading) -> None:
     core.record(*_stats(0, running=4))
     core.record(*_stats(1, running=0, waiting=0))  # the last request finished: the engine is idle now
     _until(lambda: sidecar.steps() == [0, 1], timeout_s=2.0)
+
+
+def test_an_engine_holding_only_deferred_requests_is_not_flushed_as_idle(sidecar: Reading) -> None:
+    # vLLM 0.33 leaves deferred waiters (a grammar compiling, KVs on their way, a LoRA over budget) out of
+    # num_waiting_reqs and counts them in num_skipped_waiting_reqs: 0 running, 0 waiting, 2 deferred is work queued.
+    core = PluginCore("deferred", sidecar.receiver.socket_path, flush_interval_s=60.0)  # no timer would send soon
+    sidecar.start()
+    core.record(*_stats(0, running=4))
+    core.record(*_stats(1, running=0, waiting=0, deferred=2))
+    core.record(*_stats(2, running=0, waiting=0))  # idle now: the three steps go out at once, in one datagram
+    _until(lambda: sidecar.steps() == [0, 1, 2], timeout_s=2.0)
+    assert core.datagrams_sent == 1  # step 1 sealed no batch of its own
 
 
 def test_the_last_steps_of_an_engine_that_stops_calling_go_out_after_one_interval(sidecar: Reading) -> None:

@@ -7,7 +7,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from stepline.model.rows import Step, micros
-from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT, DECODE_APPROXIMATE, DECODE_EXACT
+from stepline.queries.baselines import (
+    ALONE_APPROXIMATE,
+    ALONE_EXACT,
+    ALONE_TOKENS_PER_STEP,
+    DECODE_APPROXIMATE,
+    DECODE_EXACT,
+)
 from stepline.store.store import Store
 from tests.queries.conftest import Rows
 
@@ -58,3 +64,27 @@ def test_the_approximate_alone_baseline_reads_the_projection(store: Store, rows:
     by_engine = {r[0]: r[1] for r in rows(ALONE_APPROXIMATE, settings=FORCED, **MINUTES)}
     assert by_engine["e0"] == [pytest.approx(10.0, rel=0.01)] * 3
     assert by_engine["e1"] == [pytest.approx(5.0, rel=0.01)] * 3
+
+
+def _fill_drafting(store: Store) -> None:
+    """e2: 40 steps alone (two decoding requests, 10 ms), each request with three drafts of which it keeps two in
+    even steps and none in odd ones: 3 or 1 tokens a request a step."""
+    steps = [_step("e2", i * 2.5, i, 10.0)._replace(num_generation_tokens=8, spec_num_drafts=2, spec_num_draft_tokens=6,
+                                                    spec_num_accepted_tokens=4 if i % 2 == 0 else 0)
+             for i in range(40)]
+    store.insert("steps", steps, Step._fields)
+
+
+def test_the_alone_rate_counts_the_tokens_each_request_got(store: Store, rows: Rows) -> None:
+    _fill_drafting(store)
+    [(engine, rates, step_ms)] = rows(ALONE_EXACT, **{**EXACT, "engines": ["e2"]})
+    # Not 1000 / 10 ms (one token a step), nor 4000 / 10 ms (the tokens scheduled per request).
+    assert (engine, rates, step_ms) == ("e2", [100.0, 300.0, 300.0], 10.0)
+
+
+def test_the_tokens_a_request_gets_a_step_read_the_projection(store: Store, rows: Rows) -> None:
+    _fill(store)
+    _fill_drafting(store)
+    found = rows(ALONE_TOKENS_PER_STEP, settings=FORCED, **{**MINUTES, "engines": ["e0", "e2"]})
+    by_engine = {r[0]: r[1] for r in found}
+    assert by_engine == {"e0": 1.0, "e2": 2.0}  # 80 drafts accepted over 80 request-steps; none drafted

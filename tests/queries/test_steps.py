@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 
 from stepline.model.rows import Step, micros
-from stepline.queries.steps import OF_EACH_ENGINE, OF_ENGINE, OF_ENGINES, of_engine
+from stepline.queries.steps import GENERATED, OF_EACH_ENGINE, OF_ENGINE, OF_ENGINES, generated, of_engine
+from stepline.queries.window import EACH_ENGINE
 from stepline.store.store import Store
 from tests.queries.conftest import Rows
 
@@ -50,3 +52,41 @@ def test_every_engine_or_only_the_windows(store: Store, rows: Rows) -> None:
     sql = f"SELECT engine, count() FROM steps WHERE {OF_EACH_ENGINE} GROUP BY engine ORDER BY engine"
     assert rows(sql, engine="", **WINDOW) == [("e0", 3), ("e1", 3), ("e2", 3)]
     assert rows(sql, engine="e0", **WINDOW) == [("e0", 3)]
+
+
+def _drafting(engine: str, offset_s: float, n: int, elapsed_ms: float, scheduled: int, accepted: int) -> Step:
+    """Two decoding requests with three drafts each: `scheduled` tokens (2 + 6 with details), `accepted` of the 6."""
+    return _step(engine, offset_s, n)._replace(elapsed_ms=elapsed_ms, num_generation_tokens=scheduled,
+                                               spec_num_drafts=2, spec_num_draft_tokens=6,
+                                               spec_num_accepted_tokens=accepted)
+
+
+def _fill_drafting(store: Store) -> None:
+    """e0 with iteration details: a step that kept 4 of its 6 drafts, one that kept none, one without speculative
+    decoding. e1 without them (elapsed_ms NaN): its column already counts the tokens output."""
+    store.insert("steps", [_drafting("e0", 1.0, 0, 10.0, 8, 4), _drafting("e0", 1.5, 1, 10.0, 8, 0),
+                           _step("e0", 2.0, 2), _drafting("e1", 1.0, 0, math.nan, 5, 3)], Step._fields)
+
+
+def test_a_steps_generated_tokens_leave_its_rejected_drafts_out(store: Store, rows: Rows) -> None:
+    _fill_drafting(store)
+    sql = f"SELECT engine, num_generation_tokens, {GENERATED} FROM steps WHERE {OF_EACH_ENGINE} ORDER BY engine, ts"
+    # Each decoding request samples one token and its accepted drafts: 2 + 4, 2 + 0, 2 without drafts.
+    assert rows(sql, engine="", **WINDOW) == [("e0", 8, 6), ("e0", 8, 2), ("e0", 2, 2), ("e1", 5, 5)]
+
+
+def test_summed_generated_tokens_read_the_steps_projections(store: Store, rows: Rows) -> None:
+    _fill_drafting(store)
+    forced = {"force_optimize_projection": 1}  # the query fails unless a projection answers it
+    for bucket in ("toStartOfSecond(ts)", "toStartOfMinute(ts)"):
+        # A projection holds buckets, not rows: the read filters on the bucket (the store holds these steps alone).
+        sql = (f"WITH {bucket} AS bucket SELECT engine, sum(num_generation_tokens), {generated()} FROM steps "
+               f"WHERE {EACH_ENGINE} GROUP BY bucket, engine ORDER BY bucket, engine")
+        found = rows(sql, settings=forced, engine="")
+        if bucket == "toStartOfSecond(ts)":
+            assert found == [("e0", 16, 8), ("e1", 5, 5), ("e0", 2, 2)]
+        totals: dict[str, tuple[int, int]] = {}
+        for engine, scheduled, got in found:  # the steps may straddle a minute
+            before = totals.get(engine, (0, 0))
+            totals[engine] = (before[0] + scheduled, before[1] + got)
+        assert totals == {"e0": (18, 10), "e1": (5, 5)}

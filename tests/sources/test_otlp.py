@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanKind
 
 from stepline.core.clock import ManualClock
-from stepline.model.rows import Request, Row
+from stepline.model.rows import UNKNOWN_FINISH_REASON, Request, Row
 from stepline.sources.base import Listener, Source, SourceContext
 from stepline.sources.otlp import STATS_KEYS, OtlpReceiver
 from stepline.sources.otlp_decode import (
@@ -57,8 +57,9 @@ ARRIVAL_NS = 1_714_564_800_123_456_789
 FINISH_NS = ARRIVAL_NS + 2_500_000_000
 TOKEN = "s3cret-token"
 
+# What vLLM 0.33 puts on its llm_request span (vllm/v1/engine/output_processor.py:964-993, do_tracing): no model and
+# no finish reason.
 VLLM_ATTRIBUTES: dict[str, Any] = {
-    "gen_ai.response.model": "qwen3-8b",
     "gen_ai.request.id": "chatcmpl-1",
     "gen_ai.request.top_p": 0.9,
     "gen_ai.request.max_tokens": 256,
@@ -74,10 +75,14 @@ VLLM_ATTRIBUTES: dict[str, Any] = {
     "gen_ai.latency.time_in_model_inference": 2.0,
 }
 
+# The engine's model as the collector knows it (its plugin's engine_config, its /metrics): the spans name none.
+MODELS = {"prod-a": "qwen3-8b"}
+
 EXPECTED = Request(
     ts=1_714_564_802_623_457,  # 2.5 s after arrival, rounded to the nearest microsecond
     host=HOST, engine="prod-a", engine_index=0, model_name="qwen3-8b", request_id="chatcmpl-1", source="otlp",
-    finish_reason="", arrival_ts=1_714_564_800_123_457, queue_seconds=0.25, prefill_seconds=1.5, decode_seconds=0.5,
+    finish_reason=UNKNOWN_FINISH_REASON, arrival_ts=1_714_564_800_123_457, queue_seconds=0.25, prefill_seconds=1.5,
+    decode_seconds=0.5,
     inference_seconds=2.0, e2e_seconds=2.5, ttft_seconds=1.75, mean_tpot_seconds=0.05, prompt_tokens=3000,
     cached_tokens=0, generation_tokens=11, max_tokens=256, preemptions=0,
 )
@@ -92,13 +97,21 @@ class Http:
     body: bytes
 
 
+def context() -> SourceContext:
+    """A collector's context that knows the engines' models (MODELS), as the plugin's engine_config told it."""
+    ctx = SourceContext(HOST, ManualClock())
+    for engine, model in MODELS.items():
+        ctx.engine_models.announce(engine, model)
+    return ctx
+
+
 @pytest.fixture
 def make_receiver() -> Iterator[Any]:
     """Builds started receivers on ephemeral ports, stopped after the test."""
     started: list[OtlpReceiver] = []
 
     def make(**kwargs: Any) -> OtlpReceiver:
-        receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), port=0, **kwargs)
+        receiver = OtlpReceiver(context(), port=0, **kwargs)
         receiver.start()
         started.append(receiver)
         return receiver
@@ -227,7 +240,7 @@ def test_other_spans_are_ignored_not_errors(receiver: OtlpReceiver) -> None:
 ])
 def test_engine_comes_from_the_resource(receiver: OtlpReceiver, resource: dict[str, str], engine: str) -> None:
     export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], resource=resource)
-    assert drain(receiver) == [EXPECTED._replace(engine=engine)]
+    assert drain(receiver) == [EXPECTED._replace(engine=engine, model_name=MODELS.get(engine, ""))]
 
 
 def test_optional_attributes_missing(receiver: OtlpReceiver) -> None:
@@ -236,11 +249,35 @@ def test_optional_attributes_missing(receiver: OtlpReceiver) -> None:
     export(receiver.url, [("llm_request", attributes)])
     [row] = drain(receiver)
     assert isinstance(row, Request)
-    assert (row.request_id, row.model_name, row.finish_reason, row.generation_tokens) == ("r2", "m", "length", 1)
+    # The model its engine serves before the one the request asked for.
+    assert (row.request_id, row.model_name, row.finish_reason, row.generation_tokens) == ("r2", "qwen3-8b", "length",
+                                                                                          1)
     assert (row.prompt_tokens, row.max_tokens, row.cached_tokens, row.preemptions) == (0, 0, 0, 0)
     for value in (row.queue_seconds, row.prefill_seconds, row.decode_seconds, row.inference_seconds,
                   row.e2e_seconds, row.ttft_seconds, row.mean_tpot_seconds):
         assert math.isnan(value)
+
+
+def test_a_span_as_vllm_sends_it_gets_its_engines_model_and_an_unknown_finish_reason(receiver: OtlpReceiver) -> None:
+    # vLLM's span names neither (vllm/tracing/utils.py:28 defines gen_ai.response.model; nothing sets it): the
+    # request takes the model the collector knows its engine serves, and says it does not know why it finished.
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)])
+    export(receiver.url, [("llm_request", VLLM_ATTRIBUTES)], resource={"service.name": "never-announced"})
+    [known, unknown] = drain(receiver)
+    assert isinstance(known, Request) and isinstance(unknown, Request)
+    assert (known.engine, known.model_name, known.finish_reason) == ("prod-a", "qwen3-8b", UNKNOWN_FINISH_REASON)
+    assert (unknown.engine, unknown.model_name, unknown.finish_reason) == ("never-announced", "",
+                                                                          UNKNOWN_FINISH_REASON)
+
+
+def test_what_a_span_says_comes_before_what_the_collector_knows(receiver: OtlpReceiver) -> None:
+    said = {**VLLM_ATTRIBUTES, "gen_ai.response.model": "qwen3-8b-awq", "gen_ai.request.model": "asked",
+            "gen_ai.response.finish_reasons": ("stop",)}
+    asked = {**VLLM_ATTRIBUTES, "gen_ai.request.model": "asked"}
+    export(receiver.url, [("llm_request", said), ("llm_request", asked)])
+    export(receiver.url, [("llm_request", asked)], resource={"service.name": "never-announced"})
+    assert [(r.model_name, r.finish_reason) for r in drain(receiver) if isinstance(r, Request)] == [
+        ("qwen3-8b-awq", "stop"), ("qwen3-8b", UNKNOWN_FINISH_REASON), ("asked", UNKNOWN_FINISH_REASON)]
 
 
 def test_exporter_bearer_token(make_receiver: Any) -> None:
@@ -513,7 +550,7 @@ def test_stop_releases_the_port_and_keeps_received_rows(make_receiver: Any) -> N
 
 @needs_ipv6
 def test_listens_on_ipv6_loopback_when_given_it() -> None:
-    receiver = OtlpReceiver(SourceContext(HOST, ManualClock()), "::1", 0, token=TOKEN)
+    receiver = OtlpReceiver(context(), "::1", 0, token=TOKEN)
     receiver.start()
     try:
         assert receiver.url == f"http://[::1]:{receiver.port}"
@@ -572,7 +609,8 @@ ANY_VALUES = st.one_of(
     st.builds(lambda v: AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=s) for s in v])),
               st.lists(st.text(max_size=5), max_size=3)),
 )
-ATTRIBUTE_KEYS = st.sampled_from([*VLLM_ATTRIBUTES, "gen_ai.request.model", "gen_ai.response.finish_reasons", "x"])
+ATTRIBUTE_KEYS = st.sampled_from([*VLLM_ATTRIBUTES, "gen_ai.response.model", "gen_ai.request.model",
+                                  "gen_ai.response.finish_reasons", "x"])
 NANOS = st.integers(0, (1 << 64) - 1) | st.just(ARRIVAL_NS) | st.just(FINISH_NS)
 SPANS = st.builds(
     lambda name, start, end, attrs: ProtoSpan(name=name, start_time_unix_nano=start, end_time_unix_nano=end,

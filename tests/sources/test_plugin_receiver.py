@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stepline.core.clock import ManualClock
-from stepline.model.rows import Event, Row
+from stepline.model.rows import UNKNOWN_FINISH_REASON, Event, Request, Row, Step
 from stepline.plugin import wire
-from stepline.sources.base import SourceContext
+from stepline.sources.base import EngineModels, SourceContext
 from stepline.sources.plugin_receiver import MAX_SENDERS, PluginReceiver
 
 NOW = 1_790_000_000.25
@@ -73,3 +73,39 @@ def test_loss_of_many_engines_is_bounded_and_all_of_it_reaches_the_timeline(rece
     untold = sum(u.dropped for u in receiver._untold.values())
     assert sum(int(e.attributes["dropped_records"]) for e in told) + untold == 3 * engines
     assert receiver.stats()["plugin_dropped_records"] == 3 * engines
+
+
+def _step(waiting: int, deferred: int) -> bytes:
+    """A step record as the plugin encodes vLLM's SchedulerStats: num_waiting_reqs and num_skipped_waiting_reqs."""
+    return wire.encode_step(wire.StepRecord(NOW, 7, 0, 12.5, 0, 0, 3, 3, 3, waiting, deferred, 0.5, 0, 0, 0, 0, 0, 0,
+                                            False))
+
+
+def test_deferred_waiters_are_counted_as_waiting(receiver: PluginReceiver) -> None:
+    # vLLM 0.33 leaves the deferred out of num_waiting_reqs; vllm:num_requests_waiting and the steps' `waiting` hold
+    # both, so that every read of the queue (detectors, watchdog, dashboards, projections) counts them.
+    steps = [r for r in receiver.rows(_datagram("e", 1, 0) + _step(2, 3) + _step(0, 4)) if isinstance(r, Step)]
+    assert [(s.waiting, s.skipped_waiting) for s in steps] == [(5, 3), (4, 4)]
+
+
+def test_waiting_stays_within_what_its_column_holds(receiver: PluginReceiver) -> None:
+    (step,) = [r for r in receiver.rows(_datagram("e", 1, 0) + _step(wire.U32, wire.U32)) if isinstance(r, Step)]
+    assert (step.waiting, step.skipped_waiting) == (wire.U32, wire.U32)
+
+
+def test_the_engines_model_is_shared_with_the_other_sources() -> None:
+    models = EngineModels()
+    models.remember({"e": "from-the-store", "f": "old"})
+    receiver = PluginReceiver(SourceContext("node-1", ManualClock(NOW), engine_models=models), "/nonexistent/p.sock")
+    config = wire.encode_config({"model": "/models/qwen", "served_model_name": "qwen"})
+    receiver.rows(_datagram("f", 1, 0) + config)
+    assert (models.model_of("e"), models.model_of("f")) == ("from-the-store", "qwen")  # what it says now wins
+    models.remember({"f": "from-the-store"})  # read back late (a store that answered after the engine spoke)
+    assert models.model_of("f") == "qwen"
+
+
+def test_a_finish_reason_the_plugin_does_not_know_is_unknown(receiver: PluginReceiver) -> None:
+    record = wire.REQUEST.pack(NOW, 0, 1.0, 0.1, 0.2, 0.9, 0.7, 0.1, 10, 8, 8, 0, 0, 0, 3)
+    data = _datagram("e", 1, 0) + wire.RECORD.pack(wire.REQUEST_RECORD, len(record) + 3) + record + b"r-1"
+    (request,) = [r for r in receiver.rows(data) if isinstance(r, Request)]
+    assert request.finish_reason == UNKNOWN_FINISH_REASON

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
 import threading
+import urllib.error
 from collections.abc import Iterator
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -148,6 +152,43 @@ def test_unreachable_engine_is_one_event_per_transition() -> None:
     assert kinds == ["engine_down", "engine_up", "engine_down"]
 
 
+@pytest.mark.parametrize(("failure", "kind"), [
+    (urllib.error.URLError(ConnectionRefusedError(111, "Connection refused")), "refused"),
+    (http.client.RemoteDisconnected("Remote end closed connection without response"), "gone"),
+    (ConnectionResetError(104, "Connection reset by peer"), "gone"),
+    (urllib.error.URLError(TimeoutError("timed out")), "timeout"),
+    (TimeoutError("timed out"), "timeout"),
+    (urllib.error.URLError(socket.gaierror(-2, "Name or service not known")), "unreachable"),
+    (urllib.error.HTTPError("http://10.0.0.7:8000/metrics", 503, "Service Unavailable", Message(), None), "http"),
+])
+def test_a_failed_scrape_says_its_kind(failure: OSError, kind: str) -> None:
+    # urllib wraps what fails while connecting in URLError and raises what fails while reading as it is.
+    engine = FakeEngine()
+    engine.failure = failure
+    with pytest.raises(SourceError) as info:
+        _poll(_source(engine))
+    assert info.value.reason == kind
+
+
+def test_a_closed_port_is_refused_and_a_silent_listener_times_out() -> None:
+    # Nothing listens: refused at once. A socket that listens and never answers: the scrape's timeout.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    refused = VllmMetricsSource(f"http://127.0.0.1:{port}", SourceContext("h", ManualClock()), timeout_s=0.3)
+    with pytest.raises(SourceError) as info:
+        _poll(refused)
+    assert info.value.reason == "refused"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        hung = VllmMetricsSource(f"http://127.0.0.1:{silent.getsockname()[1]}", SourceContext("h", ManualClock()),
+                                 timeout_s=0.3)
+        with pytest.raises(SourceError) as info:
+            _poll(hung)
+    assert info.value.reason == "timeout"
+
+
 @pytest.mark.parametrize(
     ("body", "content_type", "fragment"),
     [
@@ -165,6 +206,7 @@ def test_a_page_that_is_not_a_vllm_exposition_is_one_clear_line(body: bytes, con
         _poll(source)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+    assert info.value.reason == "invalid"
 
 
 def test_unknown_families_are_ignored() -> None:

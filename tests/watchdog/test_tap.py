@@ -24,7 +24,10 @@ from stepline.model.rows import (
     Step,
     micros,
 )
+from stepline.plugin import wire
 from stepline.sim.vllm_server import SimServer
+from stepline.sources.base import SourceContext
+from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store.reads import Reads
 from stepline.testing.sink import wait_until
 from stepline.watchdog.budget import Policy, StepCosts
@@ -235,6 +238,21 @@ def test_an_engine_gone_idle_per_its_gauges_is_never_stalled() -> None:
     assert "stalled" not in states and "slow" not in states, states
     assert states[-1] == "idle"
     assert all(e.attributes["state"] in ("idle", "progressing") for e in h.state_events() + h2.state_events())
+
+
+def test_requests_the_scheduler_deferred_are_queued_work() -> None:
+    # vLLM 0.33 counts the waiting requests it deferred (grammars compiling, KVs on their way) apart, in
+    # num_skipped_waiting_reqs: 0 running, 0 waiting, 3 deferred. The step reaches the watchdog as the collector
+    # decodes the plugin's datagram.
+    h = Harness()
+    steady(h, 3, decoding=1, running=1)
+    h.clock.advance(0.05)
+    receiver = PluginReceiver(SourceContext("h", h.clock), "/nonexistent/plugin.sock")
+    last = wire.StepRecord(h.now, 999, 0, 30.0, 0, 0, 0, 0, 0, 0, 3, 0.4, 0, 0, 0, 0, 0, 0, False)
+    h.dog.observe(receiver.rows(wire.encode_header(E.encode(), 1, 1, 0, 0) + wire.encode_step(last)))
+    assert h.state() == "progressing" and h.value("stepline_engine_waiting_requests") == 3
+    states = [h.tick() for _ in range(10)]  # and nothing is ever scheduled again
+    assert "idle" not in states and states[-1] == "stalled", states
 
 
 def test_down_on_engine_down_and_recovery_with_events() -> None:

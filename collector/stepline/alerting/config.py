@@ -20,6 +20,13 @@ class AlertConfig:
     slo: Slo = field(default_factory=Slo)
 
     engine_down_for: str = "1m"
+    """Patience with an engine whose scrape fails otherwise than refused or gone: a timeout may be a busy engine."""
+    engine_gone_reasons: tuple[str, ...] = ("refused", "gone")
+    """Scrape failures (`stepline_source_failure_info{reason}`) that say the engine's process is not there: nothing
+    listens on its port, or it closed the connection without an answer. EngineGone pages them at once."""
+    engine_gone_for: str = "0m"
+    """A refused connection is no slow engine: the patience is the collector's scrape, Prometheus' scrape and the fast
+    group's evaluation (5 s each by default), and Alertmanager's 10 s group wait: within 25 s of the crash."""
     stalled_for: str = "0m"
     """Extra patience beyond the watchdog budget: none by default, the budget (ten times the step the work in
     flight should take, 5 s at least) is the patience, so a wedge pages within its budget, a scrape and a rule
@@ -55,6 +62,9 @@ class AlertConfig:
     gateway_fail_open_window before a gateway is ticketed."""
     gateway_fail_open_window: str = "10m"
     diagnosed_for: str = "1m"
+    plugin_silent_for: str = "1m"
+    """The watchdog calls a plugin silent after 30 s of the engine's counters moving without a step
+    (`watchdog.budget.Policy.plugin_silent_after_s`); this long more before a ticket."""
     prefix_cache_drop_factor: float = 0.5
     """Hit ratio below this fraction of its own 1 h average is a collapse."""
     prefix_cache_min_baseline: float = 0.3
@@ -89,6 +99,11 @@ class AlertConfig:
     diagnose_since: str = "30m"
     group_name: str = "stepline"
     evaluation_interval: str = "30s"
+    fast_group_name: str = "stepline-fast"
+    fast_evaluation_interval: str = "5s"
+    """The rules that must page within 30 s of their cause (EngineGone) are evaluated this often, in a group of their
+    own: the main group's 30 s alone would spend that budget, and evaluating every rule (1 h windows among them)
+    this often would cost a fleet's Prometheus six times as much. Grafana evaluates at most every 10 s."""
 
     receivers: tuple[Receiver, ...] = ()
     """Who is told, per route: critical alerts page (Alertmanager receiver `stepline-page`), warnings ticket

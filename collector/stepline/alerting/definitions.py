@@ -1,101 +1,32 @@
 """The alert list: every rule once, with placeholders that each backend renders in its own templating.
 
 Placeholders in summaries and descriptions: `[engine]`, `[value]`, `[value_duration]`, `[value_ratio]`,
-and for the watchdog pages `[state]`, `[budget]`, `[age]`, `[waiting]`, `[running]`, `[finding]`
-(see `templates.py`).
+and for the watchdog pages `[state]`, `[budget]`, `[age]`, `[waiting]`, `[running]`, `[finding]`, `[gpus]`
+("GPUs idle", or "no GPU readings" for an engine that has none) (see `templates.py`). The engines' liveness
+alerts are in `liveness.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
 from stepline.alerting.config import AlertConfig
+from stepline.alerting.liveness import engine_liveness, plugin_liveness
+from stepline.alerting.rule import Alert, Severity, diagnose_hint
 
-Severity = Literal["critical", "warning", "none"]
-
-
-@dataclass(frozen=True)
-class Alert:
-    """One alerting rule."""
-
-    name: str
-    severity: Severity
-    expr: str
-    for_: str
-    summary: str
-    description: str
-    labels: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def anchor(self) -> str:
-        return self.name.lower()
-
-
-WATCHDOG_CONTEXT = (
-    "state [state], no progress for [age] against a budget of [budget] (derived from the work in flight); "
-    "[waiting] waiting, [running] running. Top finding: [finding]. "
-    "Run: stepline diagnose --engine [engine] --since {since}"
-)
+__all__ = ["Alert", "Severity", "alerts"]
 
 
 def alerts(cfg: AlertConfig) -> list[Alert]:
     """Every alert, in the order they appear in the rule file."""
-    return [*_engine_liveness(cfg), *_engine_latency(cfg), *_engine_cache(cfg), *_engine_diagnosis(cfg),
-            *_gateways(cfg), *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg), *_dead_mans_switch()]
-
-
-def _diagnose_hint(cfg: AlertConfig) -> str:
-    return f"Run: stepline diagnose --engine [engine] --since {cfg.diagnose_since}"
-
-
-def _engine_liveness(cfg: AlertConfig) -> list[Alert]:
-    """An engine that is down, stalled past its watchdog budget, or wedged with a queue."""
-    s = cfg.sel
-    ctx = WATCHDOG_CONTEXT.format(since=cfg.diagnose_since)
-    diag = _diagnose_hint(cfg)
-    vllm_sources = s('source=~"vllm_metrics:.*"')
-    stalled_state = s('state="stalled"')
-    return [
-        Alert(
-            "EngineDown", "critical",
-            f'label_replace(stepline_source_up{vllm_sources}, '
-            f'"engine", "$1", "source", "vllm_metrics:(.*)") == 0',
-            cfg.engine_down_for,
-            "vLLM engine [engine] is not answering /metrics.",
-            "The collector has failed to scrape engine [engine] ([source]) for at least "
-            f"{cfg.engine_down_for}: the process is gone, hung or not serving HTTP. Alertmanager inhibits "
-            "EngineStalled and EngineWedgedWithQueue for this engine while this fires (the Prometheus rules, and "
-            "Grafana's rules forwarded by its Alertmanager contact point); Grafana's own notification policies "
-            "do not inhibit, so a Grafana contact point that bypasses Alertmanager sends them too. " + diag,
-        ),
-        Alert(
-            "EngineStalled", "critical",
-            f"(stepline_engine_progress_age_seconds{s()} > stepline_engine_progress_budget_seconds{s()})\n"
-            f'  and ignoring (state) (stepline_engine_state{stalled_state} == 1)',
-            cfg.stalled_for,
-            "Engine [engine] has made no progress for [value_duration], beyond its watchdog budget.",
-            "Engine [engine]: " + ctx,
-        ),
-        Alert(
-            "EngineWedgedWithQueue", "critical",
-            f"(stepline_engine_waiting_requests{s()} > 0)\n"
-            f"  and (stepline_engine_progress_age_seconds{s()} > stepline_engine_progress_budget_seconds{s()}\n"
-            f"       or stepline_engine_progress_age_seconds{s()} > {cfg.wedge_min_age_seconds:g})\n"
-            f"  and (stepline_engine_gpu_utilization_ratio{s()} < {cfg.wedge_gpu_idle_ratio:g})",
-            cfg.wedged_for,
-            "Engine [engine] is wedged: [value] requests waiting, no progress, GPUs idle.",
-            "Engine [engine] has requests queued but its GPUs are idle and nothing moves: a leaked slot "
-            "or a stuck lane, not slow work. " + ctx,
-        ),
-    ]
+    return [*engine_liveness(cfg), *plugin_liveness(cfg), *_engine_latency(cfg), *_engine_cache(cfg),
+            *_engine_diagnosis(cfg), *_gateways(cfg), *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg),
+            *_dead_mans_switch()]
 
 
 def _engine_latency(cfg: AlertConfig) -> list[Alert]:
     """Decode starved by prefill, and requests queued behind a long prefill."""
     s = cfg.sel
     slo = cfg.slo
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     return [
         Alert(
             "DecodeStarvation", "warning",
@@ -140,7 +71,7 @@ def _engine_latency(cfg: AlertConfig) -> list[Alert]:
 def _engine_cache(cfg: AlertConfig) -> list[Alert]:
     """The prefix cache collapsing, and the KV cache full enough to preempt."""
     s = cfg.sel
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     return [
         Alert(
             "PrefixCacheCollapse", "warning",
@@ -178,7 +109,7 @@ def _engine_cache(cfg: AlertConfig) -> list[Alert]:
 
 def _engine_diagnosis(cfg: AlertConfig) -> list[Alert]:
     """A cause the watchdog's diagnosis names and no other alert pages on."""
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     diagnosed = cfg.sel('kind=~"' + "|".join(cfg.diagnosed_kinds) + '"', 'severity=~"warning|critical"')
     return [
         Alert(
@@ -197,7 +128,7 @@ def _engine_diagnosis(cfg: AlertConfig) -> list[Alert]:
 def _gateways(cfg: AlertConfig) -> list[Alert]:
     """The gateway in front of the engines: slots it leaked, and a routing hook that fails open."""
     s = cfg.sel
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     lookback = cfg.gateway_leak_lookback
     # What the gateway holds at its least over the lookback, against what the engine held at its most: a lower bound
     # of the slots leaked, whatever the traffic did meanwhile.
@@ -240,7 +171,7 @@ def _gateways(cfg: AlertConfig) -> list[Alert]:
 
 def _gpu_clocks(cfg: AlertConfig) -> list[Alert]:
     """GPU clocks held down by temperature or the board."""
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     throttled = cfg.sel('reason=~"' + "|".join(cfg.throttle_reasons) + '"')
     return [
         Alert(
@@ -266,7 +197,7 @@ def _gpu_clocks(cfg: AlertConfig) -> list[Alert]:
 def _gpu_faults(cfg: AlertConfig) -> list[Alert]:
     """GPU hardware faults: XIDs, lost GPUs, HBM row remaps."""
     s = cfg.sel
-    diag = _diagnose_hint(cfg)
+    diag = diagnose_hint(cfg)
     fatal_xid = s('xid=~"' + "|".join(str(x) for x in cfg.fatal_xids) + '"')
     remap_pending, remap_failed = s('state="pending"'), s('state="failed"')
     return [

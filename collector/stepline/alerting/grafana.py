@@ -34,6 +34,7 @@ CONTACT_POINT = "stepline-alertmanager"
 CONTACT_POINTS = {"critical": "stepline-page", "warning": "stepline-ticket", "heartbeat": "stepline-heartbeat"}
 """Route -> Grafana's own contact point for it, used when receivers are named for the route."""
 _DURATION = re.compile(r"^(\d+)([smh])$")
+GRAFANA_TICK_S = 10
 
 
 class _Model(cogbuilder.Builder[cogvariants.Dataquery]):
@@ -68,7 +69,8 @@ def rule_uid(a: Alert) -> str:
 
 def rule(cfg: AlertConfig, a: Alert, title: str) -> ab.Rule:
     """A Grafana-managed rule: A is the PromQL (firing when it returns a series), C = is_number($A)."""
-    r = (ab.Rule(title).uid(rule_uid(a)).folder_uid(cfg.grafana_folder_uid).rule_group(cfg.group_name)
+    group = cfg.fast_group_name if a.fast else cfg.group_name
+    r = (ab.Rule(title).uid(rule_uid(a)).folder_uid(cfg.grafana_folder_uid).rule_group(group)
          .org_id(ORG_ID).condition("C").for_val(a.for_)
          .no_data_state("OK").exec_err_state("Error").is_paused(False)
          .labels({"severity": a.severity, **a.labels})
@@ -110,28 +112,44 @@ def _check_expansion(cfg: AlertConfig, r: dict[str, Any]) -> None:
             raise ValueError(f"rule {title}: annotation {key} = {value!r}: Grafana would expand its `${{`")
 
 
+def grafana_interval(duration: str) -> str:
+    """A group interval Grafana evaluates as given: its scheduler ticks every 10 s (`[unified_alerting]
+    min_interval`, 10s by default), so an interval is a multiple of 10 s."""
+    seconds = max(GRAFANA_TICK_S, -(-_seconds(duration) // GRAFANA_TICK_S) * GRAFANA_TICK_S)
+    return f"{seconds}s" if seconds % 60 else f"{seconds // 60}m"
+
+
 def rules_file(cfg: AlertConfig) -> dict[str, object]:
-    """`alerting/*.yaml` provisioning document with one rule group."""
-    group = ab.RuleGroup(cfg.group_name).folder_uid(cfg.grafana_folder_uid) \
-        .interval(_seconds(cfg.evaluation_interval))
+    """`alerting/*.yaml` provisioning document: the rule group, and the fast one (`Alert.fast`)."""
     every = alerts(cfg)
     paired = {a.name for a in every if sum(b.name == a.name for b in every) > 1}
-    for a in every:
-        # Grafana wants titles unique in a folder: the critical half of a pair says so in its title.
-        title = f"{a.name} (critical)" if a.name in paired and a.severity == "critical" else a.name
-        group = group.with_rule(rule(cfg, a, title))
-    built = _plain(group.build())
+    groups = []
+    for name, interval, fast in ((cfg.group_name, cfg.evaluation_interval, False),
+                                 (cfg.fast_group_name, cfg.fast_evaluation_interval, True)):
+        interval = grafana_interval(interval)
+        group = ab.RuleGroup(name).folder_uid(cfg.grafana_folder_uid).interval(_seconds(interval))
+        for a in every:
+            if a.fast != fast:
+                continue
+            # Grafana wants titles unique in a folder: the critical half of a pair says so in its title.
+            title = f"{a.name} (critical)" if a.name in paired and a.severity == "critical" else a.name
+            group = group.with_rule(rule(cfg, a, title))
+        groups.append(_group(cfg, _plain(group.build()), interval))
+    return {"apiVersion": 1, "groups": groups}
+
+
+def _group(cfg: AlertConfig, built: dict[str, Any], interval: str) -> dict[str, object]:
     file_rules = []
     for r in built["rules"]:
         for api_only in ("folderUID", "ruleGroup", "orgID"):
             r.pop(api_only, None)
         _check_expansion(cfg, r)
         file_rules.append(r)
-    group_fields = {"name": built["title"], "folder": "stepline", "interval": cfg.evaluation_interval}
+    group_fields = {"name": built["title"], "folder": "stepline", "interval": interval}
     for key, value in group_fields.items():
         if "$" in value:
             raise ValueError(f"rule group {key} = {value!r}: Grafana would expand its `$` from the environment")
-    return {"apiVersion": 1, "groups": [{"orgId": ORG_ID, **group_fields, "rules": file_rules}]}
+    return {"orgId": ORG_ID, **group_fields, "rules": file_rules}
 
 
 def _grafana_routes(cfg: AlertConfig) -> dict[str, str]:

@@ -8,6 +8,8 @@ from stepline.alerting.definitions import Alert, alerts
 
 HEARTBEAT = "Watchdog"
 INHIBITED_BY_ENGINE_DOWN = ("EngineStalled", "EngineWedgedWithQueue")
+# A crash pages EngineGone within seconds; EngineDown would page the same crash again a minute later.
+INHIBITED_BY_ENGINE_GONE = ("EngineDown", *INHIBITED_BY_ENGINE_DOWN)
 
 
 def rule(cfg: AlertConfig, a: Alert) -> dict[str, object]:
@@ -28,12 +30,15 @@ def rule(cfg: AlertConfig, a: Alert) -> dict[str, object]:
 
 
 def rule_groups(cfg: AlertConfig) -> dict[str, object]:
-    """The `groups:` document for `rule_files`."""
-    return {"groups": [{
-        "name": cfg.group_name,
-        "interval": cfg.evaluation_interval,
-        "rules": [rule(cfg, a) for a in alerts(cfg)],
-    }]}
+    """The `groups:` document for `rule_files`: the rules, and those that page within 30 s of their cause in a
+    group evaluated more often."""
+    every = alerts(cfg)
+    return {"groups": [
+        {"name": cfg.group_name, "interval": cfg.evaluation_interval,
+         "rules": [rule(cfg, a) for a in every if not a.fast]},
+        {"name": cfg.fast_group_name, "interval": cfg.fast_evaluation_interval,
+         "rules": [rule(cfg, a) for a in every if a.fast]},
+    ]}
 
 
 def alertmanager(cfg: AlertConfig) -> dict[str, object]:
@@ -60,6 +65,9 @@ def alertmanager(cfg: AlertConfig) -> dict[str, object]:
         "inhibit_rules": [
             {"source_matchers": ['alertname="EngineDown"'],
              "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_ENGINE_DOWN)}"'],
+             "equal": ["engine"]},
+            {"source_matchers": ['alertname="EngineGone"'],
+             "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_ENGINE_GONE)}"'],
              "equal": ["engine"]},
             {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
              "equal": ["alertname", "engine", "gpu", "instance"]},

@@ -9,7 +9,7 @@ from stepline.alerting.config import AlertConfig
 
 LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind", "gateway", "lane")
 _TOKEN = re.compile(r"\[(" + "|".join((*LABELS, "value", "value_duration", "value_ratio", "value_rate",
-                                       "state", "budget", "age", "waiting", "running", "finding")) + r")\]")
+                                       "state", "budget", "age", "waiting", "running", "finding", "gpus")) + r")\]")
 
 # Grafana auxiliary instant queries (refId -> PromQL with `{sel}`); their results are in `$values`.
 GRAFANA_AUX = {
@@ -19,9 +19,12 @@ GRAFANA_AUX = {
     "WAITING": "max by (engine) (stepline_engine_waiting_requests{sel})",
     "RUNNING": "max by (engine) (stepline_engine_running_requests{sel})",
     "FINDING": "max by (engine, kind, severity, title) (stepline_engine_top_finding_info{sel})",
+    "GPU": "max by (engine) (stepline_engine_gpu_utilization_ratio{sel})",
 }
 _AUX_OF = {"state": "STATE", "budget": "BUDGET", "age": "AGE", "waiting": "WAITING", "running": "RUNNING",
-           "finding": "FINDING"}
+           "finding": "FINDING", "gpus": "GPU"}
+# What a page may say of an engine's GPUs: idle only where it has a reading (the watchdog exports none without one).
+GPUS_IDLE, NO_GPU_READINGS = "GPUs idle", "no GPU readings"
 
 
 
@@ -40,6 +43,7 @@ def prometheus(cfg: AlertConfig, text: str) -> str:
 
     state_q = _per_engine(cfg, "stepline_engine_state", " == 1")
     finding_q = _per_engine(cfg, "stepline_engine_top_finding_info")
+    gpu_q = _per_engine(cfg, "stepline_engine_gpu_utilization_ratio")
     repl: dict[str, str] = {
         "value": "{{ $value | humanize }}",
         "value_duration": "{{ $value | humanizeDuration }}",
@@ -54,6 +58,8 @@ def prometheus(cfg: AlertConfig, text: str) -> str:
         "finding": f"{{{{ with printf {finding_q} $labels.engine | query }}}}{{{{ with . | first }}}}"
                    "{{ .Labels.severity }} {{ .Labels.kind }}: {{ .Labels.title }}{{ end }}"
                    "{{ else }}none yet{{ end }}",
+        "gpus": f"{{{{ with printf {gpu_q} $labels.engine | query }}}}{GPUS_IDLE}{{{{ else }}}}{NO_GPU_READINGS}"
+                "{{ end }}",
     }
     return _render(text, repl)
 
@@ -74,6 +80,7 @@ def grafana(text: str) -> str:
         "waiting": aux("WAITING", "{{ humanize .Value }}"),
         "running": aux("RUNNING", "{{ humanize .Value }}"),
         "finding": aux("FINDING", "{{ .Labels.severity }} {{ .Labels.kind }}: {{ .Labels.title }}", "none yet"),
+        "gpus": aux("GPU", GPUS_IDLE, NO_GPU_READINGS),
     }
     return _render(text, repl)
 

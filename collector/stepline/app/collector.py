@@ -23,7 +23,7 @@ from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import MEMORY_SPOOL_BYTES, Writers
 from stepline.model.rows import Event, Request, micros
 from stepline.sources import registry as source_registry
-from stepline.sources.base import Source, SourceContext
+from stepline.sources.base import EngineModels, Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store import discovery
 from stepline.store.errors import StoreUnreachable
@@ -57,13 +57,14 @@ class Collector:
         self.watchdog: Watchdog | None = None
         self.sources: list[Source] = []
         self._plugin_receivers: list[PluginReceiver] = []
+        self._engine_models = EngineModels()  # the sources' shared view of which engine serves which model
         self._stopped = threading.Event()
 
     def start(self) -> None:
         """Open the store and start everything; raises StoreError/SettingsError/OSError with one clear line."""
         s = self.settings
         self.metrics.gpu_expected.set(1 if s.expect_gpus else 0)
-        ctx = SourceContext(host=s.host_name, clock=self.clock)
+        ctx = SourceContext(host=s.host_name, clock=self.clock, engine_models=self._engine_models)
         specs = source_registry.enabled(s)
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
         if self._extra is not None:
@@ -92,7 +93,8 @@ class Collector:
                 self._remember_engine_models(self.store)
             self.writers.start()
             self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
-                                     reader_factory=sink.reader, lane_budgets=s.lane_budget_map())
+                                     reader_factory=sink.reader, lane_budgets=s.lane_budget_map(),
+                                     expect_plugin=bool(self._plugin_receivers))
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
@@ -168,7 +170,8 @@ class Collector:
                         " ".join(str(exc).split())[:200])
 
     def _remember_engine_models(self, store: Store) -> None:
-        # A running engine announces its model once, at its start: a restarted collector reads it back.
+        # A running engine announces its model once, at its start: a restarted collector reads it back, for the
+        # plugin's rows and for the requests only a span reported.
         try:
             models = store.engine_models(self.settings.host_name)
         except ClickHouseError as exc:
@@ -176,8 +179,7 @@ class Collector:
                         "that started before this collector carry none until they restart): %s",
                         " ".join(str(exc).split())[:200])
             return
-        for receiver in self._plugin_receivers:
-            receiver.remember_models(models)
+        self._engine_models.remember(models)
 
     def event(self, kind: str, severity: str, message: str, attributes: dict[str, str] | None = None) -> None:
         """Put one of the collector's own events on the timeline."""

@@ -9,8 +9,10 @@ engine makes steps and a span to look for (`probe=False` waits for traffic inste
 - collector: the running collector's runtime file (else the file beside its embedded store), its /metrics:
   `stepline_source_up{source="vllm_metrics:NAME"}` and that source's last error.
 - plugin: the engine's steps in the store since the doctor began (through the collector's SQL endpoint for an
-  embedded store), their elapsed_ms (NaN without iteration details), other engines' steps (a name mismatch), and
-  `stepline_source_counts_total{source="plugin",counter="unauthorized"}`.
+  embedded store), their elapsed_ms (NaN without iteration details), other engines' steps (a name mismatch),
+  `stepline_source_counts_total{source="plugin",counter="unauthorized"}`, and with no steps, whether the engine's
+  token counters moved meanwhile (its /metrics read again) and `stepline_engine_plugin_silent_seconds`: a silent
+  plugin, the watchdog's `plugin_silent`.
 - otlp: `stepline_source_counts_total{source="otlp",counter="spans_accepted"}` rising while the doctor waits; requests
   only spans reported, under another engine's name.
 - model: /metrics' model_name, /v1/models, the steps' model_name (the plugin's engine_config), spans' model names
@@ -45,7 +47,7 @@ from stepline.config.settings import Settings, split_named_url, url_host_port
 from stepline.core.listener import url as url_of
 from stepline.core.usage import UsageError
 from stepline.queries.window import ENGINE, SINCE
-from stepline.sources.vllm_metrics import ExpositionError, parse_exposition
+from stepline.sources.vllm_metrics import ExpositionError, ParsedSample, parse_exposition
 from stepline.store.discovery import (
     RunningCollector,
     collector_for,
@@ -58,6 +60,7 @@ from stepline.store.discovery import (
 from stepline.store.errors import StoreError, one_line
 from stepline.store.reader import TimelineReader, open_reader
 from stepline.store.url import StoreUrlError, parse_store_url
+from stepline.watchdog.budget import PROGRESS_COUNTERS
 
 OK, FAIL, SKIP = "OK", "FAIL", "SKIP"
 CHECKS = ("engine", "collector", "plugin", "otlp", "model", "gpu", "store", "clock", "prometheus", "alertmanager")
@@ -167,6 +170,8 @@ class Evidence:
     engine_reply: Reply | None = None
     families: int = 0
     metrics_model: str = ""
+    progress_before: float | None = None  # the engine's progress counters (_progress) when first read
+    progress_after: float | None = None  # and when read again after the wait, steps having not arrived
     served: tuple[str, ...] = ()
     probe_error: str = ""
     store: str = ""
@@ -230,6 +235,8 @@ class Doctor:
             since = start - (PROBE_LOOKBACK_S if probe is not None else o.wait_s)
             self._wait(ev, reader, host, since, start + o.wait_s, probe)
             ev.waited_s = self._clock() - start
+            if not ev.steps and ev.progress_before is not None:
+                self._count_progress(ev)
             if probe is not None and probe.is_alive():
                 ev.probe_error = f"no answer in {o.wait_s:.0f} s"
             if reader is not None and not ev.sql_error:
@@ -310,12 +317,22 @@ class Doctor:
             ev.engine_error = f"{ev.url}: {exc} — point --engine at vLLM's HTTP port"
             return
         ev.families = len({s.metric.removesuffix(f"_{s.kind}") for s in samples})
+        ev.progress_before = _progress(samples)
         ev.metrics_model = next((s.labels["model_name"] for s in samples if s.labels.get("model_name")), "")
         try:
             models = json.loads(self.get(f"{_base(url)}/v1/models").body)
             ev.served = tuple(str(m["id"]) for m in models.get("data", []))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             ev.served = ()  # the probe names the model from /metrics then
+
+    def _count_progress(self, ev: Evidence) -> None:
+        """Read the engine's /metrics again: how far its progress counters moved while no step arrived."""
+        try:
+            reply = self.get(ev.url, headers={"Accept": "text/plain;version=0.0.4"})
+            samples, _ = parse_exposition(reply.body.decode("utf-8", errors="replace"))
+        except (OSError, ExpositionError):
+            return  # the engine line tells its own failures; this one only adds to the plugin line
+        ev.progress_after = _progress(samples)
 
     def _probe(self, ev: Evidence, url: str) -> threading.Thread:
         """Send the probe on a thread of its own (a busy engine may take long to answer); a failure lands in ev."""
@@ -444,6 +461,12 @@ def alertmanager_check(get: Callable[[str], Reply], base: str) -> Check:
     return Check("alertmanager", OK, f"{base} ready (version {version}, cluster {cluster})")
 
 
+def _progress(samples: list[ParsedSample]) -> float:
+    """The sum of an engine's progress counters (generated and prompt tokens, iterations): vLLM moves them only in
+    the steps it runs, each of which a loaded plugin reports."""
+    return sum(s.value for s in samples if s.metric in PROGRESS_COUNTERS)
+
+
 def _metrics_url(url: str) -> str:
     """An engine's /metrics URL as the collector scrapes it (a bare host:port gets /metrics)."""
     return url.rstrip("/") + "/metrics" if urllib.parse.urlsplit(url).path in ("", "/") else url
@@ -515,6 +538,17 @@ def _plugin(ev: Evidence) -> Check:
         other = next(iter(ev.other_steps))
         return Check("plugin", FAIL, f"{waited}; steps arrive as engine {other!r} — set STEPLINE_ENGINE={ev.name} "
                      f"in vLLM's environment (or name it {other} in the collector: --engine {other}=URL)")
+    silent_s = ev.after.value("stepline_engine_plugin_silent_seconds", engine=ev.name) or 0.0
+    moved = 0.0
+    if ev.progress_before is not None and ev.progress_after is not None:
+        moved = ev.progress_after - ev.progress_before
+    if moved > 0 or silent_s > 0:
+        seen = f" while its /metrics counters moved by {moved:.0f}" if moved > 0 else ""
+        told = f" (the collector has seen it so for {silent_s:.0f} s: a plugin_silent event)" if silent_s else ""
+        return Check("plugin", FAIL, f"{waited}{seen}: its plugin is silent{told} — install stepline's plugin "
+                     "(pip install stepline) in vLLM's environment, named in VLLM_PLUGINS if that is set, its "
+                     "STEPLINE_PLUGIN_SOCKET the collector's; a vLLM that scaled up with elastic EP has dropped it: "
+                     "restart vLLM")
     return Check("plugin", FAIL, f"{waited} — start vLLM with --enable-logging-iteration-details and install "
                  "stepline's plugin (pip install stepline) in its environment, its STEPLINE_PLUGIN_SOCKET the "
                  "collector's" + ("" if ev.probed else "; or drop --no-probe (no traffic?)"))

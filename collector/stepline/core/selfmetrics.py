@@ -51,6 +51,12 @@ class SelfMetrics:
             "stepline_source_last_error_info", "1 while the source's last poll failed, with why (one line, at most "
             "200 characters); absent while it succeeds.", ["source", "error"], registry=r,
         )
+        self.source_failure = Gauge(
+            "stepline_source_failure_info", "1 while the source's last poll failed, with the failure's kind: for an "
+            "engine's scrape refused (nothing listens: its process is gone), gone (closed without an answer), "
+            "timeout, unreachable, http, invalid; error otherwise. Absent while it succeeds.", ["source", "reason"],
+            registry=r,
+        )
         self.source_counts = Counter(
             "stepline_source_counts", "What a source counted: datagrams, malformed input, data the engine side "
             "dropped, spans rejected.", ["source", "counter"], registry=r,
@@ -97,6 +103,10 @@ class SelfMetrics:
                                   ["engine", "state"], registry=r)
         self.waiting_requests = Gauge("stepline_engine_waiting_requests", "Requests waiting.", e, registry=r)
         self.running_requests = Gauge("stepline_engine_running_requests", "Requests running.", e, registry=r)
+        self.plugin_silent = Gauge(
+            "stepline_engine_plugin_silent_seconds", "Seconds since the engine's /metrics counters began moving with "
+            "no step from its stat-logger plugin, once that is a silent plugin (30 s); 0 while its steps arrive.", e,
+            registry=r)
         self.inflight_prefill = Gauge("stepline_engine_inflight_prefill_tokens",
                                       "Prefill tokens of the last step (the work in flight).", e, registry=r)
         self.longest_context = Gauge("stepline_engine_longest_context_tokens",

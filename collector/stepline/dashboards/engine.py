@@ -48,11 +48,13 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
         "Step duration", "How long each engine iteration takes (mean and worst per interval).", "ms",
         _steps("sum(elapsed_ms) / count() AS mean, max(elapsed_ms) AS max")))
     d = d.with_panel(series(
-        "Prefill vs decode tokens per step", "What each step spends its token budget on: prompt chunks or decode.",
+        "Prefill vs decode tokens per step", "What each step spends its token budget on: prompt chunks or decode "
+        "(scheduled tokens: with speculative decoding, each decoding request's drafts too, accepted or not).",
         "short", _steps("sum(num_ctx_tokens) / count() AS prefill, sum(num_generation_tokens) / count() AS decode"),
         stacked=True))
     d = d.with_panel(series(
-        "Running and waiting", "How many requests are in the batch and how many queue behind it.", "short",
+        "Running and waiting", "How many requests are in the batch and how many queue behind it (those the "
+        "scheduler deferred included, as vllm:num_requests_waiting counts them).", "short",
         _steps("max(running) AS running, max(waiting) AS waiting")))
     d = d.with_panel(right_axis(series(
         "KV cache usage and preemptions", "How full the KV cache is, and whether requests get evicted for it.",

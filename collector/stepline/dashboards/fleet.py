@@ -18,6 +18,7 @@ from stepline.dashboards.panels import (
 )
 from stepline.dashboards.query import PROMETHEUS, ClickHouseQuery, Format, promql
 from stepline.queries.requests import MERGED
+from stepline.queries.steps import generated
 
 UID = "stepline-fleet"
 
@@ -50,11 +51,12 @@ def dashboard(config: AlertConfig) -> db.Dashboard:
         promql('sum by (alertname, severity, engine) (ALERTS{alertstate="firing"})', instant=True),
         w=12, h=5, datasource=PROMETHEUS))
     d = d.with_panel(series(
-        "Generation throughput", "How many output tokens per second each engine produces (from steps).",
+        "Generation throughput", "How many tokens per second each engine generates for requests past their first "
+        "token (from steps; speculative drafts count once accepted, not when scheduled).",
         "suffix: tok/s",
         ClickHouseQuery(per_interval(f"""
             SELECT $__timeInterval_ms(bucket) AS time, engine,
-                   sumIf(num_generation_tokens, NOT is_dummy) / ($__interval_ms / 1000) AS tokens_per_s
+                   {generated("sumIf(num_generation_tokens, NOT is_dummy)")} / ($__interval_ms / 1000) AS tokens_per_s
             FROM steps WHERE {GATE} AND $__timeFilter_ms(bucket) AND {WHERE}
             GROUP BY time, engine"""))))
     d = d.with_panel(grid(

@@ -19,7 +19,7 @@ from stepline.diagnosis.common import (
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span, whole_minutes
 from stepline.model.schema import DECODED, PROMPT_BAND_INDEX, PROMPT_BANDS
-from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT
+from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT, ALONE_TOKENS_PER_STEP
 from stepline.queries.requests import MERGED, PROMPT_BAND
 from stepline.queries.steps import OF_ENGINE, OF_ENGINES
 from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, IN_WINDOW, between
@@ -75,12 +75,16 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
                                 number(step_ms), "")
 
     def read_span(over: Span, engines: list[str]) -> list[tuple[Any, ...]]:
-        return Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)
+        # The hours' projection keeps no sums: tokens a step come from the minutes of the same span.
+        tokens = dict(Query(ALONE_TOKENS_PER_STEP, engines=engines, lo=over.lo, hi=over.hi).rows(reader))
+        return [(*row, number(tokens.get(row[0]), 1.0))
+                for row in Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)]
 
-    for engine, ((_, ms), over) in approximate_rows(read_span, big, window.start, window.end).items():
+    for engine, ((_, ms, tokens), over) in approximate_rows(read_span, big, window.start, window.end).items():
         p10, p50, p90 = (number(v) for v in ms)
-        rates = tuple(1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
-        out[engine] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, over.says)
+        rates = tuple(tokens * 1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
+        says = over.says if tokens == 1 else f"{over.says}; x{tokens:.2f} tokens a decoding request gets a step"
+        out[engine] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, says)
     return out
 
 
@@ -131,7 +135,8 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
         by_band = {str(b[0]): f"{number(b[3]):.1f}..{number(b[4]):.1f} tok/s (p1..p50, {b[2]} req)" for b in bands}
         evidence: dict[str, object] = {
             "alone_tok_s": f"{alone_lo:.1f}..{alone_hi:.1f} (p50 {alone_mid:.1f})", "under_load_by_band": by_band,
-            "alone_from": "steps without prefill and 1-4 decoding requests: 1000 / elapsed_ms",
+            "alone_from": "steps without prefill and 1-4 decoding requests: tokens generated per decoding request "
+                          "x 1000 / elapsed_ms",
             "slow_from": f"{LOAD_SLOWDOWN:g}x below the alone p50"}
         if approximate:
             evidence["alone_quantiles"] = approximate

@@ -271,9 +271,11 @@ def wedged_engine(reader: Reads, window: Window) -> list[Finding]:
                     "budget_from": f"{WEDGE_STEP_MULTIPLE:g}x the slowest of the last {WEDGE_LAST_STEPS} steps, at "
                                    f"least {WEDGE_LAG_SCRAPES:g} scrapes (every {scrape}) + {WEDGE_DELIVERY_S:g}s"}
         if waiting > 0 and stalled_s > budget_s and (gpu_util is None or gpu_util < GPU_IDLE_PCT):
+            # Idle GPUs only where there is a reading: a CPU engine, or one whose NVML is down, has none to say so.
+            gpus = "no GPU readings" if gpu_util is None else "GPUs idle"
             findings.append(Finding(
                 "wedged_engine", "critical", engine, last, window.end,
-                clip(f"{waiting} waiting, no step for {stalled_s:.0f}s (budget {budget_s:.0f}s), GPUs idle"),
+                clip(f"{waiting} waiting, no step for {stalled_s:.0f}s (budget {budget_s:.0f}s), {gpus}"),
                 evidence, query.literal(),
                 "the engine holds requests but schedules nothing: look for leaked slots (client disconnects), "
                 "then restart the engine", stalled_s))

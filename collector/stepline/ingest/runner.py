@@ -91,6 +91,7 @@ class Runner:
         self._error_log = RateLimitedLog(log, interval_s=30.0)
         self._skew_log = RateLimitedLog(log, interval_s=60.0)
         self._last_error: dict[str, str] = {}
+        self._last_reason: dict[str, str] = {}  # source -> the kind of its latest failure, while it fails
         self._last_counts: dict[str, dict[str, int]] = {}
 
     def start(self) -> None:
@@ -145,7 +146,7 @@ class Runner:
             ok = True
         except SourceError as exc:
             retry_in_s = source.retry_in_s() if isinstance(source, Retrying) else 0.0
-            self._failed(name, str(exc), traceback=False, retry_in_s=retry_in_s)
+            self._failed(name, str(exc), traceback=False, retry_in_s=retry_in_s, reason=exc.reason)
         except Exception as exc:  # a bug in one source must not stop the others
             self._failed(name, f"{type(exc).__name__}: {exc}", traceback=True)
         self._metrics.source_seconds.labels(name).set(time.perf_counter() - started)
@@ -158,6 +159,7 @@ class Runner:
         if ok and name in self._last_error:
             log.info("source %s recovered", name)
             self._metrics.source_last_error.remove(name, _error_label(self._last_error.pop(name)))
+            self._metrics.source_failure.remove(name, self._last_reason.pop(name))
         return ok
 
     def _in_range(self, name: str, rows: list[Row]) -> tuple[list[Row], int]:
@@ -189,8 +191,17 @@ class Runner:
                 self._metrics.source_counts.labels(name, counter).inc(value - last.get(counter, 0))
             last[counter] = value
 
-    def _failed(self, name: str, message: str, *, traceback: bool, retry_in_s: float = 0.0) -> None:
+    def _failed(self, name: str, message: str, *, traceback: bool, retry_in_s: float = 0.0,
+                reason: str = "error") -> None:
         self._metrics.source_errors.labels(name).inc()
+        # One series per source, its latest failure's kind: EngineGone pages a refused engine at once, a timeout
+        # waits EngineDown's patience.
+        previous_reason = self._last_reason.get(name)
+        if previous_reason != reason:
+            if previous_reason is not None:
+                self._metrics.source_failure.remove(name, previous_reason)
+            self._last_reason[name] = reason
+            self._metrics.source_failure.labels(name, reason).set(1)
         previous = self._last_error.get(name)
         first = previous != message
         self._last_error[name] = message

@@ -69,6 +69,12 @@ class Step(NamedTuple):
     is_dummy: bool
 
 
+# The finish reason of a request no report gave one for (vLLM's spans carry none). `requests` merges a request's
+# reports by max: "(" sorts below every letter and digit, so a reason another report gives wins over this one, and
+# this one over the "" of a report that says nothing.
+UNKNOWN_FINISH_REASON = "(unknown)"
+
+
 class Request(NamedTuple):
     """One finished request; ts is when it finished, arrival_ts when it reached the server."""
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from stepline.model.rows import UNKNOWN_FINISH_REASON
+
 # Bump when a table changes shape; `Store` refuses a store that holds a newer version. Comments are not shape:
 # `Store` gives any store today's comments, so an older stepline can still open a store a newer one described.
 # 2: `requests` became an AggregatingMergeTree keyed by (host, engine, request_id) that merges the plugin's and
@@ -162,7 +164,7 @@ STEPS_BASELINES_PER_HOUR = Projection("steps_baselines_per_hour",
 # Steps in which requests waited while some running requests were not scheduled: leaked_slots reads the steps of the
 # engines that had any, not of every engine (the last 6 h of a day of 64 engines: 62M steps, 0.45 s; a healthy
 # engine schedules every running request while others wait, unless its budget is spent). A projection of its own:
-# the others' definitions are those stores already hold.
+# the others' definitions are those stores already hold. `waiting` counts deferred requests too (the steps table).
 UNSCHEDULED_WHILE_WAITING = "countIf(waiting > 0 AND toInt64(running) > num_generation_requests + num_ctx_requests)"
 STEPS_UNSCHEDULED_PER_MINUTE = Projection("steps_unscheduled_per_minute",
                                           ("host", "engine", "engine_index", "toStartOfMinute(ts)"),
@@ -297,14 +299,21 @@ TABLES: tuple[Table, ...] = (
             Column("num_generation_requests", COUNT, "Requests that decoded in the step "
                    "(SchedulerIterationDetails.num_generation_requests); 0 without iteration details. The timeline "
                    "view and `stepline timeline` call it decoding."),
-            Column("num_generation_tokens", COUNT, "Tokens generated in the step, summed over its requests "
-                   "(SchedulerIterationDetails.num_generation_tokens; IterationStats.num_generation_tokens without "
-                   "iteration details)."),
+            Column("num_generation_tokens", COUNT, "With iteration details, the tokens scheduled in the step for "
+                   "the requests past their prefill (SchedulerIterationDetails.num_generation_tokens): with "
+                   "speculative decoding each one's drafts too, accepted or not. Tokens generated are "
+                   "num_generation_tokens - (spec_num_draft_tokens - spec_num_accepted_tokens) "
+                   "(stepline.queries.steps.GENERATED). Without iteration details (elapsed_ms NaN), the tokens "
+                   "generated (IterationStats.num_generation_tokens)."),
             Column("running", COUNT, "Requests running after the step (SchedulerStats.num_running_reqs)."),
-            Column("waiting", COUNT, "Requests waiting to be scheduled after the step "
-                   "(SchedulerStats.num_waiting_reqs)."),
-            Column("skipped_waiting", COUNT, "Waiting requests the scheduler passed over in the step "
-                   "(SchedulerStats.num_skipped_waiting_reqs)."),
+            Column("waiting", COUNT, "Requests waiting to be scheduled after the step, deferred ones included, as "
+                   "vllm:num_requests_waiting counts them: SchedulerStats.num_waiting_reqs (which leaves the deferred "
+                   "out) + num_skipped_waiting_reqs (older collectors stored num_waiting_reqs alone)."),
+            Column("skipped_waiting", COUNT, "Of `waiting`, the requests the scheduler deferred: passed over for a "
+                   "transient constraint (LoRA budget, KV transfer, output still in flight) or a blocked status "
+                   "(structured-output grammar, remote KVs, streaming input); SchedulerStats.num_skipped_waiting_reqs, "
+                   "vllm:num_requests_waiting_by_reason{reason='deferred'}. waiting - skipped_waiting wait for "
+                   "capacity."),
             Column("kv_cache_usage", SMALL_GAUGE, "Share of the KV cache in use after the step, 0-1 fraction "
                    "(SchedulerStats.kv_cache_usage)."),
             Column("prefix_cache_queries", COUNT, "Prompt tokens looked up in the prefix cache in the step "
@@ -348,8 +357,10 @@ TABLES: tuple[Table, ...] = (
             Column("engine", DIM, f"Engine name: {_PLUGIN_ENGINE}; for spans, the resource attribute "
                    "stepline.engine, else service.name."),
             Column("engine_index", merged("UInt16"), "vLLM's engine index (data-parallel rank); 0 for OTLP spans."),
-            Column("model_name", merged(DIM), "The served model: the engine's configuration (plugin), or "
-                   "gen_ai.response.model, else gen_ai.request.model (OTLP); the larger where both name one."),
+            Column("model_name", merged(DIM), "The served model: the engine's configuration (plugin); for a span, "
+                   "gen_ai.response.model, else the engine's model as the collector knows it (its plugin's "
+                   "engine_config, its /metrics' model_name label; vLLM's spans name no model), else "
+                   "gen_ai.request.model; the larger where two differ."),
             Column("request_id", "String", "vLLM's request id (FinishedRequestStats.request_id; gen_ai.request.id), "
                    "built from the client's X-Request-Id where it sent one: not unique, since retries reuse it; "
                    "(engine, request_id, arrival_ts) is."),
@@ -357,8 +368,10 @@ TABLES: tuple[Table, ...] = (
                    "cached_tokens and preemptions are then vLLM's), 'otlp' when only an OTLP span did. A request "
                    "both report is one row with the fields of both (read it with FINAL)."),
             Column("finish_reason", merged(DIM), "Why it finished: stop, length, abort, error or repetition "
-                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons); '' when "
-                   "no report said."),
+                   "(FinishedRequestStats.finish_reason; the first of gen_ai.response.finish_reasons); "
+                   f"'{UNKNOWN_FINISH_REASON}' when no report said which: a span without the attribute (vLLM's "
+                   "never carry it) and no plugin report, or a reason the plugin does not know. It sorts below "
+                   "every reason, so that a report's reason wins the merge."),
             Column("arrival_ts", TIME, "When the request reached the server: ts less e2e_seconds (plugin), or the "
                    "span's start (OTLP), as its first report gave it; UTC, microseconds. Part of the key: requests "
                    "that share a request_id are told apart by it."),

@@ -4,8 +4,8 @@ Transport: a Unix datagram socket, non-blocking. Chosen over UDP on loopback bec
 is visible to the sender: no listener is an immediate error, a full receive queue is EAGAIN. UDP
 would drop silently in both cases, and a plugin that cannot count its drops hides the very stalls
 stepline exists to show. `record()` encodes and appends to the open batch; batches of up to 60 KB are
-sealed every `flush_interval_s` (at once when the engine goes idle: 0 running, 0 waiting) and sent by
-the outbox's own thread (outbox.py), which waits for the socket when the sidecar's short queue
+sealed every `flush_interval_s` (at once when the engine goes idle: 0 running, 0 waiting, 0 deferred) and
+sent by the outbox's own thread (outbox.py), which waits for the socket when the sidecar's short queue
 (net.unix.max_dgram_qlen) is full, so a backlog drains whether or not vLLM still calls.
 
 Steps. With `--enable-logging-iteration-details` every engine iteration carries its details (its index,
@@ -136,8 +136,12 @@ class PluginCore:
                 step = self._step(ts, scheduler_stats, iteration_stats, engine_idx)
                 if step is not None:
                     records.append(step)
-                # The engine just went idle: what it did last goes out now, not a flush interval later.
-                idle = scheduler_stats.num_running_reqs == 0 and scheduler_stats.num_waiting_reqs == 0
+                # The engine just went idle: what it did last goes out now, not a flush interval later. Deferred
+                # waiters are not in num_waiting_reqs (vLLM 0.33 vllm/v1/core/sched/scheduler.py:3287-3292,
+                # Scheduler.make_stats: num_waiting_reqs = num_waiting - num_deferred, num_skipped_waiting_reqs =
+                # num_deferred); an engine holding them is not idle.
+                idle = (scheduler_stats.num_running_reqs == 0 and scheduler_stats.num_waiting_reqs == 0
+                        and not getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
             if iteration_stats is not None:
                 for finished in iteration_stats.finished_requests:
                     records.append(self._request(ts, finished, engine_idx))
@@ -184,6 +188,8 @@ class PluginCore:
             self._iteration[engine_idx] = iteration
             self._details = True
             flags = (wire.STEP_DUMMY if details.is_dummy else 0) | wire.STEP_HAS_DETAILS
+            # num_generation_tokens here is scheduled, drafts included; readers derive the tokens generated from it
+            # and the step's spec-decode counts (stepline.queries.steps.GENERATED).
             work = (details.elapsed_ms, details.num_ctx_requests, details.num_ctx_tokens,
                     details.num_generation_requests, details.num_generation_tokens)
         elif self._details:

@@ -82,7 +82,9 @@ class Header(NamedTuple):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine iteration; elapsed_ms is NaN when vLLM gave no iteration details."""
+    """One engine iteration; elapsed_ms is NaN when vLLM gave no iteration details. `waiting` and `skipped_waiting`
+    are vLLM's num_waiting_reqs and num_skipped_waiting_reqs, apart: the first leaves out the deferred waiters the
+    second counts (the `steps` row's `waiting` is their sum)."""
 
     ts: float
     iteration: int

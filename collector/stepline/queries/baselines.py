@@ -9,7 +9,7 @@ expression: https://clickhouse.com/docs/data-modeling/projections).
 
 from __future__ import annotations
 
-from stepline.queries.steps import OF_ENGINES
+from stepline.queries.steps import GENERATED, OF_ENGINES
 from stepline.queries.window import ENGINES
 
 # Decode-only steps: no prefill token, something decoding. Alone: no prefill and 1-4 decoding requests, what one
@@ -37,19 +37,33 @@ FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
-# engine, [rate p10, p50, p90] of its steps alone (tokens/s per decoding request), their step p50 (ms)
+# engine, [rate p10, p50, p90] of its steps alone (tokens generated/s per decoding request: with speculative decoding
+# a request gets 1 + its accepted drafts a step), their step p50 (ms)
 ALONE_EXACT = f"""
-SELECT engine, quantilesExact(0.1, 0.5, 0.9)(1000 / elapsed_ms), quantileExact(0.5)(elapsed_ms)
+SELECT engine, quantilesExact(0.1, 0.5, 0.9)({GENERATED} / num_generation_requests * 1000 / elapsed_ms),
+       quantileExact(0.5)(elapsed_ms)
 FROM steps
 WHERE {OF_ENGINES}
   AND {ALONE}
 GROUP BY engine
 """
 # engine, [step time p10, p50, p90] (ms) of its steps alone: the caller inverts them into rates (p10 of rate = p90
-# of time)
+# of time), times ALONE_TOKENS_PER_STEP
 ALONE_APPROXIMATE = f"""
 WITH toStartOfMinute(ts) AS bucket
 SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE})
+FROM steps
+WHERE {_WHOLE_MINUTES}
+GROUP BY engine
+"""
+# engine, tokens generated per decoding request a step over whole minutes [lo, hi) of the per-minute projection (its
+# sums): 1 + accepted drafts / decoding requests, the requests being the tokens scheduled less the drafts
+# (queries.steps.GENERATED). 1 without speculative decoding. Over all the engine's steps, alone or not (the
+# projection keeps no sums of the steps alone), and a mean: the approximate rates' spread is their step times'.
+ALONE_TOKENS_PER_STEP = f"""
+WITH toStartOfMinute(ts) AS bucket
+SELECT engine, 1 + sum(spec_num_accepted_tokens)
+                   / greatest(toInt64(sum(num_generation_tokens)) - sum(spec_num_draft_tokens), 1)
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine

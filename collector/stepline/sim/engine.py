@@ -229,6 +229,8 @@ class Simulation:
             num_ctx_requests=len(batch.prefills),
             num_ctx_tokens=batch.prefill_tokens,
             num_generation_requests=len(batch.decodes),
+            # Scheduled, as vLLM 0.33 counts them: 1 + its drafts per decoding request, accepted or not
+            # (vllm/v1/utils.py:854-862 sums num_scheduled_tokens; vllm/v1/core/sched/scheduler.py:839-843).
             num_generation_tokens=len(batch.decodes) + batch.draft_tokens,
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),

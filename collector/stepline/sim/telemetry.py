@@ -128,7 +128,6 @@ class Telemetry:
                 OTLPSpanExporter(endpoint=f"{otlp_endpoint.rstrip('/')}/v1/traces"), max_queue_size=65_536,
             ))
         self._tracer = self._provider.get_tracer("stepline.sim") if self._provider else None
-        self._model = config.model
         self._closed = threading.Event()
         self._logger: threading.Thread | None = None
         if self.plugin is not None:
@@ -155,8 +154,8 @@ class Telemetry:
         span = self._tracer.start_span(
             "llm_request", kind=SpanKind.SERVER, start_time=round(r.arrival_ts * 1e9),
             attributes={
+                # What vLLM 0.33 sets (vllm/v1/engine/output_processor.py:964-993): no model, no finish reason.
                 "gen_ai.request.id": r.request_id,
-                "gen_ai.response.model": self._model,
                 "gen_ai.usage.prompt_tokens": r.num_prompt_tokens,
                 "gen_ai.usage.completion_tokens": r.num_generation_tokens,
                 "gen_ai.request.max_tokens": r.max_tokens_param,

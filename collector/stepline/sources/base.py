@@ -14,7 +14,15 @@ Emit = Callable[[Iterable[Row]], object]
 
 
 class SourceError(RuntimeError):
-    """A poll failed; the message is one line naming the source's problem."""
+    """A poll failed; the message is one line naming the source's problem, `reason` its kind in one word (the
+    runner exports it as `stepline_source_failure_info{source, reason}`): for a scrape, `refused` (nothing listens:
+    the process is gone or not started), `gone` (the connection closed without an answer: it died mid-answer),
+    `timeout`, `unreachable` (no such host, no route), `http` (an error status), `invalid` (no exposition);
+    `error` when nothing more is known."""
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Source(Protocol):
@@ -72,6 +80,30 @@ class EngineProcesses:
         return ""
 
 
+class EngineModels:
+    """Which model each engine serves, by engine name, as the collector learns it: the plugin's engine_config, the
+    model_name label of the engine's /metrics, and at start what the store's engine_config events say. The plugin
+    receiver names its rows from it; the OTLP receiver names the requests whose spans do not (vLLM's never do)."""
+
+    def __init__(self) -> None:
+        # One dict, read on the receivers' hot paths: a single get or set needs no lock under the GIL.
+        self._models: dict[str, str] = {}
+
+    def announce(self, engine: str, model: str) -> None:
+        """What the engine says it serves now (an engine restarted with another model says so)."""
+        self._models[engine] = model
+
+    def remember(self, models: Mapping[str, str]) -> None:
+        """What engines announced before this collector started; what they announced since stays."""
+        for engine, model in models.items():
+            if model:
+                self._models.setdefault(engine, model)
+
+    def model_of(self, engine: str) -> str:
+        """The engine's model, or "" when none has been announced."""
+        return self._models.get(engine, "")
+
+
 @dataclass(frozen=True)
 class SourceContext:
     """Everything a source may need from the collector."""
@@ -79,6 +111,7 @@ class SourceContext:
     host: str
     clock: Clock
     engine_processes: EngineProcesses = field(default_factory=EngineProcesses)
+    engine_models: EngineModels = field(default_factory=EngineModels)
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""Source: an OTLP/HTTP trace receiver; vLLM's `llm_request` spans become `requests` rows.
+"""Source: an OTLP/HTTP trace receiver; vLLM's `llm_request` spans become `requests` rows, named with their engine's
+model as the collector knows it (SourceContext.engine_models: vLLM's spans name none).
 
 OTLP/gRPC is not served (grpcio is a heavy dependency): run vLLM with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf.
 """
@@ -196,7 +197,7 @@ class OtlpReceiver(Address):
             return self._busy(media_type)
         try:
             payload = inflate(body, headers.get("Content-Encoding", ""), self.max_body_bytes)
-            decoded = decode(payload, media_type, self._ctx.host)
+            decoded = decode(payload, media_type, self._ctx.host, self._ctx.engine_models.model_of)
         except BodyTooLarge as exc:
             return self._refuse(413, str(exc), media_type)
         except OtlpDecodeError as exc:

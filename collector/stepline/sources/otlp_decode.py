@@ -1,11 +1,19 @@
 """OTLP/HTTP trace payloads to rows: inflate with a cap, parse, map vLLM's `llm_request` spans to `Request` rows
-and gateways' decision spans (stepline.gateway.decisions) to `GatewayDecision` rows."""
+and gateways' decision spans (stepline.gateway.decisions) to `GatewayDecision` rows.
+
+What vLLM's span says (vLLM 0.33, vllm/v1/engine/output_processor.py:941-1000, `do_tracing`): gen_ai.request.id,
+the gen_ai.usage token counts, the gen_ai.latency.* times and, when set, gen_ai.request.top_p, max_tokens,
+temperature and n. No model and no finish reason: vllm/tracing/utils.py:28 defines gen_ai.response.model and
+nothing in vLLM sets it; gen_ai.request.model and gen_ai.response.finish_reasons it does not define. A request
+only a span reported is named with its engine's model as the collector knows it (`model_of`), and its finish
+reason is UNKNOWN_FINISH_REASON; both attributes are still read from other senders' spans.
+"""
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
@@ -20,7 +28,7 @@ from stepline.gateway.decisions import (
     text_cut,
     to_decision,
 )
-from stepline.model.rows import GatewayDecision, Request
+from stepline.model.rows import UNKNOWN_FINISH_REASON, GatewayDecision, Request
 
 SPAN_NAME = "llm_request"
 PROTOBUF = "application/x-protobuf"
@@ -133,12 +141,17 @@ def parse(body: bytes, media_type: str) -> ExportTraceServiceRequest:
     return message
 
 
-def decode(body: bytes, media_type: str, host: str) -> Decoded:
-    """Rows for the `llm_request` spans of one (inflated) export request; raises OtlpDecodeError only."""
-    return to_rows(parse(body, media_type), host)
+def _no_model(engine: str) -> str:
+    return ""
 
 
-def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
+def decode(body: bytes, media_type: str, host: str, model_of: Callable[[str], str] = _no_model) -> Decoded:
+    """Rows for the `llm_request` spans of one (inflated) export request; raises OtlpDecodeError only.
+    `model_of`: an engine's model by its name ("" when not known), for spans that name none."""
+    return to_rows(parse(body, media_type), host, model_of)
+
+
+def to_rows(message: ExportTraceServiceRequest, host: str, model_of: Callable[[str], str] = _no_model) -> Decoded:
     """Rows for the `llm_request` and decision spans of a parsed export request; other spans are counted as
     ignored."""
     out = Decoded()
@@ -153,7 +166,7 @@ def to_rows(message: ExportTraceServiceRequest, host: str) -> Decoded:
                 try:
                     if span.name == SPAN_NAME:
                         out.rows.append(_request({kv.key: kv.value for kv in span.attributes}, start, end, engine,
-                                                 host))
+                                                 host, model_of))
                         continue
                     _check_interval("decision", start, end)
                     gateway = engine if engine != DEFAULT_ENGINE else DEFAULT_GATEWAY
@@ -184,7 +197,8 @@ def engine_name(resource: Iterable[KeyValue]) -> str:
     return service if service and not service.startswith("unknown_service") else DEFAULT_ENGINE
 
 
-def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str, host: str) -> Request:
+def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str, host: str,
+             model_of: Callable[[str], str]) -> Request:
     request_id = _text(attrs.get("gen_ai.request.id"))
     if not request_id:
         raise SpanRejected("a span without gen_ai.request.id")
@@ -196,17 +210,23 @@ def _request(attrs: dict[str, AnyValue], start_ns: int, end_ns: int, engine: str
     prompt_tokens = _count(attrs, "gen_ai.usage.prompt_tokens", where)
     generation_tokens = _count(attrs, "gen_ai.usage.completion_tokens", where)
     decode_s = latencies["decode_seconds"]
-    model_key = "gen_ai.response.model" if _text(attrs.get("gen_ai.response.model")) else "gen_ai.request.model"
+    # The model the response names, else the one its engine serves (what the plugin's rows of it carry), else the one
+    # the request asked for.
+    model = _check_name(_text(attrs.get("gen_ai.response.model")), "gen_ai.response.model", where)
+    if not model:
+        model = model_of(engine) or _check_name(_text(attrs.get("gen_ai.request.model")), "gen_ai.request.model",
+                                                where)
+    reason = _check_name(_first_text(attrs.get("gen_ai.response.finish_reasons")), "gen_ai.response.finish_reasons",
+                         where)
     return Request(
         ts=_micros(end_ns),
         host=host,
         engine=engine,
         engine_index=0,
-        model_name=_check_name(_text(attrs.get(model_key)), model_key, where),
+        model_name=model,
         request_id=request_id,
         source="otlp",
-        finish_reason=_check_name(_first_text(attrs.get("gen_ai.response.finish_reasons")),
-                                  "gen_ai.response.finish_reasons", where),
+        finish_reason=reason or UNKNOWN_FINISH_REASON,
         arrival_ts=_micros(start_ns),
         mean_tpot_seconds=decode_s / (generation_tokens - 1) if generation_tokens > 1 else math.nan,
         prompt_tokens=prompt_tokens,

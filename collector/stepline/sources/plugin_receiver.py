@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.model.rows import Event, Request, Row, Step, micros
+from stepline.model.rows import UNKNOWN_FINISH_REASON, Event, Request, Row, Step, micros
 from stepline.plugin import wire
 from stepline.plugin.config import model_name
 from stepline.sources.base import Emit, SourceContext
@@ -42,7 +42,8 @@ LOSS_EVENT_INTERVAL_S = 60.0  # per engine, at most one plugin_data_lost event i
 MAX_SENDERS = 4_096
 
 _STEP, _REQUEST, _HAS_DETAILS, _DUMMY = wire.STEP_RECORD, wire.REQUEST_RECORD, wire.STEP_HAS_DETAILS, wire.STEP_DUMMY
-_REASONS = wire.FINISH_REASONS
+_REASONS = (UNKNOWN_FINISH_REASON, *wire.FINISH_REASONS[1:])  # code 0: a reason the plugin did not know
+_U32 = wire.U32
 _new_step = Step._make
 _new_request = Request._make
 
@@ -82,20 +83,13 @@ class PluginReceiver:
         self._lock = threading.Lock()
         # Least recently heard first: the one to forget when full.
         self._senders: OrderedDict[tuple[str, int, int], _Sender] = OrderedDict()
-        self._models: dict[str, str] = {}
+        self._models = ctx.engine_models  # shared with the OTLP receiver, which names its requests from it
         self._bad_log = RateLimitedLog(log, interval_s=30.0)
         self._auth_log = RateLimitedLog(log, interval_s=60.0)
         self._told_at: OrderedDict[str, float] = OrderedDict()
         self._untold: dict[str, _Untold] = {}
         self.counts = {"datagrams": 0, "malformed": 0, "unauthorized": 0, "steps": 0, "requests": 0,
                        "lost_datagrams": 0, "plugin_dropped_records": 0, "evicted_senders": 0, "resumed_senders": 0}
-
-    def remember_models(self, models: dict[str, str]) -> None:
-        """Model names engines announced before this start (their engine_config is sent once, at engine start):
-        a collector restarted beside a running engine still names its steps and requests."""
-        with self._lock:
-            for engine, model in models.items():
-                self._models.setdefault(engine, model)
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
@@ -208,18 +202,22 @@ class PluginReceiver:
     def _records(self, data: bytes, offset: int, engine: str) -> tuple[list[Row], int, int]:
         """Rows built straight from the wire's fields (the collector's hot path); and how many steps and requests."""
         host = self._ctx.host
-        model = self._models.get(engine, "")
+        model = self._models.model_of(engine)
         rows: list[Row] = []
         append = rows.append
         steps = requests = 0
         nan = math.nan
         for kind, f, first, second in wire.iter_records(data, offset):
             if kind == _STEP:
-                # Step's columns follow the wire's field order from elapsed_ms to spec_num_accepted_tokens.
+                # Step's columns follow the wire's field order from elapsed_ms to spec_num_accepted_tokens, but for
+                # `waiting`: the wire carries vLLM's num_waiting_reqs (f[9]), which leaves out the deferred waiters
+                # it counts in num_skipped_waiting_reqs (f[10]) (vLLM 0.33 vllm/v1/core/sched/scheduler.py:3287-3292);
+                # the column holds both, as vllm:num_requests_waiting does (vllm/v1/metrics/loggers.py:1150-1154);
+                # a UInt32 column, whatever two counts a datagram claims.
                 flags = f[18]
                 append(_new_step((round(f[0] * 1_000_000), host, engine, f[2], model, f[1],
-                                  f[3] if flags & _HAS_DETAILS else nan, *f[4:18], first, second,
-                                  bool(flags & _DUMMY))))
+                                  f[3] if flags & _HAS_DETAILS else nan, *f[4:9], min(f[9] + f[10], _U32),
+                                  *f[10:18], first, second, bool(flags & _DUMMY))))
                 steps += 1
             elif kind == _REQUEST:
                 ts, e2e, decode = f[0], f[2], f[6]
@@ -232,7 +230,7 @@ class PluginReceiver:
                 requests += 1
             else:
                 model = model_name(first)  # the served name, as /metrics labels it; the path stays in the event
-                self._models[engine] = model
+                self._models.announce(engine, model)
                 append(_config_event(first, host, engine, self._ctx.clock.time()))
         return rows, steps, requests
 

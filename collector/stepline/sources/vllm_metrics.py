@@ -3,7 +3,10 @@ Prometheus endpoint's scrape shares (reset-safe deltas, up/down/restart events),
 
 from __future__ import annotations
 
+import errno
+import http.client
 import math
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -41,7 +44,7 @@ def http_fetch(url: str, timeout_s: float, token: str | None = None) -> tuple[st
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         body = response.read(MAX_EXPOSITION_BYTES + 1)
         if len(body) > MAX_EXPOSITION_BYTES:
-            raise SourceError(f"{url} answered with more than {MAX_EXPOSITION_BYTES >> 20} MiB")
+            raise SourceError(f"{url} answered with more than {MAX_EXPOSITION_BYTES >> 20} MiB", "invalid")
         return str(response.headers.get("Content-Type", "")), body
 
 
@@ -144,8 +147,11 @@ class Scraper:
         """Scrape once."""
         try:
             content_type, body = self._fetch(self.url, self._timeout_s)
-        except (urllib.error.URLError, OSError, SourceError) as exc:
-            self._down(emit, f"{self.subject} {self.target} unreachable at {self.url}: {_reason(exc)}")
+        except SourceError as exc:
+            self._down(emit, f"{self.subject} {self.target} unreachable at {self.url}: {exc}", exc.reason)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            self._down(emit, f"{self.subject} {self.target} unreachable at {self.url}: {_reason(exc)}",
+                       failure_kind(exc))
         else:
             self.ingest(body, self._ctx.clock.time(), emit, content_type)
 
@@ -153,12 +159,12 @@ class Scraper:
         """Turn one exposition taken at `ts` into rows (also the entry point of fast replay)."""
         if "html" in content_type.lower():
             self._down(emit, f"{self.subject} {self.target} answered {self.url} with {content_type}, not "
-                             "Prometheus text")
+                             "Prometheus text", "invalid")
         try:
             samples, start_time = parse_exposition(body.decode("utf-8", errors="replace"), self.prefixes,
                                                    self.serving)
         except ExpositionError as exc:
-            self._down(emit, f"{self.subject} {self.target} at {self.url}: {exc}")
+            self._down(emit, f"{self.subject} {self.target} at {self.url}: {exc}", "invalid")
         rows = self._rows(samples, start_time, ts, emit)
         if self._state.up is not True:
             self._state.up = True
@@ -212,11 +218,11 @@ class Scraper:
         return EngineSample(stamp, self._ctx.host, self.target, s.labels.get("engine", ""),
                             s.labels.get("model_name", context), s.metric, s.kind, labels, s.value, delta)
 
-    def _down(self, emit: Emit, message: str) -> NoReturn:
+    def _down(self, emit: Emit, message: str, reason: str) -> NoReturn:
         if self._state.up is not False:
             self._state.up = False
             emit([self._event(self._ctx.clock.time(), f"{self.subject}_down", "critical", message)])
-        raise SourceError(message)
+        raise SourceError(message, reason)
 
     def _event(self, ts: float, kind: str, severity: str, message: str) -> Event:
         engine, named = self._event_subject()
@@ -239,9 +245,34 @@ class VllmMetricsSource(Scraper):
     def engine(self) -> str:
         return self.target
 
+    def _context(self, samples: list[ParsedSample]) -> str:
+        model = super()._context(samples)
+        if model:  # the served name, as the plugin's engine_config gives it: for requests only a span reported
+            self._ctx.engine_models.announce(self.target, model)
+        return model
+
 
 def _key(sample: ParsedSample) -> SeriesKey:
     return sample.metric, tuple(sorted(sample.labels.items()))
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A failed fetch's kind (SourceError.reason): `refused` and `gone` say the process is not there to answer, a
+    `timeout` that it may be there and busy, or hung."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return "http"
+    cause = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(cause, ConnectionRefusedError):
+        return "refused"
+    # Closed without an answer (RemoteDisconnected is a ConnectionResetError), or cut off in the body.
+    if isinstance(cause, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead)):
+        return "gone"
+    if isinstance(cause, TimeoutError):  # socket.timeout is TimeoutError
+        return "timeout"
+    if isinstance(cause, socket.gaierror) or (isinstance(cause, OSError) and cause.errno in (
+            errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL)):
+        return "unreachable"
+    return "error"
 
 
 def _reason(exc: BaseException) -> str:

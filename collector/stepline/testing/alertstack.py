@@ -85,11 +85,12 @@ def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str) -> 
 
 
 class AlertStack:
-    """Prometheus scraping a collector's /metrics every `scrape_s` and evaluating the rules of `cfg` as often,
-    Alertmanager routing to `webhook` with 1 s group waits; `stop()` ends both."""
+    """Prometheus scraping a collector's /metrics every `scrape_s` and evaluating the rules of `cfg` at their groups'
+    intervals, Alertmanager routing to `webhook` with 1 s group waits (`generated_waits`: the generated config's own,
+    as deployed); `stop()` ends both."""
 
     def __init__(self, cfg: AlertConfig, webhook: Webhook, metrics_port: int, workdir: Path, *,
-                 scrape_s: float = 1.0) -> None:
+                 scrape_s: float = 1.0, generated_waits: bool = False) -> None:
         if not (PROMETHEUS and ALERTMANAGER):
             raise RuntimeError("needs Debian's prometheus and prometheus-alertmanager on PATH")
         self.webhook = webhook
@@ -97,7 +98,7 @@ class AlertStack:
         (workdir / "rules.yaml").write_text(yamlout.dump(rule_groups(cfg)))
         am = alertmanager(cfg)
         route = cast(dict[str, Any], am["route"])
-        for r in (route, *route["routes"]):
+        for r in (route, *route["routes"]) if not generated_waits else ():
             r.update(group_wait="1s", group_interval="1s")
         (workdir / "alertmanager.yaml").write_text(yamlout.dump(am))
         interval = f"{scrape_s:g}s"

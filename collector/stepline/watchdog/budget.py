@@ -59,6 +59,8 @@ class Policy:
     slow_min_ms: float = 250.0  # steps faster than this are never called slow
     down_after_s: float = 120.0  # a scraped engine with no row at all this long is down
     scrape_resolution: float = 2.0  # scrape intervals added to the budget of an engine with no steps
+    plugin_silent_after_s: float = 30.0  # counters moving this long with no plugin step: a silent plugin (silence.py)
+    plugin_delivery_s: float = 5.0  # a step run before a scrape reaches the collector within this
 
 
 class StepCosts:
@@ -158,6 +160,7 @@ class EngineModel:
     down_since: float | None = None
     down_message: str = ""
     has_steps: bool = False
+    plugin_silent: bool = False  # steps have stopped while /metrics moves (silence.py): judged as if scraped only
     last_scrape: float | None = None
     previous_scrape: float | None = None  # the scrape before last_scrape
     scrape_interval_s: float = 0.0
@@ -194,6 +197,7 @@ class EngineModel:
         self.has_steps = True
         index = str(s.engine_index)
         if ts >= self.queue.get(index, (0.0, 0, 0))[0]:  # a late batch's step must not undo a newer gauge
+            # Deferred requests included in both (the steps table's `waiting`, vllm:num_requests_waiting): queued work.
             self.queue[index] = (ts, s.waiting, s.running)
         if ts >= self.kv.get(index, (0.0, 0.0))[0]:
             self.kv[index] = (ts, s.kv_cache_usage)
@@ -310,7 +314,7 @@ class EngineModel:
         expected_ms = self.costs.predict_ms(prefill, decoding) if in_flight else self.costs.coefficients()[0]
         if in_flight:
             expected_ms = max(expected_ms, self.last_elapsed_ms)
-        resolution = 0.0 if self.has_steps else p.scrape_resolution * self.scrape_interval_s
+        resolution = 0.0 if self.has_steps and not self.plugin_silent else p.scrape_resolution * self.scrape_interval_s
         core = min(p.ceiling_s, max(p.floor_s, p.safety_factor * expected_ms / 1000))
         budget = core + resolution
         age = max(0.0, now - (self.last_progress if self.last_progress is not None else self.first_seen))

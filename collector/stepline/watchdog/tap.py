@@ -5,7 +5,9 @@ path, so it only files rows), the timer thread that assesses each engine, export
 the collector's /metrics, puts an `engine_state` event on the timeline at each change, and keeps
 each engine's top finding (the diagnosis of its last few minutes) fresh: at once when its state
 changes, every few seconds while it has work in flight, and now and then while idle, until the
-finding has aged out of the window. A page that fires names the cause it has at that moment.
+finding has aged out of the window. A page that fires names the cause it has at that moment. It also tells when a
+scraped engine works while its plugin sends nothing (`silence`): a `plugin_silent` event and
+`stepline_engine_plugin_silent_seconds`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from stepline.model.rows import (
     micros,
 )
 from stepline.store.reads import Reads
-from stepline.watchdog.budget import STATES, Assessment, EngineModel, Policy
+from stepline.watchdog.budget import PROGRESS_COUNTERS, STATES, Assessment, EngineModel, Policy
+from stepline.watchdog.silence import PluginSilence, resumed_event, silent_event
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +82,11 @@ class Watchdog:
                  policy: Policy | None = None, interval_s: float = 1.0,
                  reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_findings,
                  diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0,
-                 lane_budgets: dict[str, float] | None = None) -> None:
+                 lane_budgets: dict[str, float] | None = None, expect_plugin: bool = False) -> None:
         """`lane_budgets`: lane -> the least stall budget (seconds) of the engines a gateway sends that lane to; a
-        lane that is slow by design (monsters pinned to it) gets room, while its crashes and refusals (EngineDown)
-        page as on any lane."""
+        lane that is slow by design (monsters pinned to it) gets room, while its crashes and refusals (EngineGone)
+        page as on any lane. `expect_plugin`: the collector receives plugin steps, so a scraped engine whose counters
+        move without them has a silent plugin (`silence.py`)."""
         self._metrics = metrics
         self._emit = emit
         self._host = host
@@ -109,6 +113,9 @@ class Watchdog:
         self._lane_budgets = dict(lane_budgets or {})
         self._lanes: dict[str, tuple[str, str]] = {}  # engine -> (gateway, lane) of its latest decision
         self._in_flight: dict[tuple[str, str, str], tuple[float, float]] = {}  # (gateway, engine, source) -> ts, n
+        self._expect_plugin = expect_plugin
+        self._silence = PluginSilence(self._policy.plugin_silent_after_s, self._policy.plugin_delivery_s)
+        self._silent: dict[str, float] = {}  # engine -> since when its plugin has been silent
         metrics.gpu_present.set(0)
 
     # --- the tap: on the ingest path, so it files rows and nothing more ---
@@ -116,15 +123,20 @@ class Watchdog:
     def observe(self, rows: Iterable[Row]) -> None:
         """File a batch of rows the sources emitted; never raises."""
         try:
+            arrived = self._clock.time()  # a step's arrival, on the clock the scrapes are stamped by
             with self._lock:
                 for row in rows:
                     # Exact type checks: the cheapest dispatch, and rows are never subclassed.
                     if type(row) is EngineSample:
                         if row.engine:
-                            self._model(row.engine, row.ts).sample(row)
+                            model = self._model(row.engine, row.ts)
+                            model.sample(row)
+                            if row.delta > 0 and row.metric in PROGRESS_COUNTERS and model.previous_scrape is not None:
+                                self._silence.moved(row.engine, model.previous_scrape, row.ts / 1e6)
                     elif type(row) is Step:
                         if row.engine:
                             self._model(row.engine, row.ts).step(row)
+                            self._silence.heard(row.engine, arrived)
                     elif type(row) is GpuSample:
                         self._gpu(row)
                     elif type(row) is Event:
@@ -187,6 +199,8 @@ class Watchdog:
             self._metrics.gpu_gone.labels(e.engine, gpu).set(1)
         elif e.engine and e.kind in ("engine_down", "engine_up", "engine_restart"):
             self._model(e.engine, e.ts).event(e)
+            if e.kind != "engine_up":  # counters that moved before say nothing of the plugin of what comes next
+                self._silence.forget(e.engine)
 
     def _back(self, gpu: str) -> None:
         """Drop the GPU's "still gone" series: it was sampled again (the source samples only GPUs in rotation), or is
@@ -229,6 +243,8 @@ class Watchdog:
         with self._lock:
             assessments = []
             for name, model in self._engines.items():
+                if self._expect_plugin:  # first: a silent plugin's engine is judged as one seen through /metrics
+                    self._judge_plugin(name, now, events)
                 previous, since = self._states.get(name, (None, now))
                 a = model.assess(now, previous, since, self._dwell_s)
                 assessments.append(a)
@@ -283,6 +299,22 @@ class Watchdog:
                 _remove(gauge, e)  # absent, not 0: "no data" must not read as "idle GPU" or "no hits"
             else:
                 gauge.labels(e).set(value)
+
+    def _judge_plugin(self, engine: str, now: float, events: list[Row]) -> None:
+        """Export how long the engine's plugin has been silent; an event when it falls silent and when it is back."""
+        silent = self._silence.silent_s(engine, now)
+        self._metrics.plugin_silent.labels(engine).set(silent or 0.0)
+        self._engines[engine].plugin_silent = silent is not None
+        since = self._silent.get(engine)
+        if silent is not None and since is None:
+            self._silent[engine] = now - silent
+            unscraped = sorted(e for e, m in self._engines.items() if m.has_steps and m.last_scrape is None)
+            events.append(silent_event(self._host, engine, now, silent, self._silence.heard_at(engine), unscraped))
+        elif silent is None and since is not None:
+            del self._silent[engine]
+            heard = self._silence.heard_at(engine)
+            if heard is not None and heard >= since:  # not when it was forgotten (the engine went down)
+                events.append(resumed_event(self._host, engine, now, heard - since))
 
     def _export_gpus(self, now: float) -> None:
         m = self._metrics

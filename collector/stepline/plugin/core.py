@@ -16,6 +16,11 @@ added to the engine's next step, so the steps' sums still match vLLM's counters;
 gauges are left to /metrics. Without iteration details (the engine's setting, or none seen yet when
 the setting is not known), every set of scheduler stats is one step, numbered by the plugin.
 
+Several API servers (--api-server-count N): each front-end runs its own plugin (its own sender to the sidecar), the
+engine core hands each step's scheduler stats to one of them, and each front-end's iteration stats cover its own
+requests. So every step and request arrives once, from one sender; a front-end's latency samples and preemptions
+that came without the step's stats go to its own next step.
+
 With a token (STEPLINE_PLUGIN_TOKEN, the collector's too), every datagram carries the credential derived
 from it (see wire.py); the credential is computed once here, so `record()` costs the same with or without.
 """
@@ -53,12 +58,15 @@ def finish_reason_name(reason: Any) -> str:
 
 
 class _Carried:
-    """Counts from scheduler stats without iteration details, waiting for the engine's next step."""
+    """Counts not yet on a step (scheduler stats without details, or iteration stats without scheduler stats), waiting
+    for the engine's next step from this plugin."""
 
-    __slots__ = ("accepted", "draft_tokens", "drafts", "hits", "itl", "preempted", "queries", "ttft")
+    __slots__ = ("accepted", "draft_tokens", "drafts", "generation_tokens", "hits", "itl", "preempted", "queries",
+                 "ttft")
 
     def __init__(self) -> None:
         self.queries = self.hits = self.preempted = self.drafts = self.draft_tokens = self.accepted = 0
+        self.generation_tokens = 0  # used by steps without iteration details, whose work is this count
         self.ttft: list[float] = []
         self.itl: list[float] = []
 
@@ -142,6 +150,14 @@ class PluginCore:
                 # num_deferred); an engine holding them is not idle.
                 idle = (scheduler_stats.num_running_reqs == 0 and scheduler_stats.num_waiting_reqs == 0
                         and not getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
+            elif iteration_stats is not None:
+                # Several API servers (--api-server-count N): the engine core returns each step's scheduler stats to
+                # only one front-end (vLLM 0.33 vllm/v1/core/sched/scheduler.py:2669-2674), but every front-end makes
+                # IterationStats from its own requests' outputs and records them, with scheduler_stats None when the
+                # stats went elsewhere (vllm/v1/engine/async_llm.py:883-885, 924-935). Each front-end loads its own
+                # plugin (async_llm.py:155-156, 204-212); iteration indexes are the engine core's, shared by all.
+                # This front-end's TTFT/ITL samples and preemptions go to its own next step, not lost.
+                self._carry(engine_idx, None, None, iteration_stats)
             if iteration_stats is not None:
                 for finished in iteration_stats.finished_requests:
                     records.append(self._request(ts, finished, engine_idx))
@@ -193,13 +209,17 @@ class PluginCore:
             work = (details.elapsed_ms, details.num_ctx_requests, details.num_ctx_tokens,
                     details.num_generation_requests, details.num_generation_tokens)
         elif self._details:
+            self.stats_without_details += 1
             self._carry(engine_idx, prefix, spec, it)
             return None
         else:
+            # One count per plugin instance: with several API servers, each front-end's plugin numbers the steps
+            # it is handed, so two senders of one engine may both send a step 7 (rows stay apart: ts differs).
             iteration = self._iteration.get(engine_idx, -1) + 1
             self._iteration[engine_idx] = iteration
             flags = 0
-            work = (math.nan, 0, 0, 0, getattr(it, "num_generation_tokens", 0))
+            carried_tokens = self._carried[engine_idx].generation_tokens if engine_idx in self._carried else 0
+            work = (math.nan, 0, 0, 0, _count(getattr(it, "num_generation_tokens", 0)) + carried_tokens)
         if it is not None:
             ttft, itl, preempted = it.time_to_first_tokens_iter, it.inter_token_latencies_iter, it.num_preempted_reqs
         else:
@@ -225,8 +245,8 @@ class PluginCore:
         ), samples)
 
     def _carry(self, engine_idx: int, prefix: Any, spec: Any, it: Any) -> None:
-        """Keep the counts of scheduler stats that are not a step for the engine's next step."""
-        self.stats_without_details += 1
+        """Keep the counts of stats that are not a step (scheduler stats without details, or another front-end's
+        iteration stats) for the engine's next step from this plugin."""
         carried = self._carried.get(engine_idx)
         if carried is None:
             carried = self._carried[engine_idx] = _Carried()
@@ -239,6 +259,7 @@ class PluginCore:
             carried.accepted += _count(spec.num_accepted_tokens)
         if it is not None:
             carried.preempted += _count(it.num_preempted_reqs)
+            carried.generation_tokens += _count(getattr(it, "num_generation_tokens", 0))
             # Bounded by the wire's own sample caps, however long the engine goes without a step.
             carried.ttft.extend(list(it.time_to_first_tokens_iter or ())[: 4096 - len(carried.ttft)])
             carried.itl.extend(list(it.inter_token_latencies_iter or ())[: 8192 - len(carried.itl)])

@@ -24,7 +24,7 @@ import pytest
 
 from stepline.cli.main import main
 from stepline.clickhouse_http.errors import READONLY, SYNTAX_ERROR, SqlRefused
-from stepline.clickhouse_http.guard import Statement, Token, read_only_statement, tokens
+from stepline.clickhouse_http.guard import Statement, Token, read_only_statement, settings_named, tokens
 from stepline.endpoints.query import QueryEndpoint
 from stepline.model import schema
 from stepline.model.rows import GpuSample, Request, Step, micros
@@ -281,3 +281,12 @@ def state_rows(store_url: str) -> tuple[int, int]:
         return int(row[0]), int(row[1])
     finally:
         store.close()
+
+
+def test_a_setting_given_twice_in_one_clause_is_judged_by_its_last_value() -> None:
+    # The engine applies a clause's assignments in order: `max_result_bytes = 0, max_result_bytes = 1` runs as 1
+    # (found by tests/e2e/test_query_attacks.py's property test); another clause keeps its own.
+    assert settings_named("SELECT 1 SETTINGS max_result_bytes = 0, max_threads = 2, max_result_bytes = 1") == [
+        ("max_threads", "2"), ("max_result_bytes", "1")]
+    assert settings_named("SELECT * FROM (SELECT 1 SETTINGS max_threads = 0) SETTINGS max_threads = 3") == [
+        ("max_threads", "0"), ("max_threads", "3")]

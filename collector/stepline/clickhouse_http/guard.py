@@ -170,12 +170,14 @@ def read_only_statement(sql: str, database: str = "") -> Statement:
 
 def settings_named(canonical: str) -> list[tuple[str, str]]:
     """(name, value as written) of every SETTINGS clause of a query, at any depth, from its canonical text (the
-    query as ClickHouse's formatQuerySingleLine prints it: `SETTINGS name = value, name = value`)."""
+    query as ClickHouse's formatQuerySingleLine prints it: `SETTINGS name = value, name = value`). A name set twice
+    in one clause is given once, with its last value: the one the engine applies (`SETTINGS x = 0, x = 1` runs as 1)."""
     toks = list(tokens(canonical))
-    found = []
+    found: list[tuple[str, str]] = []
     for k, tok in enumerate(toks):
         if tok.kind != "word" or tok.text.upper() != "SETTINGS":
             continue
+        clause: dict[str, str] = {}
         while k + 2 < len(toks) and toks[k + 1].kind in ("word", "ident") and toks[k + 2].text == "=":
             name = toks[k + 1].text if toks[k + 1].kind == "word" else toks[k + 1].text[1:-1]
             k, start, depth = k + 3, k + 3, 0  # a value of several tokens (-1, [1, 2]) ends at the next comma
@@ -187,7 +189,9 @@ def settings_named(canonical: str) -> list[tuple[str, str]]:
                         break
                     depth -= 1
                 k += 1
-            found.append((name, "".join(t.text for t in toks[start:k])))
+            clause.pop(name, None)
+            clause[name] = "".join(t.text for t in toks[start:k])
             if k >= len(toks) or toks[k].text != ",":
                 break
+        found.extend(clause.items())
     return found

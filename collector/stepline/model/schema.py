@@ -715,13 +715,14 @@ def _columns_sql(table: Table) -> str:
                       + [f"    PROJECTION `{p.name}` ({p.select()})" for p in table.projections])
 
 
-def add_projection_sql(database: str, table: Table, projection: Projection, name: str | None = None) -> list[str]:
+def add_projection_sql(database: str, table: Table, projection: Projection, name: str | None = None,
+                       cluster: str | None = None) -> list[str]:
     """What gives a store created before `projection` existed the projection, for new parts and then the old ones
-    (on table `name`, when not the table's own: a cluster's `*_local`).
+    (on table `name`, when not the table's own: a cluster's `*_local`, ON CLUSTER `cluster`).
 
     MATERIALIZE is a background mutation: until it reaches a part, queries read that part's rows (same answers).
     """
-    target = f"`{database}`.`{name or table.name}`"
+    target = f"`{database}`.`{name or table.name}`" + (f" ON CLUSTER `{cluster}`" if cluster else "")
     return [f"ALTER TABLE {target} ADD PROJECTION IF NOT EXISTS `{projection.name}` ({projection.select()})",
             f"ALTER TABLE {target} MATERIALIZE PROJECTION `{projection.name}`"]
 

@@ -124,10 +124,8 @@ class ClusterSchema:
                                   f"ADD COLUMN IF NOT EXISTS {schema.column_sql(column)}{after}", run)
             for table, projection in self._migration.missing_projections(suffix="_local"):
                 for statement in schema.add_projection_sql(self.database, table, projection,
-                                                           name=schema.local_name(table.name)):
-                    self._command(statement.replace(" ADD PROJECTION", f" ON CLUSTER `{self.cluster}` ADD PROJECTION")
-                                  .replace(" MATERIALIZE PROJECTION",
-                                           f" ON CLUSTER `{self.cluster}` MATERIALIZE PROJECTION"), run)
+                                                           name=schema.local_name(table.name), cluster=self.cluster):
+                    self._command(statement, run)
             if found < schema.SCHEMA_VERSION:
                 self.client.insert(f"`{self.database}`.`schema_version`",
                                    [[schema.SCHEMA_VERSION, round(time.time() * 1_000_000)]],
@@ -142,9 +140,7 @@ class ClusterSchema:
         run.append(sql)
 
     def _tables(self) -> dict[str, str]:
-        return {str(n): str(e) for n, e in self.client.query(
-            "SELECT name, engine FROM system.tables WHERE database = {db:String}",
-            parameters={"db": self.database}).result_rows}
+        return {name: engine for name, (engine, _) in self._migration.layouts().items()}
 
     def _other_cluster(self) -> str:
         """What is wrong when the Distributed tables are over another cluster than the URL names ('' when not)."""

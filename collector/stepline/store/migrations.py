@@ -134,7 +134,7 @@ class Migration:
             if marker is not None:
                 self.client.command(f"ALTER TABLE {target} UPDATE `{column.name}` = NULL WHERE `{marker}` = 0")
 
-    def _layouts(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+    def layouts(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """The engine and sorting key of each table in the store's database."""
         return {str(n): (str(e), tuple(c.strip() for c in str(k).split(",") if c.strip()))
                 for n, e, k in self.client.query(
@@ -144,7 +144,7 @@ class Migration:
     def outdated_engines(self, suffix: str = "") -> list[schema.Table]:
         """The tables (`table` + suffix) whose engine (Replicated or not) or sorting key is not this stepline's:
         version 1's MergeTree `requests`, versions 2-4's `requests` keyed without arrival_ts."""
-        layouts = self._layouts()
+        layouts = self.layouts()
         outdated = []
         for table in schema.TABLES:
             engine, key = layouts.get(table.name + suffix, (table.engine, table.order_by))
@@ -160,7 +160,7 @@ class Migration:
         open only drops the leftover). An AggregatingMergeTree's rows are merged as they are copied, by the key
         columns the old key shares with today's (two reports of one request become one row).
         """
-        layouts = self._layouts()
+        layouts = self.layouts()
         for table in self.outdated_engines():
             spare = f"`{self.database}`.`{table.name}_rebuild`"
             rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
@@ -173,7 +173,7 @@ class Migration:
             self.client.command(f"INSERT INTO {spare} ({columns}) "
                                 f"{_copy_select(table, layouts[table.name][1], self.database)}")
             self.client.command(f"EXCHANGE TABLES `{self.database}`.`{table.name}` AND {spare}")
-        engines = self._layouts()
+        engines = self.layouts()
         for table in schema.TABLES:  # the old table after an exchange (or what a stop right after one left)
             if f"{table.name}_rebuild" in engines:
                 self.client.command(f"DROP TABLE `{self.database}`.`{table.name}_rebuild`")

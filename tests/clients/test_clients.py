@@ -279,6 +279,11 @@ def test_node_clickhouse_client(endpoint: QueryEndpoint, db: str) -> None:
     assert got["streamed"]["ok"] == {"rows": 200_000}
     assert got["settings"]["ok"] == [{"t": 3, "r": 2}]
     assert got["syntax_error"]["code"] == "62" and got["write_refused"]["code"] == "164"
-    assert got["failed_mid_result"]["code"] == "395"  # the client read the tagged error, not a short result
+    # The client read the tagged error, not a short result. @clickhouse/client parses the block from the end of the
+    # chunk its socket read ended on; when a loaded machine's read splits the block, it still fails the result but
+    # with its own message and no code (clickhouse-js PR #514: "the exception byte sequence is split").
+    failed = got["failed_mid_result"]
+    assert "ok" not in failed, failed
+    assert failed.get("code") == "395" or failed["error"].startswith("there was an error in the stream"), failed
     assert got["after_failure"]["ok"] == [{"n": 10}]  # on another connection: exactly its own row
     assert got["tables"]["ok"] == ["steps"]

@@ -1,6 +1,7 @@
 """How often does diagnosis name the injected cause? Replays generated cases and scores the top finding.
 
-    python benchmarks/diagnosis_generated.py [--cases 200] [--seed0 0] [--jobs 2] [--seed N ...] [--family gateway]
+    python benchmarks/diagnosis_generated.py [--cases 200] [--seed0 0] [--jobs 2] [--seed N ...]
+        [--family engines|engines-async|gateway]
 
 Each case (stepline.drills.generator.generate(seed)) is replayed into a database of its own in a temporary
 embedded store and diagnosed over its window (all engines). Prints top-1 accuracy overall and per cause,
@@ -30,19 +31,20 @@ from stepline.store.store import Store
 Result = tuple[Verdict, str, float, float, list[str]]  # verdict, description, replay s, diagnose s, findings
 
 
-FAMILIES = {"engines": CAUSE_NAMES, "gateway": GATEWAY_CAUSE_NAMES}
+# engines-async: the engines' cases on engines that schedule asynchronously (vLLM 0.33's default on GPUs).
+FAMILIES = {"engines": CAUSE_NAMES, "engines-async": CAUSE_NAMES, "gateway": GATEWAY_CAUSE_NAMES}
 
 
 def run_one(seed: int, store_dir: str, family: str = "engines") -> Result:
     """Replay and diagnose the case of `seed` (of `family`) in its own database under `store_dir`."""
-    url = f"chdb://{store_dir}?database=gen_{family}_{seed}"
+    url = f"chdb://{store_dir}?database=gen_{family.replace('-', '_')}_{seed}"
     started = time.monotonic()
     case: Judged
     if family == "gateway":
         case = generate_gateway(seed)
         window = replay(case.case, url, end_at=time.time() + REPLAY_LEAD_S)[2]
     else:
-        case = generate(seed)
+        case = generate(seed, async_scheduling=family == "engines-async")
         window = run_case(case, url)
     replayed = time.monotonic()
     reader = open_reader(url)

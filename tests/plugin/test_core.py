@@ -84,7 +84,7 @@ def test_round_trip_is_exact(receiver: PluginReceiver) -> None:
     # waiting: vLLM's 3 waiting plus its 1 deferred, as vllm:num_requests_waiting counts them; skipped_waiting: the 1.
     assert step._replace(ttft_seconds=[], itl_seconds=[]) == Step(micros(NOW), "node-1", "prod-a", 1, "Qwen/Qwen3-8B",
                                                                   7, 412.5, 1, 8192, 31, 31, 32, 4, 1, 0.5, 9000, 512,
-                                                                  2, 4, 12, 7, [], [], False)
+                                                                  2, 4, 12, 7, [], [], False, 412.5, "elapsed")
     # The samples come as the wire carries them: float32 (stepline.plugin.wire._samples).
     assert list(step.ttft_seconds) == [1.5] and step.itl_seconds == pytest.approx([0.4125] * 31)
     (request,) = [r for r in rows if isinstance(r, Request)]
@@ -509,3 +509,19 @@ def test_the_simulator_sends_the_token_of_its_environment(sock_dir: str, monkeyp
         receiver.stop()
     assert {r.engine for r in rows if isinstance(r, Event) and r.kind == "engine_config"} == {"sim-env"}
     assert receiver.stats()["unauthorized"] == 1
+
+
+def test_a_batch_queued_engines_steps_last_from_step_end_to_step_end(receiver: PluginReceiver) -> None:
+    """Async scheduling (vLLM 0.33's default on GPUs): vLLM's elapsed_ms is the core's wait for a launched step; the
+    row's elapsed_ms is the time since the core's previous step ended, with vLLM's reading kept beside it."""
+    core = PluginCore("prod-a", receiver.socket_path, batch_queue=True)
+    for i, (offset, waited) in enumerate(((0.0, 3.0), (0.250, 241.0), (0.262, 0.1))):
+        sched, it = _step_stats(7 + i)
+        sched.iteration_details.elapsed_ms = waited
+        it.iteration_timestamp = NOW + offset
+        core.record(sched, it)
+    core.flush()
+    steps = [r for r in _poll(receiver) if isinstance(r, Step)]
+    assert [(s.step_time, s.vllm_elapsed_ms) for s in steps] == [("wait", 3.0), ("cadence", 241.0),
+                                                                 ("cadence", pytest.approx(0.1))]
+    assert [s.elapsed_ms for s in steps] == pytest.approx([3.0, 250.0, 12.0], abs=1e-3)

@@ -12,8 +12,9 @@ from typing import Any
 
 from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
-from stepline.diagnosis.common import Detector, Memo, hms
+from stepline.diagnosis.common import Detector, Memo, Query, hms
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.window import ENGINES, IN_WINDOW
 from stepline.store.reads import Reads
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,44 @@ DETECTORS: tuple[tuple[str, Detector], ...] = (
 )
 
 
+# The detectors whose figures are made of step durations: their findings say which reading of a step's duration
+# they rest on (the `steps` table's step_time: vLLM's elapsed_ms, or the cadence of a batch-queued engine core's
+# step ends, sources/step_time.py).
+STEP_TIME_READERS = frozenset({"prefill_interference", "head_of_line_blocking", "overload", "gpu_throttling",
+                               "scheduler_vs_hardware", "wedged_engine"})
+STEP_TIME_SAYS = {  # in the order they are said
+    "elapsed": "vLLM's elapsed_ms (a synchronous engine core: the step's wall time)",
+    "cadence": "time between the engine core's step ends (it steps through its batch queue, async scheduling or "
+               "pipeline parallelism: vLLM's elapsed_ms is only its wait for a launched step)",
+    "wait": "vLLM's elapsed_ms of a batch-queued core, where no earlier step end bounds the step (after idle)",
+    "": "vLLM's elapsed_ms (stored before stepline recorded the reading)",
+}
+_STEP_TIMES = (f"SELECT engine, groupUniqArray(step_time) FROM steps WHERE {ENGINES} AND {IN_WINDOW} "
+               "AND NOT isNaN(elapsed_ms) GROUP BY engine")
+
+
+def step_time_used(reader: Reads, window: Window, engines: Sequence[str]) -> dict[str, str]:
+    """engine -> which readings of a step's duration its steps in the window rest on, in words."""
+    if not engines:
+        return {}
+    rows = Query(_STEP_TIMES, engines=sorted(engines), start=window.start, end=window.end).rows(reader)
+    order = list(STEP_TIME_SAYS)
+    return {str(engine): "; ".join(STEP_TIME_SAYS.get(str(how), str(how))
+                                   for how in sorted(hows, key=lambda h: order.index(h) if h in order else 9))
+            for engine, hows in rows}
+
+
+def _say_step_time(reader: Reads, window: Window, found: list[Finding]) -> list[Finding]:
+    readers = [f for f in found if f.kind in STEP_TIME_READERS and f.engine]
+    used = step_time_used(reader, window, sorted({f.engine for f in readers}))
+    return [replace(f, evidence={**f.evidence, "step_time": used[f.engine]})
+            if f.kind in STEP_TIME_READERS and f.engine in used else f for f in found]
+
+
 def diagnose(reader: Reads, window: Window,
              detectors: Sequence[tuple[str, Detector]] = DETECTORS) -> list[Finding]:
     """Every detector's findings, each cause once with its symptoms (causes.merge), ranked; a detector that fails
-    is logged and reported, never fatal."""
+    is logged and reported, never fatal. Findings made of step durations say which reading they rest on."""
     found: list[Finding] = []
     reader = Memo(reader)
     for name, detect in detectors:
@@ -53,7 +88,7 @@ def diagnose(reader: Reads, window: Window,
             found.append(Finding("detector_failed", "info", window.engine, window.start, window.end,
                                  f"detector {name} failed: {' '.join(str(exc).split())}"[:76],
                                  {"detector": name, "error": " ".join(str(exc).split())[:500]}))
-    return merge(found)
+    return merge(_say_step_time(reader, window, found))
 
 
 def as_json(findings: Sequence[Finding]) -> str:

@@ -436,8 +436,19 @@ def _inject(rng: random.Random, cause: str, e: DrawnEngine, seed: int) -> dict[s
     return {}
 
 
-def generate(seed: int) -> Case:
-    """The case of `seed`: deterministic, its cause CAUSE_NAMES[seed % len(CAUSE_NAMES)]."""
+def scheduled_async(e: DrawnEngine, seed: int) -> None:
+    """Make `e` schedule asynchronously, as vLLM 0.33 does on GPUs by default (sim.config.EngineConfig): its host
+    overhead (what the engine core spends between steps, hidden behind the GPU's previous step) is drawn as half to
+    all of the step's fixed overhead, so the waits vLLM reports run from a step less its fixed cost down to near 0
+    for a decode-only step. Drawn from a generator of its own: the case is otherwise the one it is without."""
+    rng = random.Random(f"stepline-async-{seed}-{e.name}")
+    host = e.config.cost.step_overhead_s * rng.uniform(0.5, 1.0)
+    e.config = replace(e.config, async_scheduling=True, host_overhead_s=host)
+
+
+def generate(seed: int, async_scheduling: bool = False) -> Case:
+    """The case of `seed`: deterministic, its cause CAUSE_NAMES[seed % len(CAUSE_NAMES)]; with
+    `async_scheduling`, the same case on engines that schedule asynchronously (scheduled_async)."""
     rng = random.Random(f"stepline-case-{seed}")
     cause = CAUSE_NAMES[seed % len(CAUSE_NAMES)]
     duration = rng.uniform(60, 180)
@@ -454,10 +465,13 @@ def generate(seed: int) -> Case:
     for i, e in enumerate(engines):
         if i != target or cause == "healthy":
             e.parts = [ordinary_traffic(rng, e, 0.0, e.duration_s)]
+        if async_scheduling:
+            scheduled_async(e, seed)
     truth_engine = t.name if kind is not None else None
     where = f" on {t.name}" if cause != "healthy" else ""
     described = ", ".join(f"{e.name} x{e.speed:.2g} budget {e.budget}"
                           + (f" spec k={e.config.speculative.num_tokens}" if e.config.speculative else "")
+                          + (f" async host {e.config.host_overhead_s * 1e3:.1f} ms" if async_scheduling else "")
                           for e in engines)
     description = f"{cause}{where} ({', '.join(f'{k}={v}' for k, v in facts.items())}); {described}"
     return Case(seed, cause, kind, truth_engine, description,
@@ -474,7 +488,8 @@ _ONSET_FACT = {"monster_finished": "monster_at_s", "wedge": "last_abort_s", "gpu
                "overload": "onset_s", "prefix_cache_collapse": "collapse_at_s", "gpu_xid": "xid_at_s"}
 
 
-def live_case(cause: str, seed: int = 0, duration_s: float = 75.0) -> tuple[Case, float | None]:
+def live_case(cause: str, seed: int = 0, duration_s: float = 75.0,
+              async_scheduling: bool = False) -> tuple[Case, float | None]:
     """One engine near the reference speed, `duration_s` long, with `cause` (one of LIVE_CAUSES) injected as
     `generate` injects it; and its onset in scenario seconds (None: nothing injected; 0: from the start). A
     power cap comes on a third of the way in and stays (`gpu_throttling_lasting`) or is lifted a third later."""
@@ -492,10 +507,12 @@ def live_case(cause: str, seed: int = 0, duration_s: float = 75.0) -> tuple[Case
         facts.update(cap_start_s=start, cap_end_s=end, whole=False)
     elif base == "healthy":
         e.parts = [ordinary_traffic(rng, e, 0.0, duration_s)]
+    if async_scheduling:
+        scheduled_async(e, seed)
     kind = CAUSES[base]
     onset = None if kind is None else float(facts.get(_ONSET_FACT.get(base, ""), 0.0))
     description = (f"{cause} ({', '.join(f'{k}={v}' for k, v in facts.items())}); {e.name} x{e.speed:.2g} "
-                   f"budget {e.budget}")
+                   f"budget {e.budget}" + (" async" if async_scheduling else ""))
     case = Case(seed, base, kind, e.name if kind else None, description, ((e.name, e.scenario(seed)),),
                 {"target": e.name, **facts})
     return case, onset

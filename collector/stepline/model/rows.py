@@ -67,6 +67,10 @@ class Step(NamedTuple):
     ttft_seconds: Sequence[float]  # a list, or an array of float32 as the plugin's wire carried them
     itl_seconds: Sequence[float]
     is_dummy: bool
+    # vLLM's own reading (SchedulerIterationDetails.elapsed_ms) beside elapsed_ms, the step's duration as stepline
+    # derives it, and which reading that is (sources.step_time); see the `steps` columns' comments.
+    vllm_elapsed_ms: float = math.nan
+    step_time: str = ""
 
 
 # The finish reason of a request no report gave one for (vLLM's spans carry none). `requests` merges a request's

@@ -20,7 +20,10 @@ from stepline.model.rows import UNKNOWN_FINISH_REASON
 # 5: `requests` is keyed by (host, engine, request_id, arrival_ts): two requests that share an id (a client's or a
 # gateway's X-Request-Id, reused by retries) are two rows, where they merged into one (`Store` rebuilds a version-4
 # table in place; what version 4 had already merged stays one row).
-SCHEMA_VERSION = 5
+# 6: `steps` gained vllm_elapsed_ms and step_time, and elapsed_ms became the step's duration as stepline derives it
+# (under async scheduling vLLM's reading is a wait, not a duration); added columns, no rebuild (rows older collectors
+# wrote hold 0 and '' in them).
+SCHEMA_VERSION = 6
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
@@ -289,8 +292,14 @@ TABLES: tuple[Table, ...] = (
                    "engine_config event); '' until the collector has seen it."),
             Column("step", COUNTER, "Iteration number: SchedulerIterationDetails.iteration_index; without "
                    "iteration details, the plugin's own count per engine index."),
-            Column("elapsed_ms", SMALL_GAUGE, "Wall time of the step, ms (SchedulerIterationDetails.elapsed_ms); "
-                   "NaN when vLLM runs without --enable-logging-iteration-details."),
+            Column("elapsed_ms", SMALL_GAUGE, "Duration of the step, ms, as every stepline reader takes it; "
+                   "`step_time` says which reading it is. An engine core that steps synchronously: vLLM's "
+                   "SchedulerIterationDetails.elapsed_ms, the step's wall time ('elapsed'). One that steps through "
+                   "its batch queue (async scheduling, vLLM 0.33's default on GPUs, or pipeline parallelism), where "
+                   "vLLM's reading is only the core's wait for a step it launched earlier: the time since the "
+                   "core's previous step ended, per step in between, and never less than vLLM's reading "
+                   "('cadence'); vLLM's reading where no previous step bounds it, after an idle engine or out of "
+                   "order ('wait'). NaN when vLLM runs without --enable-logging-iteration-details."),
             Column("num_ctx_requests", COUNT, "Requests that had prompt (prefill) tokens computed in the step "
                    "(SchedulerIterationDetails.num_ctx_requests); 0 without iteration details."),
             Column("num_ctx_tokens", COUNT, "Prompt (prefill) tokens computed in the step, summed over its "
@@ -333,6 +342,13 @@ TABLES: tuple[Table, ...] = (
                    "request's first, s (IterationStats.inter_token_latencies_iter)."),
             Column("is_dummy", "Bool", "A dummy step that a data-parallel rank with no work runs to keep in step "
                    "with the others (SchedulerIterationDetails.is_dummy)."),
+            Column("vllm_elapsed_ms", SMALL_GAUGE, "vLLM's own SchedulerIterationDetails.elapsed_ms, ms: the step's "
+                   "wall time when the engine core steps synchronously, the core's wait for it when it steps "
+                   "through its batch queue (vLLM 0.33 vllm/v1/engine/core.py:777-783: near 0 when the GPU "
+                   "finished first). NaN without iteration details; 0 in rows older collectors wrote."),
+            Column("step_time", DIM, "Which reading elapsed_ms is: 'elapsed' (vLLM's, a synchronous engine core), "
+                   "'cadence' (time between the batch-queued core's step ends), 'wait' (vLLM's wait reading, where "
+                   "no cadence bounds it); '' without iteration details and in rows older collectors wrote."),
         ),
         ("host", "engine", "engine_index", "ts", "step"),
         "One row per engine iteration, from the stat-logger plugin.",

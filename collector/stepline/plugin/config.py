@@ -27,8 +27,20 @@ FIELDS = (
     ("cache_config", "num_gpu_blocks", "num_gpu_blocks"),
     ("cache_config", "enable_prefix_caching", "enable_prefix_caching"),
     ("cache_config", "gpu_memory_utilization", "gpu_memory_utilization"),
+    # How the engine core steps (vLLM 0.33 vllm/config/vllm.py:1668-1719 resolves async_scheduling: on by default on
+    # GPUs; vllm/platforms/cpu.py turns it off on CPUs). With it, or with pipeline parallelism, the core steps
+    # through its batch queue and SchedulerIterationDetails.elapsed_ms is the wait for a launched step, not its time.
+    ("scheduler_config", "async_scheduling", "async_scheduling"),
     ("parallel_config", "tensor_parallel_size", "tensor_parallel_size"),
+    ("parallel_config", "pipeline_parallel_size", "pipeline_parallel_size"),
     ("parallel_config", "data_parallel_size", "data_parallel_size"),
+    ("parallel_config", "data_parallel_rank", "data_parallel_rank"),
+    ("parallel_config", "enable_expert_parallel", "enable_expert_parallel"),
+    ("parallel_config", "enable_elastic_ep", "enable_elastic_ep"),
+    ("parallel_config", "_api_process_count", "api_server_count"),  # --api-server-count (config/parallel.py:447)
+    ("parallel_config", "_api_process_rank", "api_server_rank"),
+    ("compilation_config", "cudagraph_mode", "cudagraph_mode"),
+    ("kv_transfer_config", "kv_role", "kv_role"),  # disaggregated prefill: kv_producer, kv_consumer or kv_both
     ("speculative_config", "method", "speculative_method"),
     ("speculative_config", "num_speculative_tokens", "num_speculative_tokens"),
     ("observability_config", "enable_logging_iteration_details", "enable_logging_iteration_details"),
@@ -49,9 +61,35 @@ def describe_config(vllm_config: Any, engine_index: int = 0) -> dict[str, Any]:
             continue
         described[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     described["speculative_decoding"] = getattr(vllm_config, "speculative_config", None) is not None
+    batches = _max_concurrent_batches(vllm_config)
+    if batches is not None:
+        described["max_concurrent_batches"] = batches
     if "served_model_name" not in described and "model" in described:
         described["served_model_name"] = described["model"]  # what vLLM serves (and labels) without --served-model-name
     return described
+
+
+def _max_concurrent_batches(vllm_config: Any) -> int | None:
+    """VllmConfig.max_concurrent_batches (a property: 2 with async scheduling, the pipeline's size with pipeline
+    parallelism; vLLM 0.33 vllm/config/vllm.py:587-598); None where this vLLM has none or cannot say."""
+    try:
+        value = getattr(vllm_config, "max_concurrent_batches", None)
+    except Exception:  # a property of a config this plugin does not know: left out, as a missing field is
+        log.debug("stepline plugin: max_concurrent_batches unreadable", exc_info=True)
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def batch_queue(config: Mapping[str, Any]) -> bool:
+    """Whether the engine core steps through its batch queue (vLLM 0.33 vllm/v1/engine/core.py:208-214: when
+    max_concurrent_batches > 1): then it schedules the next step before the last one's outputs are back, and
+    SchedulerIterationDetails.elapsed_ms times only its wait for a launched step (core.py:777-783), not the step.
+    From max_concurrent_batches where the plugin read it, else from async scheduling or pipeline parallelism."""
+    batches = config.get("max_concurrent_batches")
+    if isinstance(batches, int) and not isinstance(batches, bool):
+        return batches > 1
+    pipeline = config.get("pipeline_parallel_size")
+    return config.get("async_scheduling") is True or (isinstance(pipeline, int) and pipeline > 1)
 
 
 def model_name(config: Mapping[str, Any]) -> str:

@@ -86,11 +86,14 @@ class PluginCore:
         exit_timeout_s: float = 1.0,
         token: str | None = None,
         iteration_details: bool | None = None,
+        batch_queue: bool = False,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         """`iteration_details`: whether the engine logs them (vLLM's enable_logging_iteration_details); None
-        when not known, in which case stats without details count as steps until a step with details is seen."""
+        when not known, in which case stats without details count as steps until a step with details is seen.
+        `batch_queue`: the engine core steps through its batch queue (async scheduling, pipeline parallelism;
+        plugin.config.batch_queue): each step says so, for its elapsed_ms is then a wait, not the step's time."""
         self.engine = engine
         self.socket_path = socket_path
         engine_bytes = engine.encode("utf-8", errors="replace")[: wire.MAX_ENGINE_NAME]
@@ -100,6 +103,7 @@ class PluginCore:
                               log_interval_s=log_interval_s, exit_timeout_s=exit_timeout_s, monotonic=monotonic)
         self._wall = wall
         self._details = iteration_details
+        self._step_flags = wire.STEP_HAS_DETAILS | (wire.STEP_BATCH_QUEUE if batch_queue else 0)
         self._iteration: dict[int, int] = {}
         self._carried: dict[int, _Carried] = {}
         self._reason_codes: dict[Any, int] = {}
@@ -203,7 +207,7 @@ class PluginCore:
             iteration = details.iteration_index
             self._iteration[engine_idx] = iteration
             self._details = True
-            flags = (wire.STEP_DUMMY if details.is_dummy else 0) | wire.STEP_HAS_DETAILS
+            flags = (wire.STEP_DUMMY if details.is_dummy else 0) | self._step_flags
             # num_generation_tokens here is scheduled, drafts included; readers derive the tokens generated from it
             # and the step's spec-decode counts (stepline.queries.steps.GENERATED).
             work = (details.elapsed_ms, details.num_ctx_requests, details.num_ctx_tokens,

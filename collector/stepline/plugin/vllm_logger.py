@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from stepline.plugin.config import describe_config, token_from_env
+from stepline.plugin.config import batch_queue, describe_config, token_from_env
 from stepline.plugin.core import DEFAULT_SOCKET, PluginCore, engine_name_from_env
 
 
@@ -31,7 +31,8 @@ class SteplineStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is not i
         # Known on: scheduler stats without details (idle, 0-token steps) are never a step. Not known: learned.
         self._core = PluginCore(engine_name_from_env(), os.environ.get("STEPLINE_PLUGIN_SOCKET", DEFAULT_SOCKET),
                                 token=token_from_env(),
-                                iteration_details=details if isinstance(details, bool) else None)
+                                iteration_details=details if isinstance(details, bool) else None,
+                                batch_queue=batch_queue(self._config))
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:

@@ -58,6 +58,10 @@ REQUEST = struct.Struct("<dHffffffIIIIIBH")
 
 STEP_RECORD, REQUEST_RECORD, CONFIG_RECORD = 1, 2, 3
 STEP_DUMMY, STEP_HAS_DETAILS = 1, 2
+# The engine core stepped through its batch queue (async scheduling or pipeline parallelism): elapsed_ms is the
+# core's wait for a step it launched earlier (vLLM 0.33 vllm/v1/engine/core.py:777-783). Readers of version 2
+# that predate the flag ignore it, as they read elapsed_ms as before.
+STEP_BATCH_QUEUE = 4
 FINISH_REASONS = ("", "stop", "length", "abort", "error", "repetition")
 FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
 U32 = 0xFFFFFFFF
@@ -107,6 +111,7 @@ class StepRecord:
     is_dummy: bool
     ttft_seconds: tuple[float, ...] = ()
     itl_seconds: tuple[float, ...] = ()
+    batch_queue: bool = False  # STEP_BATCH_QUEUE: elapsed_ms is the core's wait for the step, not its time
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,8 @@ def pack_samples(ttft: Any, itl: Any) -> tuple[int, int, bytes]:
 
 def encode_step(step: StepRecord) -> bytes:
     n_ttft, n_itl, samples = pack_samples(step.ttft_seconds, step.itl_seconds)
-    flags = (STEP_DUMMY if step.is_dummy else 0) | (0 if math.isnan(step.elapsed_ms) else STEP_HAS_DETAILS)
+    flags = ((STEP_DUMMY if step.is_dummy else 0) | (0 if math.isnan(step.elapsed_ms) else STEP_HAS_DETAILS)
+             | (STEP_BATCH_QUEUE if step.batch_queue else 0))
     return pack_record(STEP_RECORD, STEP, (
         step.ts, step.iteration, step.engine_index, step.elapsed_ms, step.num_ctx_requests, step.num_ctx_tokens,
         step.num_generation_requests, step.num_generation_tokens, step.running, step.waiting, step.skipped_waiting,
@@ -333,7 +339,7 @@ def _step_record(fields: tuple[Any, ...], ttft: list[float], itl: list[float]) -
     return StepRecord(
         ts, iteration, engine_index, elapsed if flags & STEP_HAS_DETAILS else math.nan, ctx_reqs, ctx_tokens,
         gen_reqs, gen_tokens, running, waiting, skipped, kv, queries, hits, preempted, drafts, draft_tokens, accepted,
-        bool(flags & STEP_DUMMY), tuple(ttft), tuple(itl),
+        bool(flags & STEP_DUMMY), tuple(ttft), tuple(itl), bool(flags & STEP_BATCH_QUEUE),
     )
 
 

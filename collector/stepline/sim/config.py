@@ -64,6 +64,14 @@ class EngineConfig:
     # Research lever, not a vLLM flag: with decodes in the step, prefill chunks are cut so the step ends within
     # max(deadline_tpot_s, the decodes' least slack on a deadline_tpot_s-per-token schedule). None: off.
     deadline_tpot_s: float | None = None
+    # vLLM 0.33's default on GPUs (vllm/config/vllm.py:1685-1719): the engine core schedules step N+1 while step N
+    # runs and then waits for step N (vllm/v1/engine/core.py:708-796). Steps still run back to back and take what
+    # the cost model says; what changes is what vLLM reports (elapsed_ms: the wait, the step less the host's
+    # `host_overhead_s` of scheduling the next one and processing the last one's outputs, 0 when the GPU finished
+    # first) and when arrivals are scheduled (a request that arrives during step N waits for step N+2, as step N+1
+    # was scheduled when step N began). False: vLLM's CPU build and --no-async-scheduling.
+    async_scheduling: bool = False
+    host_overhead_s: float = 0.004
     # Fault knobs for diagnosis scenarios; off, the simulator behaves as vLLM does.
     # An aborted request keeps its running slot and KV forever (a slot released only on success).
     leak_aborted_slots: bool = False
@@ -91,6 +99,8 @@ class EngineConfig:
             raise ValueError("model must not be empty")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.host_overhead_s >= 0:
+            raise ValueError(f"host_overhead_s must be 0 or more, got {self.host_overhead_s}")
         if self.deadline_tpot_s is not None and not self.deadline_tpot_s > 0:
             raise ValueError(f"deadline_tpot_s must be positive when set, got {self.deadline_tpot_s}")
 

@@ -71,6 +71,8 @@ class Simulation:
         self._cycle = 0
         self._cycle_base = 0.0
         self._inflight: tuple[Batch, float] | None = None
+        # Async scheduling: the start of the step that just ended, when the next one was scheduled (None: at once).
+        self._scheduled_at: float | None = None
         self._listeners: dict[str, TokenCallback] = {}
 
     @property
@@ -150,7 +152,10 @@ class Simulation:
                 self._inflight = None
                 self._finish_step(batch, end)
                 continue
-            self._take_arrivals(self.now)
+            # Async scheduling: the step after the one that just ended was scheduled when that one began, from the
+            # requests the engine core had then; an idle engine schedules at once.
+            intake, self._scheduled_at = (self._scheduled_at if self._scheduled_at is not None else self.now), None
+            self._take_arrivals(intake)
             if scheduler.has_work():
                 batch = scheduler.schedule(self.now)
                 if not batch.is_empty:
@@ -219,8 +224,15 @@ class Simulation:
         scheduler = self._scheduler
         drafts = sum(1 for r in batch.decodes if r.drafted)
         outcome = scheduler.complete(batch, end)
-        # Requests that arrived during the step are in the queue when the stats are taken.
-        self._take_arrivals(end)
+        wait_ms = None
+        if self.config.async_scheduling:
+            # vLLM's engine core takes new requests in after the step it waited for; the next step was scheduled
+            # before them (as this one began), so they wait one step more than with synchronous scheduling.
+            self._scheduled_at = batch.start
+            wait_ms = max(0.0, end - batch.start - self.config.host_overhead_s) * 1e3
+        else:
+            # Requests that arrived during the step are in the queue when the stats are taken.
+            self._take_arrivals(end)
         finished = tuple(self._finished_record(r, end) for r in outcome.finished)
         record = StepRecord(
             ts=self.start_ts + end,
@@ -250,6 +262,7 @@ class Simulation:
             spec_num_draft_tokens=batch.draft_tokens,
             spec_num_accepted_tokens=outcome.spec_accepted_tokens,
             spec_accepted_per_pos=tuple(outcome.spec_accepted_per_pos),
+            wait_ms=wait_ms,
         )
         self.iteration_index += 1
         self.metrics.observe_step(record)

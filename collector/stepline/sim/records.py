@@ -70,3 +70,7 @@ class StepRecord:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Under async scheduling, what vLLM's SchedulerIterationDetails.elapsed_ms reads: the engine core's wait for
+    # the step, launched before the previous one's outputs were processed (elapsed_ms stays the step's true
+    # duration, which the simulator knows and a real engine does not report). None: the engine steps synchronously.
+    wait_ms: float | None = None

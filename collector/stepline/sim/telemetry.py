@@ -41,7 +41,8 @@ def scheduler_stats(step: StepRecord) -> standins.SchedulerStats:
             num_ctx_tokens=step.num_ctx_tokens,
             num_generation_requests=step.num_generation_requests,
             num_generation_tokens=step.num_generation_tokens,
-            elapsed_ms=step.elapsed_ms,
+            # What vLLM measures: under async scheduling, the core's wait for the step (StepRecord.wait_ms).
+            elapsed_ms=step.elapsed_ms if step.wait_ms is None else step.wait_ms,
         ),
         prefix_cache_stats=standins.PrefixCacheStats(
             requests=step.prefix_cache_requests, queries=step.prefix_cache_queries, hits=step.prefix_cache_hits
@@ -103,6 +104,8 @@ def engine_config(config: EngineConfig) -> dict[str, Any]:
         "enable_prefix_caching": config.enable_prefix_caching,
         "speculative_decoding": spec is not None,
         "engine_index": int(config.engine),
+        "async_scheduling": config.async_scheduling,
+        "max_concurrent_batches": 2 if config.async_scheduling else 1,  # vLLM 0.33 vllm/config/vllm.py:587-598
     }
     if spec is not None:
         described["speculative_method"] = spec.method
@@ -119,7 +122,8 @@ class Telemetry:
         """`plugin_token` defaults to STEPLINE_PLUGIN_TOKEN (or _FILE), as a collector started from the same
         environment reads it, so the demo's and the scenarios' collectors accept the simulated engine's data."""
         token = plugin_token if plugin_token is not None else token_from_env()
-        self.plugin = PluginCore(engine, plugin_socket, token=token) if plugin_socket else None
+        self.plugin = (PluginCore(engine, plugin_socket, token=token, batch_queue=config.async_scheduling)
+                       if plugin_socket else None)
         self._engine_index = int(config.engine)
         self._provider: TracerProvider | None = None
         if otlp_endpoint:

@@ -31,6 +31,7 @@ from stepline.model.rows import UNKNOWN_FINISH_REASON, Event, Request, Row, Step
 from stepline.plugin import wire
 from stepline.plugin.config import model_name
 from stepline.sources.base import Emit, SourceContext
+from stepline.sources.step_time import ELAPSED, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ LOSS_EVENT_INTERVAL_S = 60.0  # per engine, at most one plugin_data_lost event i
 MAX_SENDERS = 4_096
 
 _STEP, _REQUEST, _HAS_DETAILS, _DUMMY = wire.STEP_RECORD, wire.REQUEST_RECORD, wire.STEP_HAS_DETAILS, wire.STEP_DUMMY
+_BATCH_QUEUE = wire.STEP_BATCH_QUEUE
 _REASONS = (UNKNOWN_FINISH_REASON, *wire.FINISH_REASONS[1:])  # code 0: a reason the plugin did not know
 _U32 = wire.U32
 _new_step = Step._make
@@ -88,6 +90,7 @@ class PluginReceiver:
         self._auth_log = RateLimitedLog(log, interval_s=60.0)
         self._told_at: OrderedDict[str, float] = OrderedDict()
         self._untold: dict[str, _Untold] = {}
+        self._step_times = StepTimes(MAX_SENDERS)
         self.counts = {"datagrams": 0, "malformed": 0, "unauthorized": 0, "steps": 0, "requests": 0,
                        "lost_datagrams": 0, "plugin_dropped_records": 0, "evicted_senders": 0, "resumed_senders": 0}
 
@@ -214,10 +217,20 @@ class PluginReceiver:
                 # it counts in num_skipped_waiting_reqs (f[10]) (vLLM 0.33 vllm/v1/core/sched/scheduler.py:3287-3292);
                 # the column holds both, as vllm:num_requests_waiting does (vllm/v1/metrics/loggers.py:1150-1154);
                 # a UInt32 column, whatever two counts a datagram claims.
-                flags = f[18]
-                append(_new_step((round(f[0] * 1_000_000), host, engine, f[2], model, f[1],
-                                  f[3] if flags & _HAS_DETAILS else nan, *f[4:9], min(f[9] + f[10], _U32),
-                                  *f[10:18], first, second, bool(flags & _DUMMY))))
+                # elapsed_ms is the step's duration: vLLM's reading, or where the engine core steps through its
+                # batch queue and that reading is a wait, the cadence of its step ends (sources/step_time.py).
+                flags, ts = f[18], round(f[0] * 1_000_000)
+                if not flags & _HAS_DETAILS:
+                    vllm_ms = elapsed = nan
+                    how = ""
+                elif flags & _BATCH_QUEUE:
+                    vllm_ms = f[3]
+                    elapsed, how = self._step_times.duration(engine, f[2], f[1], ts, vllm_ms, f[8])
+                else:
+                    vllm_ms = elapsed = f[3]
+                    how = ELAPSED
+                append(_new_step((ts, host, engine, f[2], model, f[1], elapsed, *f[4:9], min(f[9] + f[10], _U32),
+                                  *f[10:18], first, second, bool(flags & _DUMMY), vllm_ms, how)))
                 steps += 1
             elif kind == _REQUEST:
                 ts, e2e, decode = f[0], f[2], f[6]

@@ -115,11 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration", type=float, default=75.0, help="scenario seconds before the drain (75)")
     parser.add_argument("--poll", type=float, default=2.0, help="seconds between polls (2)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine schedules asynchronously, as vLLM 0.33 does on GPUs")
     args = parser.parse_args(argv)
     results = []
     for cause in args.cause or LIVE_CAUSES:
         print(f"running {cause} live ...", flush=True)
-        results.append(run_live(cause, seed=args.seed, duration_s=args.duration, poll_s=args.poll))
+        results.append(run_live(cause, seed=args.seed, duration_s=args.duration, poll_s=args.poll,
+                                async_scheduling=args.async_scheduling))
     report(results)
     return 0
 

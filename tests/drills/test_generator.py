@@ -131,3 +131,42 @@ def test_several_engines_replay_into_one_store(chdb_dir: Path) -> None:
         store.close()
     with pytest.raises(ValueError, match="differ"):
         run_engines([("a", Scenario("a", None, chat)), ("a", Scenario("a", None, chat))], url)
+
+
+def _monster_diagnosed(chdb_dir: Path, async_scheduling: bool) -> dict[str, object]:
+    """The evidence of the top finding of generated case 2 (a finished monster prefill, on an engine whose host
+    overhead is drawn at 15.6 ms of its 20 ms fixed step cost when scheduling asynchronously)."""
+    from stepline.diagnosis.detectors import diagnose
+    from stepline.diagnosis.findings import Finding
+    from stepline.drills.generator import generate, run_case
+    from stepline.store.reader import open_reader
+
+    case = generate(2, async_scheduling=async_scheduling)
+    url = f"chdb://{chdb_dir}?database=monster_{'async' if async_scheduling else 'sync'}"
+    window = run_case(case, url)
+    reader = open_reader(url)
+    try:
+        top = sorted(diagnose(reader.client, window), key=Finding.rank_key)[0]
+    finally:
+        reader.close()
+        store = Store.open(url)
+        store.client.command(f"DROP DATABASE IF EXISTS `{store.database}`")
+        store.close()
+    assert (top.kind, top.engine) == ("prefill_interference", case.truth_engine)
+    return top.evidence
+
+
+def test_a_monsters_prefill_under_async_scheduling_reads_the_steps_as_they_ran(chdb_dir: Path) -> None:
+    """Under async scheduling vLLM's elapsed_ms is the core's wait (here ~6 ms of a ~21 ms decode step): read as the
+    step's time, the decoders' ITL no longer follows their steps and the engine's decode baseline is a third of
+    what it is. The steps as stored last what they ran, as with synchronous scheduling, and the finding says so."""
+    pipelined = _monster_diagnosed(chdb_dir, async_scheduling=True)
+    synchronous = _monster_diagnosed(chdb_dir, async_scheduling=False)
+    assert str(pipelined["step_time"]).startswith("time between the engine core's step ends")
+    assert str(synchronous["step_time"]).startswith("vLLM's elapsed_ms (a synchronous engine core")
+    # ITL follows step time, outside the prefill and inside it.
+    outside_ms = float(pipelined["step_p50_decode_only_outside_ms"])  # type: ignore[arg-type]
+    assert outside_ms == pytest.approx(float(pipelined["itl_p50_outside_s"]) * 1000, rel=0.15)  # type: ignore[arg-type]
+    assert float(pipelined["itl_over_step_inside"]) == pytest.approx(1.0, abs=0.1)  # type: ignore[arg-type]
+    # And the same engine scheduling synchronously has the same baseline.
+    assert outside_ms == pytest.approx(float(synchronous["baseline_decode_step_p50_ms"]), rel=0.1)  # type: ignore[arg-type]

@@ -22,6 +22,9 @@ class _CUDAGraphMode(enum.Enum):  # vLLM's is an enum too (vllm/config/compilati
 class _VllmConfig(_Section):
     """As vLLM 0.33's VllmConfig.max_concurrent_batches computes it (vllm/config/vllm.py:587-598, V1 runner)."""
 
+    parallel_config: Any
+    scheduler_config: Any
+
     @property
     def max_concurrent_batches(self) -> int:
         pp = self.parallel_config.pipeline_parallel_size

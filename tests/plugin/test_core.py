@@ -517,6 +517,7 @@ def test_a_batch_queued_engines_steps_last_from_step_end_to_step_end(receiver: P
     core = PluginCore("prod-a", receiver.socket_path, batch_queue=True)
     for i, (offset, waited) in enumerate(((0.0, 3.0), (0.250, 241.0), (0.262, 0.1))):
         sched, it = _step_stats(7 + i)
+        assert sched.iteration_details is not None
         sched.iteration_details.elapsed_ms = waited
         it.iteration_timestamp = NOW + offset
         core.record(sched, it)

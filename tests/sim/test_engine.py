@@ -132,3 +132,32 @@ def test_preemption_shows_in_steps_and_finished_requests() -> None:
     assert preempted > 0
     assert sum(f.num_preemptions for f in finished_of(steps)) == preempted
     assert max(s.kv_cache_usage for s in steps) > 0.95
+
+
+def _async_pair(host_s: float) -> tuple[list[StepRecord], list[StepRecord]]:
+    from stepline.sim.workloads import compose, one_request
+    work = compose("async", 5.0, 60.0, [one_request("a", 0.0, 500, 40, 0.0), one_request("b", 0.05, 9000, 20, 0.0),
+                                        one_request("c", 0.5, 300, 30, 0.0)])
+    return (simulate(work, EngineConfig())[1],
+            simulate(work, EngineConfig(async_scheduling=True, host_overhead_s=host_s))[1])
+
+
+def test_async_scheduling_reports_the_wait_vllms_batch_queue_times() -> None:
+    """vLLM 0.33's step_with_batch_queue times only the core's wait for a launched step (vllm/v1/engine/core.py:
+    777-783): the step less the host's work on the next one, 0 when the GPU finished first."""
+    synchronous, pipelined = _async_pair(host_s=0.012)
+    assert all(s.wait_ms is None for s in synchronous)
+    for s in pipelined:
+        assert s.wait_ms == pytest.approx(max(0.0, s.elapsed_ms - 12.0))
+    assert min(s.wait_ms or 0.0 for s in pipelined) == 0.0  # decode-only steps shorter than the host's 12 ms
+    # The steps themselves run back to back as long: the same tokens, in as many steps, each as long.
+    assert sum(s.num_output_tokens for s in pipelined) == sum(s.num_output_tokens for s in synchronous) == 90
+
+
+def test_async_scheduling_schedules_a_step_ahead() -> None:
+    """A request that arrives while a step runs joins the step after next: the next one was scheduled as the
+    running one began. An idle engine schedules an arrival at once, in both modes."""
+    synchronous, pipelined = _async_pair(host_s=0.004)
+    assert synchronous[0].num_ctx_tokens == pipelined[0].num_ctx_tokens == 500  # a, alone, at once
+    b_sync, b_async = (next(s for s in steps if s.num_ctx_tokens >= 8000) for steps in (synchronous, pipelined))
+    assert b_async.iteration_index == b_sync.iteration_index + 1

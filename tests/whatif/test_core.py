@@ -60,6 +60,18 @@ def test_the_fit_recovers_the_engines_step_cost(recorded: Recorded) -> None:
     assert f.held_out > 0 and f.median_error < 0.02 and abs(f.total_error) < 0.02
 
 
+def test_the_fit_of_an_asynchronously_scheduling_engine_recovers_the_same_cost(chdb_dir: object) -> None:
+    """vLLM 0.33 on a GPU: its elapsed_ms is the core's wait, here the step less 7 of its 9 ms fixed cost. The fit
+    reads each step's period (from the previous step's end, where that one left work in flight: whatif/fit.py), not
+    vLLM's reading, and finds the cost model the engine runs in both modes."""
+    recorded = _record(f"chdb://{chdb_dir}?database=t_whatif_async",
+                       EngineConfig(async_scheduling=True, host_overhead_s=0.007))
+    f = fit(recorded.traces[0])
+    assert f.cost.step_overhead_s == pytest.approx(costmodel.STEP_OVERHEAD_S, rel=0.05)
+    assert f.cost.prefill_token_s == pytest.approx(costmodel.PREFILL_TOKEN_S, rel=0.05)
+    assert f.held_out > 0 and f.median_error < 0.02 and abs(f.total_error) < 0.02
+
+
 def test_the_replayed_baseline_reproduces_the_recording(result: WhatIf) -> None:
     assert result.recorded.requests == result.baseline.figures.requests > 100
     assert result.reproduces, result.calibration_errors

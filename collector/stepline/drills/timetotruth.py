@@ -144,11 +144,12 @@ def _watchdog(metrics_url: str, engine: str) -> tuple[str, str | None]:
 
 def run_live(cause: str, *, seed: int = 0, duration_s: float = 75.0, poll_s: float = 2.0, tail_s: float = 10.0,
              workdir: Path | None = None, store_url: str | None = None,
-             stop_when: Callable[[LiveResult], bool] | None = None) -> LiveResult:
+             stop_when: Callable[[LiveResult], bool] | None = None, async_scheduling: bool = False) -> LiveResult:
     """Serve `cause` live for `duration_s` (and its drain, unless `stop_when(result)` says enough), polling every
     `poll_s`, into `store_url` (default: an embedded store in a temporary directory; chDB hosts one path per
-    process, so a process that has one passes a database of it). Needs Prometheus and Alertmanager on PATH."""
-    case, onset_s = live_case(cause, seed, duration_s)
+    process, so a process that has one passes a database of it). Needs Prometheus and Alertmanager on PATH.
+    `async_scheduling`: the engine schedules as vLLM 0.33 does on GPUs (generator.scheduled_async)."""
+    case, onset_s = live_case(cause, seed, duration_s, async_scheduling)
     name, scenario = case.engines[0]
     with tempfile.TemporaryDirectory(prefix="stepline-ttt-") as tmp:
         work = workdir or Path(tmp)

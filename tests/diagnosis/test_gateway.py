@@ -57,6 +57,31 @@ def test_dense_monsters_under_a_character_bar_leak_onto_the_fast_lane(store: Sto
     assert store.query(found.sql).result_rows  # the SQL shows the joined rows
 
 
+def test_each_decision_is_judged_against_its_own_bar(store: Store) -> None:
+    """The router lowers its bar to 300k characters half way; the dense monsters come after, measured under the new
+    bar too, and leak; the last decisions, two its hook failed open on, carry no bar that can be read (no unit)."""
+    decisions, requests = _traffic(dense_monsters=2)
+    lowered = [d._replace(threshold=300_000.0) if i >= len(decisions) // 2 else d for i, d in enumerate(decisions)]
+    dense = [i for i, r in enumerate(requests) if r.prompt_tokens >= 113_000 and i >= 52]
+    lowered = [d._replace(size_chars=290_000, lane="fast", engine=LANES["fast"]) if i in dense else d
+               for i, d in enumerate(lowered)]
+    moved = [r._replace(engine=LANES["fast"]) if i in dense else r for i, r in enumerate(requests)]
+    at = 10.0 + 4 * len(decisions)
+    for k in range(2):  # failed open before naming the bar's unit, sent fast; joined like the others
+        rid = f"router-open-{k}"
+        lowered.append(GatewayDecision(_ts(at + k), "h", LANES["fast"], "router", rid, 1, "fast",
+                                       list(LANES.values()), 2_000, 2_000, None, 300_000.0, "", "healthy", None, 200,
+                                       "KeyError('messages')", False, _ts(at + k + 0.5), _ts(at + k + 3), ""))
+        moved.append(Request(_ts(at + k + 3), "h", LANES["fast"], 0, "m", f"cmpl-{rid}-0", "plugin", "stop",
+                             _ts(at + k + 0.01), 0.0, 0.4, 2.5, 2.9, 2.99, 0.4, 0.01, 500, 0, 250, 250, 0))
+    _insert(store, lowered, moved)
+    [found] = lane_leak(store, ALL)
+    e = found.evidence
+    assert (e["leaked_requests"], e["threshold"], e["joined_without_a_bar"]) == (2, "300000 chars", 2)
+    assert list(e["bars"]) == ["400000 chars", "300000 chars"]
+    assert e["bars"]["300000 chars"].endswith("2 leaked") and e["bars"]["400000 chars"].endswith("0 leaked")
+
+
 def test_a_router_whose_monsters_all_went_heavy_has_no_leak(store: Store) -> None:
     _insert(store, *_traffic(dense_monsters=0))
     assert lane_leak(store, ALL) == []

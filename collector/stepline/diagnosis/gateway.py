@@ -22,11 +22,12 @@ from stepline.store.reads import Reads
 MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
 
 
-# Every decision made against a bar with the engine's count of the request it became.
+# Every decision with the engine's count of the request it became; each is judged against the bar it recorded
+# (those that recorded none are counted as such).
 _JOINED = joined("d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
                  "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts, m.matched_by",
-                 "threshold IS NOT NULL", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
-_JOIN_OUTCOMES = join_outcomes("threshold IS NOT NULL")  # how _JOINED's decisions joined, refusals included
+                 "1", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
+_JOIN_OUTCOMES = join_outcomes("1")  # how _JOINED's decisions joined, refusals included
 _UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
 
 
@@ -67,56 +68,84 @@ def _matched_by(methods: list[Any]) -> dict[str, int]:
     return counts if counts["joined_by_time"] else {k: v for k, v in counts.items() if k != "joined_by_time"}
 
 
+def _bar(row: tuple[Any, ...]) -> tuple[str, float] | None:
+    """A decision's own bar (unit, threshold), or None where it recorded none that can be read."""
+    unit, threshold = str(row[8]), number(row[7])
+    return (unit, threshold) if unit in _UNIT_COLUMN and threshold > 0 else None
+
+
 def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding | None:
-    unit = str(rows[-1][8])
-    threshold = number(rows[-1][7])
-    if unit not in _UNIT_COLUMN or threshold <= 0:
+    """Each decision judged against the bar it recorded itself: a router may change its bar mid-window, or record
+    none for some decisions (a hook that failed open); those are counted, never allowed to hide the others."""
+    judged = [(r, bar, int(r[_UNIT_COLUMN[bar[0]]])) for r in rows
+              if (bar := _bar(r)) is not None and r[_UNIT_COLUMN[bar[0]]] is not None]
+    if len(judged) < MIN_JOINED:
         return None
-    sized = [(r, int(r[_UNIT_COLUMN[unit]])) for r in rows if r[_UNIT_COLUMN[unit]] is not None]
-    if len(sized) < MIN_JOINED:
-        return None
-    # The bar in tokens: at the router's own traffic's median units per token (the baseline), or as it is when the
-    # router counts tokens. A request under the bar whose engine count is at or over this was sent the wrong way.
-    typical = 1.0 if unit == "tokens" else _median([size / int(r[9]) for r, size in sized])
-    bar_tokens = threshold / typical
-    below = [(r, size) for r, size in sized if size < threshold]
-    leaked = [(r, size) for r, size in below if int(r[9]) >= bar_tokens]
+    # The bar in tokens: at the router's own traffic's median units per token in that unit (the baseline), or as it
+    # is when the router counts tokens. A request under its bar whose engine count is at or over this was sent the
+    # wrong way.
+    typical = {unit: 1.0 if unit == "tokens" else _median([size / int(r[9]) for r, bar, size in judged
+                                                           if bar[0] == unit])
+               for unit in {bar[0] for _, bar, _ in judged}}
+    below = [(r, bar, size) for r, bar, size in judged if size < bar[1]]
+    leaked = [(r, bar, size) for r, bar, size in below if int(r[9]) >= bar[1] / typical[bar[0]]]
     if not leaked:
         return None
-    lanes = sorted({str(r[1]) for r, _ in below})
-    over = [(r, size) for r, size in sized if size >= threshold]
-    leaked_per_token = sorted(size / int(r[9]) for r, size in leaked)
-    # The bar that would have sent every leaked request over it, in the router's unit (rounded down).
-    would_hold = math.floor(min(size for _, size in leaked) / 1000) * 1000 if unit != "tokens" else None
-    worst = max(leaked, key=lambda x: int(x[0][9]))
+    worst, (unit, threshold), _ = max(leaked, key=lambda x: int(x[0][9]))
+    bar_tokens = threshold / typical[unit]
+    of_unit = [(r, size) for r, bar, size in judged if bar[0] == unit]
+    leaked_of_unit = [(r, size) for r, bar, size in leaked if bar[0] == unit]
+    lanes = sorted({str(r[1]) for r, _, _ in below})
+    leaked_per_token = sorted(size / int(r[9]) for r, size in leaked_of_unit)
+    # The bar that would have sent every leaked request of the worst one's unit over it (rounded down).
+    would_hold = math.floor(min(size for _, size in leaked_of_unit) / 1000) * 1000 if unit != "tokens" else None
+    bars = _bars(judged, leaked)
     evidence: dict[str, Any] = {
         "leaked_requests": len(leaked),
-        "monsters": len(leaked) + sum(1 for r, _ in over if int(r[9]) >= bar_tokens),
+        "monsters": len(leaked) + sum(1 for r, bar, size in judged
+                                      if size >= bar[1] and int(r[9]) >= bar[1] / typical[bar[0]]),
         "lanes_leaked_onto": lanes,
         "threshold": f"{threshold:g} {unit}",
-        "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical:.2f} {unit}/token of {len(sized)} "
-                               "requests joined to their engine's count)" if unit != "tokens" else f"{threshold:g}",
+        "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical[unit]:.2f} {unit}/token of "
+                               f"{len(of_unit)} requests joined to their engine's count)"
+                               if unit != "tokens" else f"{threshold:g}",
         f"leaked_{unit}_per_token": f"{leaked_per_token[0]:.2f}..{leaked_per_token[-1]:.2f}",
-        "largest_leak": f"{worst[0][11]}: {worst[1]:,} {unit} measured, "
-                        f"{int(worst[0][9]):,} tokens counted",
-        f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in sized if r[1] == lane]), 2)
-                                      for lane in sorted({str(r[1]) for r, _ in sized})},
-        "joined_requests": len(sized), **_matched_by([r[13] for r, _ in sized]),
+        "largest_leak": f"{worst[11]}: {int(worst[_UNIT_COLUMN[unit]]):,} {unit} measured, "
+                        f"{int(worst[9]):,} tokens counted",
+        f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in of_unit if r[1] == lane]),
+                                                  2) for lane in sorted({str(r[1]) for r, _ in of_unit})},
+        "joined_requests": len(judged), **_matched_by([r[13] for r, _, _ in judged]),
+        "joined_without_a_bar": len(rows) - len(judged),
     }
+    if len(bars) > 1:  # the router changed its bar in the window: each decision was judged against its own
+        evidence["bars"] = bars
     if would_hold is not None:
         evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
     # The engine's ids of what leaked: the prefills they caused on the fast lane are this finding's symptoms.
-    evidence["request_ids"] = sorted(str(r[11]) for r, _ in leaked)[:MAX_REQUEST_IDS]
-    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[12]) for r, _ in leaked)
+    evidence["request_ids"] = sorted(str(r[11]) for r, _, _ in leaked)[:MAX_REQUEST_IDS]
+    first, last = min(utc(r[10]) for r, _, _ in leaked), max(utc(r[12]) for r, _, _ in leaked)
     lever = (f"measure requests in tokens at the gateway, or lower the bar to {would_hold:,} {unit} (what would have "
-             f"sent all {len(leaked)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
+             f"sent all {len(leaked_of_unit)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
              if would_hold is not None else "the router's token estimate undercounts: count with the model's "
              "tokenizer before routing")
     return Finding(
-        "lane_leak", "warning", str(worst[0][2]), first, last,
+        "lane_leak", "warning", str(worst[2]), first, last,
         clip(f"{len(leaked)} monsters under the {threshold:g}-{unit} bar of {gateway} went to {', '.join(lanes)}"),
         evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(), lever,
-        float(sum(int(r[9]) for r, _ in leaked)))
+        float(sum(int(r[9]) for r, _, _ in leaked)))
+
+
+def _bars(judged: list[tuple[tuple[Any, ...], tuple[str, float], int]],
+          leaked: list[tuple[tuple[Any, ...], tuple[str, float], int]]) -> dict[str, str]:
+    """Each bar the router decided against in the window: when, how many decisions, how many of them leaked."""
+    out: dict[str, str] = {}
+    for unit, threshold in sorted({bar for _, bar, _ in judged}, key=lambda b: min(utc(r[10]) for r, bar, _ in judged
+                                                                                if bar == b)):
+        times = [utc(r[10]) for r, bar, _ in judged if bar == (unit, threshold)]
+        n_leaked = sum(1 for _, bar, _ in leaked if bar == (unit, threshold))
+        out[f"{threshold:g} {unit}"] = (f"{len(times)} decisions {hms(min(times))}..{hms(max(times))}, "
+                                        f"{n_leaked} leaked")
+    return out
 
 
 def _grouped(query: Query, reader: Reads, column: int) -> list[tuple[str, list[tuple[Any, ...]]]]:

@@ -11,6 +11,7 @@ from stepline.core.clock import ManualClock
 from stepline.gateway import decisions as d
 from stepline.gateway.decisions import DecisionRejected, backend_engine, to_decision
 from stepline.model.rows import GatewayDecision, Row
+from stepline.sources.addresses import EngineAddresses
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.vllm_metrics import VllmMetricsSource
@@ -91,6 +92,20 @@ def test_the_real_sdk_sends_decisions_beside_vllm_spans(receiver: OtlpReceiver) 
     assert rows == [to_decision(MONSTER, ARRIVAL_NS, FINISH_NS, "router-a", "h1")]
     stats = receiver.stats()
     assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 1, 1)
+
+
+def test_a_backend_is_named_as_the_collector_names_the_engine_there() -> None:
+    """`--engine fast=http://10.0.0.5:8000`: the router's decisions for http://10.0.0.5:8000/v1 are fast's, and join
+    fast's requests (queries/gateway.py joins on the engine's name)."""
+    ctx = SourceContext("h1", ManualClock(), engine_addresses=EngineAddresses(("fast=http://10.0.0.5:8000/metrics",)))
+    receiver = OtlpReceiver(ctx, port=0)
+    receiver.start()
+    try:
+        export(receiver.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
+        [row] = drain(receiver)
+    finally:
+        receiver.stop()
+    assert (row.engine, row.candidates) == ("fast", ["fast", "10.0.0.6:8000"])
 
 
 def test_one_bad_decision_in_a_batch_rejects_only_itself(receiver: OtlpReceiver) -> None:  # noqa: F811

@@ -138,7 +138,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             pytest.fail(reason + " (.ci/run must)")
         pytest.skip(reason)
     proxy.install()  # the callback under test is this checkout's
-    setup.engine_name = f"127.0.0.1:{setup.engine_port}"  # as LiteLLM's api_base names it: the decisions join
+    # The engine keeps the harness's name (`--engine NAME=URL`, as the README attaches one): the collector names the
+    # decisions for LiteLLM's api_base (127.0.0.1:PORT/v1) after the engine it watches there, and they join.
     began = time.monotonic()
     heavy = serve(idle_workload(600), EngineConfig(model=harness.SERVED_NAME), port=0, speed=20.0)
     sent: dict[str, list[str]] = {k: [] for k in ("prose", "dense", "raised", "heavy", "silent")}

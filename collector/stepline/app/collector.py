@@ -23,6 +23,7 @@ from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import MEMORY_SPOOL_BYTES, Writers
 from stepline.model.rows import Event, Request, micros
 from stepline.sources import registry as source_registry
+from stepline.sources.addresses import EngineAddresses
 from stepline.sources.base import EngineModels, Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store import discovery
@@ -64,7 +65,8 @@ class Collector:
         """Open the store and start everything; raises StoreError/SettingsError/OSError with one clear line."""
         s = self.settings
         self.metrics.gpu_expected.set(1 if s.expect_gpus else 0)
-        ctx = SourceContext(host=s.host_name, clock=self.clock, engine_models=self._engine_models)
+        ctx = SourceContext(host=s.host_name, clock=self.clock, engine_models=self._engine_models,
+                            engine_addresses=EngineAddresses(s.engines))
         specs = source_registry.enabled(s)
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
         if self._extra is not None:

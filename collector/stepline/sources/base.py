@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from stepline.core.clock import Clock
 from stepline.model.rows import Row
+from stepline.sources.addresses import EngineAddresses
 
 Emit = Callable[[Iterable[Row]], object]
 
@@ -112,6 +113,8 @@ class SourceContext:
     clock: Clock
     engine_processes: EngineProcesses = field(default_factory=EngineProcesses)
     engine_models: EngineModels = field(default_factory=EngineModels)
+    # The engines by the address the collector reaches them at: a gateway's backend named as the engine there.
+    engine_addresses: EngineAddresses = field(default_factory=EngineAddresses)
 
 
 @runtime_checkable

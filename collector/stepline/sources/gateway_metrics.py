@@ -45,7 +45,8 @@ class GatewayMetricsSource(Scraper):
 
     def _row(self, stamp: int, s: ParsedSample, delta: float, context: str) -> GatewaySample:
         backend = next((s.labels[label] for label in BACKEND_LABELS if s.labels.get(label)), "")
-        return GatewaySample(stamp, self._ctx.host, backend_engine(backend), self.target, s.metric, s.kind,
+        return GatewaySample(stamp, self._ctx.host, self._ctx.engine_addresses.name_of(backend_engine(backend)),
+                             self.target, s.metric, s.kind,
                              dict(s.labels), s.value, delta)
 
     def _event_subject(self) -> tuple[str, dict[str, str]]:

@@ -226,7 +226,11 @@ class OtlpReceiver(Address):
             if rows and pending and pending + rows > self.max_pending_rows:
                 return False
             self._pending.extend(decoded.rows)
-            self._pending.extend(decoded.decisions)
+            # A decision's backend, as the gateway called it (a URL's host:port), named as the collector names the
+            # engine at that address (sources/addresses.py): the decision joins that engine's requests.
+            name_of = self._ctx.engine_addresses.name_of
+            self._pending.extend(d._replace(engine=name_of(d.engine), candidates=[name_of(c) for c in d.candidates])
+                                 for d in decoded.decisions)
             self._counts["spans_accepted"] += rows
             self._counts["spans_ignored"] += decoded.ignored
             self._counts["spans_rejected"] += decoded.rejected

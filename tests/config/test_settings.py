@@ -44,6 +44,8 @@ def test_password_from_a_file_is_never_shown(tmp_path: Path) -> None:
         ({}, {"listen": "0.0.0.0"}, "--listen 0.0.0.0 would serve the store's SQL with no password: set "
                                     "STEPLINE_QUERY_PASSWORD"),
         ({}, {"listen": "::"}, "STEPLINE_QUERY_OPEN=1"),
+        ({}, {"lane_bars": ("heavy=100k",)}, "lane bar 'heavy=100k' must be LANE=TOKENS"),
+        ({"STEPLINE_LANE_BARS": "heavy=0"}, {}, "lane bar 'heavy=0' must be LANE=TOKENS"),
     ],
 )
 def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object], fragment: str) -> None:
@@ -94,3 +96,8 @@ def test_off_loopback_the_query_endpoint_needs_a_password_or_an_explicit_open() 
     assert Settings.from_env({}, listen="127.0.0.2").query_password is None  # loopback: as before
     # A ClickHouse server store has no query endpoint to guard.
     assert Settings.from_env({"STEPLINE_STORE": "http://ch:8123/tl"}, listen="0.0.0.0").listen == "0.0.0.0"
+
+
+def test_lane_bars_are_tokens_per_lane() -> None:
+    settings = Settings.from_env({"STEPLINE_LANE_BARS": "heavy=100000tokens, xl = 400000"})
+    assert settings.lane_bar_map() == {"heavy": 100_000, "xl": 400_000}

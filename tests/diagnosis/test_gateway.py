@@ -7,7 +7,7 @@ import pytest
 from stepline.diagnosis.detectors import diagnose
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.gateway import gateway_fail_open, gateway_slot_leak, lane_leak, orphaned_engine_work
-from stepline.model.rows import EngineSample, GatewayDecision, GatewaySample, Request, Step
+from stepline.model.rows import EngineSample, Event, GatewayDecision, GatewaySample, Request, Step
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW, _ts, step
 
@@ -80,6 +80,24 @@ def test_each_decision_is_judged_against_its_own_bar(store: Store) -> None:
     assert (e["leaked_requests"], e["threshold"], e["joined_without_a_bar"]) == (2, "300000 chars", 2)
     assert list(e["bars"]) == ["400000 chars", "300000 chars"]
     assert e["bars"]["300000 chars"].endswith("2 leaked") and e["bars"]["400000 chars"].endswith("0 leaked")
+
+
+def test_a_router_that_says_no_bar_is_judged_against_the_bar_its_operator_declared(store: Store) -> None:
+    """No metadata (a router stepline cannot change): the decisions carry sizes but no bar. `--lane-bar heavy=100000`
+    put a lane_bar event on the timeline; the dense monsters the router sent fast are counted over it."""
+    decisions, requests = _traffic(dense_monsters=2)
+    bare = [d._replace(threshold=None, threshold_unit="") for d in decisions]
+    _insert(store, bare, requests)
+    assert lane_leak(store, ALL) == []  # nothing declared: nothing to judge them by
+    store.insert("events", [Event(_ts(1), "h", "", "collector", "lane_bar", "info", "declared",
+                                  {"lane": "heavy", "threshold": "100000", "threshold_unit": "tokens"})],
+                 Event._fields)
+    [found] = lane_leak(store, ALL)
+    e = found.evidence
+    assert (e["leaked_requests"], e["lanes_leaked_onto"], e["declared_bars"]) == (2, ["fast"],
+                                                                                 {"heavy": "100,000 tokens"})
+    assert e["largest_leak"].startswith("cmpl-router-53-0: 113,050 tokens counted, sent to fast")
+    assert found.title == "2 prompts over heavy's declared 100,000-token bar went to fast"
 
 
 def test_a_router_whose_monsters_all_went_heavy_has_no_leak(store: Store) -> None:

@@ -121,6 +121,9 @@ class Collector:
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
                    f"{url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
                                                 "retention_days": str(s.retention_days)})
+        for lane, tokens in s.lane_bar_map().items():  # for every reader of the store, as the plugin's engine_config
+            self.event("lane_bar", "info", f"lane {lane} takes prompts of {tokens:,} tokens or more (declared)",
+                       {"lane": lane, "threshold": str(tokens), "threshold_unit": "tokens"})
         self.runner.start()
         self._announce(url, metrics_url)
         log.info("collecting from %d source(s) into %s; self-metrics on %s%s", len(scheduled), url.redacted(),

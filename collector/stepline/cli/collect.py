@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the least stall budget of the engines a gateway's decisions put in LANE, e.g. "
                              "heavy=300 for a lane slow by design (repeatable; $STEPLINE_LANE_BUDGETS, "
                              "comma-separated): its long work never pages, its crashes still do")
+    parser.add_argument("--lane-bar", action="append", default=None, metavar="LANE=TOKENS",
+                        help="the bar a gateway routes LANE by, where the router does not say (no stepline_threshold "
+                             "in its decisions): prompts of TOKENS or more, as the engine counts them, belong on LANE, "
+                             "e.g. heavy=100000 (repeatable; $STEPLINE_LANE_BARS, comma-separated); lane_leak judges "
+                             "the decisions that carry no bar of their own against it")
     parser.add_argument("--role", choices=ROLES,
                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
@@ -77,6 +82,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         engines=tuple(args.engine) if args.engine else None,
         gateways=tuple(args.gateway) if args.gateway else None,
         lane_budgets=tuple(args.lane_budget) if args.lane_budget else None,
+        lane_bars=tuple(args.lane_bar) if args.lane_bar else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
         role=args.role, pod_resources_socket=args.pod_resources_socket,
     )

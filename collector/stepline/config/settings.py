@@ -72,6 +72,8 @@ class Settings:
     gateway_token: str | None = field(default=None, repr=False)
     """Sent as a Bearer token to each gateway's /metrics."""
     lane_budgets: tuple[str, ...] = ()
+    # LANE=TOKENS: what a router that cannot say its bar routes by, declared once by its operator (lane_bar_map).
+    lane_bars: tuple[str, ...] = ()
     """LANE=SECONDS: the least stall budget of the engines a gateway sends that lane to (a lane slow by design)."""
     writer_max_rows: int = 200_000
     """Rows each table's writer holds in memory; beyond them rows are dropped, counted (queue_full)."""
@@ -156,6 +158,7 @@ class Settings:
                 raise SettingsError(f"engine process {spec!r} must be NAME=PID or NAME=cmdline:TEXT")
         self.engine_gpu_map()
         self.lane_budget_map()
+        self.lane_bar_map()
         if self.role not in ROLES:
             raise SettingsError(f"role {self.role!r} must be one of {', '.join(ROLES)}")
         if self.role == "node" and self.engines:
@@ -178,6 +181,19 @@ class Settings:
                 raise SettingsError(f"lane budget {spec!r} must be LANE=SECONDS, seconds positive (e.g. heavy=300)")
             budgets[lane.strip()] = value
         return budgets
+
+    def lane_bar_map(self) -> dict[str, int]:
+        """lane -> the least prompt, in tokens as the engine counts them, that belongs on it (a router's bar its
+        operator declares, `heavy=100000` or `heavy=100000tokens`); raises SettingsError naming a bad entry."""
+        bars: dict[str, int] = {}
+        for spec in self.lane_bars:
+            lane, sep, tokens = spec.partition("=")
+            digits = tokens.strip().removesuffix("tokens").strip()
+            if not (lane.strip() and sep and digits.isascii() and digits.isdigit() and int(digits) > 0):
+                raise SettingsError(f"lane bar {spec!r} must be LANE=TOKENS, a positive whole number of tokens "
+                                    "(e.g. heavy=100000)")
+            bars[lane.strip()] = int(digits)
+        return bars
 
     def engine_gpu_map(self) -> dict[str, str]:
         """GPU UUID -> engine from engine_gpus; raises SettingsError naming a bad or twice-given entry."""
@@ -313,6 +329,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("engines", "STEPLINE_ENGINES", _csv),
     ("gateways", "STEPLINE_GATEWAYS", _csv),
     ("lane_budgets", "STEPLINE_LANE_BUDGETS", _csv),
+    ("lane_bars", "STEPLINE_LANE_BARS", _csv),
     ("host_name", "STEPLINE_HOST_NAME", str),
     ("listen", "STEPLINE_LISTEN", str),
     ("metrics_port", "STEPLINE_METRICS_PORT", int),

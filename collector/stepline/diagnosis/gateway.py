@@ -46,9 +46,11 @@ def lane_leak(reader: Reads, window: Window) -> list[Finding]:
     the bar's worth of tokens."""
     if not _decided(reader, window):
         return []
+    declared = declared_bars(reader, window)
     found = [(gateway, finding) for gateway, rows in
              _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end), reader, 0)
-             if (finding := _leaks(gateway, rows, window)) is not None]
+             for finding in (_leaks(gateway, rows, window), _declared_leaks(gateway, rows, declared, window))
+             if finding is not None]
     if found:
         # A time match the rules refused is a request the finding could not count: say how many.
         outcomes = {str(r[0]): dict(zip(JOIN_OUTCOMES, r[1:], strict=True)) for r in
@@ -133,6 +135,55 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
         clip(f"{len(leaked)} monsters under the {threshold:g}-{unit} bar of {gateway} went to {', '.join(lanes)}"),
         evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(), lever,
         float(sum(int(r[9]) for r, _, _ in leaked)))
+
+
+# The bars operators declared for routers that do not say theirs (`stepline collect --lane-bar LANE=TOKENS`): each
+# collector puts them on the timeline as `lane_bar` events when it starts; the newest up to the window's end holds.
+_DECLARED = ("SELECT attributes['lane'], argMax(attributes['threshold'], ts) FROM events "
+             "WHERE kind = 'lane_bar' AND ts <= {end:DateTime64(6)} GROUP BY attributes['lane']")
+
+
+def declared_bars(reader: Reads, window: Window) -> dict[str, int]:
+    """lane -> the least prompt, in the engine's tokens, that belongs on it, as its operator declared."""
+    return {str(lane): int(tokens) for lane, tokens in Query(_DECLARED, end=window.end).rows(reader)
+            if str(tokens).isdigit() and int(tokens) > 0}
+
+
+def _declared_leaks(gateway: str, rows: list[tuple[Any, ...]], declared: dict[str, int],
+                    window: Window) -> Finding | None:
+    """Decisions that carry no bar of their own, judged by the engine's count against the bars declared per lane: a
+    prompt belongs on the lane with the largest declared bar it reaches; sent to a lane whose bar is lower, it
+    leaked (a router that cannot say its bar: no metadata, a hook stepline cannot change)."""
+    if not declared:
+        return None
+    unjudged = [r for r in rows if _bar(r) is None]
+    leaked = []
+    for r in unjudged:
+        tokens, lane = int(r[9]), str(r[1])
+        belongs = max(((bar, name) for name, bar in declared.items() if tokens >= bar), default=None)
+        if belongs is not None and lane != belongs[1] and declared.get(lane, 0) < belongs[0]:
+            leaked.append((r, belongs))
+    if not leaked:
+        return None
+    worst, (bar, home) = max(leaked, key=lambda x: int(x[0][9]))
+    lanes = sorted({str(r[1]) for r, _ in leaked})
+    evidence: dict[str, Any] = {
+        "gateway": gateway, "leaked_requests": len(leaked), "lanes_leaked_onto": lanes,
+        "declared_bars": {lane: f"{tokens:,} tokens" for lane, tokens in sorted(declared.items())},
+        "threshold_from": "declared by the operator (--lane-bar): the router recorded no bar",
+        "largest_leak": f"{worst[11]}: {int(worst[9]):,} tokens counted, sent to {worst[1]} (belongs on {home}, "
+                        f"{bar:,} tokens and over)",
+        "judged_requests": len(unjudged), **_matched_by([r[13] for r in unjudged]),
+        "request_ids": sorted(str(r[11]) for r, _ in leaked)[:MAX_REQUEST_IDS],
+    }
+    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[12]) for r, _ in leaked)
+    return Finding(
+        "lane_leak", "warning", str(worst[2]), first, last,
+        clip(f"{len(leaked)} prompts over {home}'s declared {bar:,}-token bar went to {', '.join(lanes)}"),
+        evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(),
+        f"make {gateway} count the prompt in the model's tokens before routing (its own measure sends them "
+        f"below {home}'s bar), or record the bar it routes by (docs/gateway.md)",
+        float(sum(int(r[9]) for r, _ in leaked)))
 
 
 def _bars(judged: list[tuple[tuple[Any, ...], tuple[str, float], int]],

@@ -98,14 +98,14 @@ def test_a_backend_is_named_as_the_collector_names_the_engine_there() -> None:
     """`--engine fast=http://10.0.0.5:8000`: the router's decisions for http://10.0.0.5:8000/v1 are fast's, and join
     fast's requests (queries/gateway.py joins on the engine's name)."""
     ctx = SourceContext("h1", ManualClock(), engine_addresses=EngineAddresses(("fast=http://10.0.0.5:8000/metrics",)))
-    receiver = OtlpReceiver(ctx, port=0)
-    receiver.start()
+    named = OtlpReceiver(ctx, port=0)
+    named.start()
     try:
-        export(receiver.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
-        [row] = drain(receiver)
+        export(named.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
+        [row] = drain(named)
     finally:
-        receiver.stop()
-    assert (row.engine, row.candidates) == ("fast", ["fast", "10.0.0.6:8000"])
+        named.stop()
+    assert isinstance(row, GatewayDecision) and (row.engine, row.candidates) == ("fast", ["fast", "10.0.0.6:8000"])
 
 
 def test_one_bad_decision_in_a_batch_rejects_only_itself(receiver: OtlpReceiver) -> None:  # noqa: F811

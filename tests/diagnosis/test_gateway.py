@@ -211,6 +211,44 @@ def test_a_gateway_in_step_with_its_engine_has_no_leak(store: Store, gateway: fl
     assert gateway_slot_leak(store, ALL) == []
 
 
+def _refusing_lane(store: Store, engine_running: int) -> None:
+    """LiteLLM in front, its hook's slots on the heavy lane: 4 served, 2 clients left mid-stream (slots never given
+    back), then 6 refusals (429, before any deployment: no backend) over 40 s, the heavy engine holding
+    `engine_running` all along, as its steps and its own gauge say."""
+    engine = LANES["heavy"]
+    decisions = [d._replace(engine=engine, lane="heavy", ts=_ts(10.0 + i), end_ts=_ts(12.0 + i))
+                 for i, d in enumerate(_traffic(dense_monsters=0)[0][:6])]
+    decisions[4:6] = [d._replace(client_disconnected=True, status=499) for d in decisions[4:6]]
+    refused = [d._replace(engine="", ts=_ts(100.0 + 8 * i), end_ts=_ts(100.0 + 8 * i), status=429,
+                          error_type="HTTPException", request_id=f"refused-{i}", client_disconnected=False)
+               for i, d in enumerate(decisions)]
+    store.insert("gateway_decisions", decisions + refused, GatewayDecision._fields)
+    store.insert("engine_samples", [EngineSample(_ts(5.0 * i), "h", engine, "0", "m", "vllm:num_requests_running",
+                                                 "gauge", {}, float(engine_running), 0.0) for i in range(40)],
+                 EngineSample._fields)
+    if engine_running:
+        store.insert("steps", [step(0.5 * i, n=i)._replace(engine=engine, running=engine_running, waiting=0,
+                                                            num_generation_requests=engine_running)
+                               for i in range(400)], Step._fields)
+
+
+def test_a_lane_refusing_while_its_engine_holds_nothing_is_a_slot_leak(store: Store) -> None:
+    """Where the gateway exports no slot count (LiteLLM's hook slots), its answers show the leak."""
+    _refusing_lane(store, engine_running=0)
+    [found] = gateway_slot_leak(store, ALL)
+    e = found.evidence
+    assert (found.kind, found.severity, found.engine) == ("gateway_slot_leak", "critical", "heavy-0:8000")
+    assert (e["refused"], e["refusing_for_s"], e["statuses"], e["engines_behind_lane"]) == (
+        6, 40.0, [429], ["heavy-0:8000"])
+    assert (e["engines_running_plus_waiting_max"], e["client_disconnects_on_lane"]) == (0, 2)
+    assert found.title == "router refused 6 on lane heavy for 40s, its engines holding nothing"
+
+
+def test_a_lane_refusing_while_its_engine_is_full_is_no_leak(store: Store) -> None:
+    _refusing_lane(store, engine_running=4)
+    assert gateway_slot_leak(store, ALL) == []
+
+
 def _left(store: Store, finished_after_s: float) -> None:
     """Six clients that left 2 s into their requests; the engine finished each `finished_after_s` after that."""
     decisions, requests = _traffic(dense_monsters=0)

@@ -478,13 +478,77 @@ GROUP BY engine
 """
 
 
+# A lane that refuses everything while its engines hold nothing is the same leak seen from the gateway's answers,
+# where it exports no slot count (LiteLLM's hook slots, its max_parallel_requests limiter): at least MIN_REFUSED
+# refusals (429 or 503) since the lane last served one, over REFUSAL_PATIENCE_S or more, while every engine the lane
+# sent work to in the window held no request running or waiting. The engines behind a lane are those its served
+# decisions went to: a refusal before any deployment is called names none.
+MIN_REFUSED = 3
+REFUSAL_PATIENCE_S = 10.0
+_REFUSED = "status IN (429, 503)"
+_REFUSALS = f"""
+SELECT gateway, lane, countIf({_REFUSED} AND ts > served) AS refused, minIf(ts, {_REFUSED} AND ts > served) AS first,
+       maxIf(ts, {_REFUSED} AND ts > served) AS last, groupUniqArrayIf(engine, engine != '') AS engines,
+       topKIf(2)(status, {_REFUSED} AND ts > served) AS statuses,
+       countIf(client_disconnected) AS disconnects
+FROM (SELECT *, max(if(status > 0 AND status < 400, ts, toDateTime64(0, 6, 'UTC'))) OVER (PARTITION BY gateway, lane)
+             AS served
+      FROM gateway_decisions WHERE {IN_WINDOW} AND lane != '')
+GROUP BY gateway, lane HAVING refused >= {MIN_REFUSED} ORDER BY gateway, lane
+"""
+_HELD = f"""
+SELECT max(h), sum(busy) FROM (
+    SELECT toFloat64(max(running + waiting)) AS h, countIf(num_generation_tokens + num_ctx_tokens > 0) AS busy
+    FROM steps
+    WHERE {between("first", "last")} AND engine IN {{engines:Array(String)}}
+    UNION ALL
+    SELECT max(value) AS h, toUInt64(0) AS busy FROM (
+        SELECT engine, ts, sum(value) AS value FROM engine_samples
+        WHERE {between("first", "last")} AND engine IN {{engines:Array(String)}}
+          AND metric IN ('vllm:num_requests_running', 'vllm:num_requests_waiting') GROUP BY engine, ts))
+"""
+
+
+def _refusing(reader: Reads, window: Window) -> list[Finding]:
+    """Lanes that refused all they were asked for REFUSAL_PATIENCE_S while their engines held nothing."""
+    findings = []
+    for gateway, lane, refused, first, last, engines, statuses, gone in Query(
+            _REFUSALS, start=window.start, end=window.end).rows(reader):
+        behind = sorted(str(e) for e in engines if not window.engine or e == window.engine)
+        span = (utc(last) - utc(first)).total_seconds()
+        if not behind or span < REFUSAL_PATIENCE_S:
+            continue
+        params = {"first": utc(first), "last": utc(last), "engines": behind}
+        held, busy = (int(number(v)) for v in Query(_HELD, **params).rows(reader)[0])
+        if held > 0:
+            continue
+        evidence: dict[str, Any] = {
+            "refused": int(refused), "refusing_for_s": round(span, 1), "statuses": [int(x) for x in statuses],
+            "engines_behind_lane": behind, "engines_running_plus_waiting_max": held, "engine_busy_steps": int(busy),
+            "client_disconnects_on_lane": int(gone),
+            "leak_from": f"{MIN_REFUSED} or more refusals (429/503) since the lane last served one, over "
+                         f"{REFUSAL_PATIENCE_S:g} s or more, while its engines held no request",
+        }
+        idle = int(busy) == 0
+        findings.append(Finding(
+            "gateway_slot_leak", "critical" if idle else "warning", behind[0], utc(first), utc(last),
+            clip(f"{gateway} refused {int(refused)} on lane {lane} for {span:.0f}s, its engines holding nothing"),
+            evidence, Query(_REFUSALS, start=window.start, end=window.end).literal(),
+            "release the lane's slot on every exit path, a client disconnect included (a finally around the proxied "
+            "stream), then restart the gateway or reset its counters to free what leaked",
+            span * int(refused)))
+    return findings
+
+
 def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
     """The gateway holds requests in flight to a backend that the engine does not have: slots leaked at the
-    gateway (released on success or failure, never on a client's disconnect) while the engine sits idle."""
+    gateway (released on success or failure, never on a client's disconnect) while the engine sits idle. Seen in
+    the gateway's own count of slots, or, where it exports none, in a lane refusing while its engines hold nothing."""
+    refusing = _refusing(reader, window) if _decided(reader, window) else []
     spans = Query(_GATEWAY_SPAN, engine=window.engine, start=window.start, end=window.end,
                   metrics=list(IN_FLIGHT_METRICS)).rows(reader)
     if not spans:
-        return []
+        return refusing
     disconnects = {str(r[0]): (int(r[1]), int(r[2])) for r in
                    Query(_DISCONNECTS, engine=window.engine, start=window.start, end=window.end).rows(reader)}
     findings = []
@@ -496,7 +560,8 @@ def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
         found = _leak(reader, window, str(engine), tail, disconnects.get(str(engine), (0, 0)))
         if found is not None:
             findings.append(found)
-    return findings
+    counted = {f.engine for f in findings}
+    return findings + [f for f in refusing if f.engine not in counted]
 
 
 def _leak(reader: Reads, window: Window, engine: str, tail: datetime, disconnects: tuple[int, int]

@@ -162,10 +162,18 @@ def test_a_gateway_that_does_not_route_by_size_never_fails_open_by_measuring_not
     assert gateway_fail_open(store, ALL) == []
 
 
-@pytest.mark.parametrize("n", [0, 2])
-def test_fewer_than_three_failures_open_are_no_finding(store: Store, n: int) -> None:
-    store.insert("gateway_decisions", _failing_open(n), GatewayDecision._fields)
+def test_no_failure_open_is_no_finding(store: Store) -> None:
+    store.insert("gateway_decisions", _failing_open(0), GatewayDecision._fields)
     assert gateway_fail_open(store, ALL) == []
+
+
+def test_fewer_than_three_swallowed_exceptions_are_named_at_info(store: Store) -> None:
+    """The seed's router swallowed KeyError('messages') twice in 14 decisions: below a warning's three, but the
+    hook's own record of an exception is no noise, and it is in diagnose's findings."""
+    store.insert("gateway_decisions", _failing_open(2), GatewayDecision._fields)
+    [found] = gateway_fail_open(store, ALL)
+    assert (found.severity, found.evidence["swallowed_exceptions"], found.evidence["exceptions"]) == (
+        "info", 2, ["KeyError: 'messages'"])
 
 
 def _slots(store: Store, gateway_counts: list[float], engine_running: int, busy_tail: bool) -> None:

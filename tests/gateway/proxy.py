@@ -24,6 +24,7 @@ KEY = "sk-stepline-test"
 CALLBACK = "stepline.gateway.litellm"  # the module the proxy imports (in its own environment, not this one)
 RAISE = "<make-the-hook-raise>"  # SIZE_LANES' marker: a prompt holding it makes the hook's measurement fail
 SILENT = "<make-the-hook-fail-silently>"  # a prompt holding it makes the hook fail open and record nothing
+REFUSE = "<make-the-hook-refuse>"  # a prompt holding it is refused by the hook (429), its lane full
 # The size hook, written into the proxy's config directory (LiteLLM loads `module.instance` from there).
 SIZE_LANES = '''\
 """The test's own size-routing hook, the seed's kind: characters against a bar set from a token estimate.
@@ -33,7 +34,8 @@ characters, sends it to the heavy lane at THRESHOLD_CHARS or more, and says what
 request's metadata, where stepline's callback reads it. A prompt holding RAISE makes the measurement fail: the hook
 goes on to the fast lane, as the seed's `except: return data` did, but reports what it swallowed. A prompt holding
 SILENT makes it fail the way the seed's hook did before anyone logged it: it returns the request as it came (the
-client's lane, fast) and records nothing at all.
+client's lane, fast) and records nothing at all. A prompt holding REFUSE is measured, given its lane, and refused
+with a 429 as a lane whose slots are all held refuses: the lane in `stepline_lane`, as docs/gateway.md asks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from litellm.integrations.custom_logger import CustomLogger
 THRESHOLD_CHARS = int(os.environ.get("SIZE_LANES_THRESHOLD_CHARS", "4000"))
 RAISE = "<make-the-hook-raise>"
 SILENT = "<make-the-hook-fail-silently>"
+REFUSE = "<make-the-hook-refuse>"
 
 
 class Unmeasurable(Exception):
@@ -75,7 +78,11 @@ class SizeLanes(CustomLogger):
             return data
         data["model"] = "heavy" if chars >= THRESHOLD_CHARS else "fast"
         metadata.update({"stepline_size_chars": chars, "stepline_threshold": THRESHOLD_CHARS,
-                         "stepline_threshold_unit": "chars"})
+                         "stepline_threshold_unit": "chars", "stepline_lane": data["model"]})
+        if REFUSE in str(prompt):
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=429, detail=f"lane {data['model']} is full")
         return data
 
 

@@ -19,7 +19,7 @@ from stepline.sim.config import EngineConfig
 from stepline.sim.vllm_server import SimServer, idle_workload, serve
 from stepline.sources.otlp import OtlpReceiver
 from stepline.testing.alertstack import free_port
-from tests.gateway.proxy import KEY, VENV, available, install, leave_mid_stream, litellm_proxy, send
+from tests.gateway.proxy import KEY, REFUSE, VENV, available, install, leave_mid_stream, litellm_proxy, send
 from tests.gateway.proxy import complete as _complete
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
@@ -95,6 +95,20 @@ def test_every_attempt_is_a_decision_with_its_size_lane_and_threshold(proxy: str
     measured = [d for d in decisions if not d.swallowed_exception]
     assert all(d.threshold == THRESHOLD_CHARS and d.threshold_unit == "chars" for d in measured)
     assert all(d.request_id and d.first_byte_ts is not None and d.end_ts >= d.ts for d in decisions)
+
+
+def test_a_request_the_hook_refuses_is_a_decision_of_its_size_on_its_lane(proxy: str, receiver: OtlpReceiver  # noqa: F811
+                                                                          ) -> None:
+    """Refused before any deployment is called (the hook's 429, as a lane whose slots are all held refuses): the
+    decision has the size the request had, the lane the hook chose (metadata `stepline_lane`), the refusal's status
+    and reason, and no backend."""
+    prompt = f"{REFUSE} " + "the quick brown fox jumps over the lazy dog " * 200  # 8,823 chars: heavy
+    status, call_id = send(proxy, prompt)
+    assert status == 429
+    [refused] = _decisions(receiver, 1)
+    assert (refused.request_id, refused.size_chars, refused.lane, refused.status, refused.engine) == (
+        call_id, len(prompt), "heavy", 429, "")
+    assert refused.threshold == THRESHOLD_CHARS and refused.error_type == "HTTPException"
 
 
 def test_a_client_that_leaves_mid_stream_is_a_disconnected_decision(proxy: str, receiver: OtlpReceiver  # noqa: F811

@@ -10,7 +10,10 @@ proxy's environment. Each attempt becomes one `stepline.gateway.decision` span (
 model group is the lane, the deployment's api_base the backend, the prompt measured in characters and bytes, and the
 outcome. A routing hook that sizes requests says what it measured and against which threshold by putting
 `stepline_size_chars`, `stepline_size_tokens`, `stepline_threshold` and `stepline_threshold_unit` (and
-`stepline_swallowed`, for an exception it went on past) in the request's `metadata`.
+`stepline_swallowed`, for an exception it went on past, and `stepline_lane`, the lane it chose, for a request it then
+refuses) in the request's `metadata`. A request refused before any deployment is called (the hook's exception, a
+rate or parallel-request limiter, a budget) is one decision, recorded from the proxy's failure hook with the request
+as the hooks left it: its size, its lane, the refusal's status and exception, no backend.
 
 The callback only reads and queues (DecisionRecorder: bounded, a thread of its own, every loss counted): it never
 blocks the proxy's event loop, and an error of its own is counted and logged, rate limited, never raised into the
@@ -209,6 +212,10 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         # request is over.
         if getattr(original_exception, "status_code", None) == 499:
             self._guarded(self._record_disconnect, request_data)
+        elif str(request_data.get("litellm_call_id") or "") not in self._chains:
+            # No deployment was called (its hook never ran): refused before routing, by a hook's exception, a
+            # rate or parallel-request limiter, a budget. Only here is the request as the hooks left it.
+            self._guarded(self._record_refusal, request_data, original_exception)
         self._guarded(self._end, request_data)
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
@@ -287,6 +294,21 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
             attempt=attempt, candidates=candidates, status=_int(getattr(exception, "status_code", None)) or 500,
             error_type=type(exception).__name__, **_measured(meta, text))
 
+    def _record_refusal(self, data: Mapping[str, Any], exception: Exception) -> None:
+        """A request refused before any deployment was called: the size it had, the lane the hook chose
+        (`stepline_lane` in metadata, else the model the hooks left it asking for), the refusal's status and
+        reason, and no backend."""
+        call_id = str(data.get("litellm_call_id") or "")
+        if call_id in self._disconnected:
+            return
+        meta = _metadata(data)
+        text = _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
+        now = time.time()
+        self.recorder.record(
+            request_id=call_id, lane=str(meta.get("stepline_lane") or data.get("model") or ""), backend="",
+            start_s=now, end_s=now, attempt=1, candidates=[], status=_int(getattr(exception, "status_code", None))
+            or 500, error_type=type(exception).__name__, **_measured(meta, text))
+
     def _record_disconnect(self, data: dict[str, Any]) -> None:
         call_id = str(data.get("litellm_call_id") or "")
         if call_id in self._disconnected:
@@ -330,6 +352,9 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
     def _record(self, kwargs: dict[str, Any], exception: Any) -> None:
         payload = kwargs.get("standard_logging_object") or {}
         request_id = str(kwargs.get("litellm_call_id") or payload.get("id") or "")
+        api_base = payload.get("api_base") or (kwargs.get("litellm_params") or {}).get("api_base")
+        if exception is not None and not api_base and str(kwargs.get("litellm_call_id") or "") not in self._chains:
+            return  # refused before any deployment: async_post_call_failure_hook records it, as the hooks left it
         claimed = self._claim(str(kwargs.get("litellm_call_id") or ""))
         if claimed is None:
             return  # the deployment hook recorded this attempt
@@ -344,8 +369,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         first = payload.get("completionStartTime")
         lane = str(payload.get("model_group") or kwargs.get("model") or "")
         self.recorder.record(
-            request_id=request_id, lane=lane,
-            backend=str(payload.get("api_base") or (kwargs.get("litellm_params") or {}).get("api_base") or ""),
+            request_id=request_id, lane=lane, backend=str(api_base or ""),
             start_s=started, end_s=float(payload.get("endTime") or started), attempt=attempt,
             candidates=candidates or _unique([meta.get("original_model_group"), lane]),
             status=499 if disconnected else (code or (500 if failed else 200)),

@@ -121,26 +121,11 @@ def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: st
     if router_settings is not None:
         config["router_settings"] = dict(router_settings)
     (work / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
            "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": gateway,
            "SIZE_LANES_THRESHOLD_CHARS": str(threshold_chars), "PYTHONPATH": str(work)}
-    log = (work / "proxy.log").open("w")
-    process = subprocess.Popen([str(VENV / "bin" / "litellm"), "--config", str(work / "config.yaml"),
-                                "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                               stderr=subprocess.STDOUT, cwd=work)
-    url = f"http://127.0.0.1:{port}"
+    process, url, log = _start(work, env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
-                    break
-            except OSError as exc:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    started = (work / "proxy.log").read_text()[-3000:]
-                    raise AssertionError(f"the LiteLLM proxy did not start: {started}") from exc
-                time.sleep(0.5)
         yield url
     finally:
         process.terminate()
@@ -149,6 +134,36 @@ def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: st
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def _start(work: Path, env: dict[str, str], attempts: int = 3) -> tuple[subprocess.Popen[bytes], str, Any]:
+    """The proxy on a free port, answering its liveness check: its process, URL and log. A proxy that exits while
+    starting is started again on another port (at most `attempts` times): on a busy machine another test's server
+    can take the port free_port() found before the proxy binds it (a GET then answers 501, and the proxy exits)."""
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        log = (work / "proxy.log").open("w")
+        process = subprocess.Popen([str(VENV / "bin" / "litellm"), "--config", str(work / "config.yaml"),
+                                    "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=work)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
+                    return process, url, log
+            except OSError as exc:
+                exited = process.poll() is not None
+                if exited and attempt < attempts:
+                    log.close()
+                    break
+                if exited or time.monotonic() > deadline:
+                    process.kill()
+                    log.close()
+                    started = (work / "proxy.log").read_text()[-3000:]
+                    raise AssertionError(f"the LiteLLM proxy did not start: {started}") from exc
+                time.sleep(0.5)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:

@@ -31,14 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-import clickhouse_connect
-
 from stepline.core.texttable import render_table
 from stepline.diagnosis.findings import Window
 from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import ShapedCostModel
 from stepline.sim.workloads import Workload, make_workload, short_burst, steady
+from stepline.store.chdb import open_client
 from stepline.store.reader import open_reader
 from stepline.whatif.core import Priced, lanes, whatif
 from stepline.whatif.figures import Figures, Objectives
@@ -228,7 +227,7 @@ def main() -> int:
     rankings: list[str] = []
     with tempfile.TemporaryDirectory(prefix="stepline-whatif-") as directory:
         base = f"chdb://{directory}"
-        anchor = clickhouse_connect.get_client(dsn=base)
+        anchor = open_client(directory)  # the process's first client: the engine starts with stepline's profile
         for name in chosen:
             case = every[name]
             started = time.monotonic()

@@ -16,7 +16,7 @@ from typing import Any
 from stepline.diagnosis.common import Query, clip, hms, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined, size_in_unit
-from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
+from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
@@ -441,6 +441,21 @@ DECISIONS_IN_FLIGHT = "gateway_decisions.in_flight"
 LEAK_TAIL_SHARE = 0.25  # the last quarter of what the gateway reported: leaked slots are held, so they show there
 MIN_LEAKED_SLOTS = 2  # in flight at the gateway beyond what the engine holds, in every scrape of the tail
 
+def _held_in_steps(lo: str, hi: str, engines: str) -> str:
+    """Per engine from `lo` to `hi` (bound names) among `engines` (a filter): the most requests running or waiting
+    in any of its steps (`held`), and how many steps did work (`steps`)."""
+    return (f"SELECT engine, max(running + waiting) AS held, countIf(num_generation_tokens + num_ctx_tokens > 0) AS "
+            f"steps FROM steps WHERE {between(lo, hi)} AND {engines} GROUP BY engine")
+
+
+def _held_in_gauges(lo: str, hi: str, engines: str) -> str:
+    """As _held_in_steps, from the engine's own gauges (vLLM's running + waiting per scrape): an engine that did not
+    step still says what it holds."""
+    return ("SELECT engine, max(value) AS held FROM (SELECT engine, ts, sum(value) AS value FROM engine_samples "
+            f"WHERE {between(lo, hi)} AND {engines} AND metric IN ('vllm:num_requests_running', "
+            "'vllm:num_requests_waiting') GROUP BY engine, ts) GROUP BY engine")
+
+
 # Per backend over the window's tail: the gateway's in-flight count (its least and last value per metric), and
 # what the engine held meanwhile: the most requests running or waiting in any step, and how many steps did work.
 _SLOTS = f"""
@@ -456,14 +471,8 @@ FROM (SELECT engine, gateway, metric, min(value) AS least, argMax(value, ts) AS 
       FROM gateway_decisions
       WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
       GROUP BY engine, gateway) AS g
-LEFT JOIN (SELECT engine, max(running + waiting) AS held,
-                  countIf(num_generation_tokens + num_ctx_tokens > 0) AS steps
-           FROM steps WHERE {between("tail", "end")} AND {EACH_ENGINE} GROUP BY engine) AS s ON s.engine = g.engine
-LEFT JOIN (SELECT engine, max(value) AS held FROM (
-               SELECT engine, ts, sum(value) AS value FROM engine_samples
-               WHERE {between("tail", "end")} AND {EACH_ENGINE}
-                 AND metric IN ('vllm:num_requests_running', 'vllm:num_requests_waiting')
-               GROUP BY engine, ts) GROUP BY engine) AS m ON m.engine = g.engine
+LEFT JOIN ({_held_in_steps("tail", "end", EACH_ENGINE)}) AS s ON s.engine = g.engine
+LEFT JOIN ({_held_in_gauges("tail", "end", EACH_ENGINE)}) AS m ON m.engine = g.engine
 ORDER BY g.engine, g.gateway, g.metric
 """
 _GATEWAY_SPAN = f"""
@@ -490,6 +499,8 @@ GROUP BY engine
 # refusals (429 or 503) since the lane last served one, over REFUSAL_PATIENCE_S or more, while every engine the lane
 # sent work to in the window held no request running or waiting. The engines behind a lane are those its served
 # decisions went to: a refusal before any deployment is called names none.
+_RELEASE_SLOTS = ("release the gateway's slot on every exit path, a client disconnect included (a finally around the "
+                  "proxied stream), then restart the gateway or reset its counters to free what leaked")
 MIN_REFUSED = 3
 REFUSAL_PATIENCE_S = 10.0
 _REFUSED = "status IN (429, 503)"
@@ -504,23 +515,18 @@ FROM (SELECT *, max(if(status > 0 AND status < 400, ts, toDateTime64(0, 6, 'UTC'
 GROUP BY gateway, lane HAVING refused >= {MIN_REFUSED} ORDER BY gateway, lane
 """
 _HELD = f"""
-SELECT max(h), sum(busy) FROM (
-    SELECT toFloat64(max(running + waiting)) AS h, countIf(num_generation_tokens + num_ctx_tokens > 0) AS busy
-    FROM steps
-    WHERE {between("first", "last")} AND engine IN {{engines:Array(String)}}
+SELECT max(held), sum(steps) FROM (
+    SELECT toFloat64(held) AS held, steps FROM ({_held_in_steps("first", "last", ENGINES)})
     UNION ALL
-    SELECT max(value) AS h, toUInt64(0) AS busy FROM (
-        SELECT engine, ts, sum(value) AS value FROM engine_samples
-        WHERE {between("first", "last")} AND engine IN {{engines:Array(String)}}
-          AND metric IN ('vllm:num_requests_running', 'vllm:num_requests_waiting') GROUP BY engine, ts))
+    SELECT held, toUInt64(0) AS steps FROM ({_held_in_gauges("first", "last", ENGINES)}))
 """
 
 
 def _refusing(reader: Reads, window: Window) -> list[Finding]:
     """Lanes that refused all they were asked for REFUSAL_PATIENCE_S while their engines held nothing."""
     findings = []
-    for gateway, lane, refused, first, last, engines, statuses, gone in Query(
-            _REFUSALS, start=window.start, end=window.end).rows(reader):
+    query = Query(_REFUSALS, start=window.start, end=window.end)
+    for gateway, lane, refused, first, last, engines, statuses, gone in query.rows(reader):
         behind = sorted(str(e) for e in engines if not window.engine or e == window.engine)
         span = (utc(last) - utc(first)).total_seconds()
         if not behind or span < REFUSAL_PATIENCE_S:
@@ -540,9 +546,7 @@ def _refusing(reader: Reads, window: Window) -> list[Finding]:
         findings.append(Finding(
             "gateway_slot_leak", "critical" if idle else "warning", behind[0], utc(first), utc(last),
             clip(f"{gateway} refused {int(refused)} on lane {lane} for {span:.0f}s, its engines holding nothing"),
-            evidence, Query(_REFUSALS, start=window.start, end=window.end).literal(),
-            "release the lane's slot on every exit path, a client disconnect included (a finally around the proxied "
-            "stream), then restart the gateway or reset its counters to free what leaked",
+            evidence, query.literal(), _RELEASE_SLOTS,
             span * int(refused)))
     return findings
 
@@ -600,8 +604,7 @@ def _leak(reader: Reads, window: Window, engine: str, tail: datetime, disconnect
             clip(f"{gateway} holds {round(number(least))} slots on {engine}, the engine {holds}"
                  + (": engine idle" if idle else "")),
             evidence, query.literal(),
-            "release the gateway's slot on every exit path, a client disconnect included (a finally around the "
-            "proxied stream), then restart the gateway or reset its counters to free what leaked",
+            _RELEASE_SLOTS,
             leaked * (window.end - tail).total_seconds())
     return None
 

@@ -79,6 +79,11 @@ def _metadata(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _request_text(data: Mapping[str, Any]) -> str:
+    """The prompt of a request as the proxy holds it: a chat request's `messages`, else a completion's `prompt`."""
+    return _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
+
+
 def _prompt_text(messages: Any) -> str:
     """The prompt as the proxy received it, for measuring: message contents joined (text parts of a list too)."""
     if isinstance(messages, str):
@@ -286,7 +291,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         attempt, candidates = claimed
         chain = self._chains.get(call_id)
         meta = _metadata(data)
-        text = _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
+        text = _request_text(data)
         started = chain.started if chain is not None and chain.started else time.time()
         self.recorder.record(
             request_id=call_id, lane=str(meta.get("model_group") or data.get("model") or ""),
@@ -302,7 +307,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         if call_id in self._disconnected:
             return
         meta = _metadata(data)
-        text = _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
+        text = _request_text(data)
         now = time.time()
         self.recorder.record(
             request_id=call_id, lane=str(meta.get("stepline_lane") or data.get("model") or ""), backend="",
@@ -324,7 +329,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         started = getattr(logging_obj, "start_time", None)
         start_s = started.timestamp() if isinstance(started, datetime) else time.time()
         meta = _metadata({"metadata": data.get("metadata"), "litellm_params": params})
-        text = _prompt_text(data.get("messages") if data.get("messages") is not None else data.get("prompt"))
+        text = _request_text(data)
         self.recorder.record(
             request_id=call_id, lane=str(data.get("model") or ""), backend=str(params.get("api_base") or ""),
             start_s=start_s, end_s=time.time(), attempt=attempt, candidates=candidates, status=499,

@@ -107,23 +107,26 @@ def install() -> Path:
 
 @contextmanager
 def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: str, threshold_chars: int,
-                  gateway: str = "lanes", router_settings: Mapping[str, Any] | None = None) -> Iterator[str]:
+                  gateway: str = "lanes", router_settings: Mapping[str, Any] | None = None,
+                  hook: Path | None = None, hook_env: Mapping[str, str] | None = None) -> Iterator[str]:
     """The proxy, serving until the block ends (its URL): `lanes` maps each lane (a model group) to its backend's
     OpenAI base URL (`http://host:port/v1`), each serving `model`; SIZE_LANES routes between them at
-    `threshold_chars`, stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. `router_settings`,
-    where given, is the config's own (`fallbacks`, `num_retries`, ...). Its config, hook and log (proxy.log) go to
+    `threshold_chars` (or `hook`, a routing hook's file whose module-level `hook` the proxy loads, configured by
+    `hook_env`); stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. `router_settings`, where
+    given, is the config's own (`fallbacks`, `num_retries`, ...). Its config, hook and log (proxy.log) go to
     `work`."""
-    (work / "size_lanes.py").write_text(SIZE_LANES)
+    module = hook.stem if hook is not None else "size_lanes"
+    (work / f"{module}.py").write_text(hook.read_text() if hook is not None else SIZE_LANES)
     models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": api_base,
                                                        "api_key": "none"}} for lane, api_base in lanes.items()]
     config: dict[str, Any] = {"model_list": models, "litellm_settings": {
-        "callbacks": ["size_lanes.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
+        "callbacks": [f"{module}.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
     if router_settings is not None:
         config["router_settings"] = dict(router_settings)
     (work / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
            "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": gateway,
-           "SIZE_LANES_THRESHOLD_CHARS": str(threshold_chars), "PYTHONPATH": str(work)}
+           "SIZE_LANES_THRESHOLD_CHARS": str(threshold_chars), "PYTHONPATH": str(work), **(hook_env or {})}
     process, url, log = _start(work, env)
     try:
         yield url
@@ -166,21 +169,22 @@ def _start(work: Path, env: dict[str, str], attempts: int = 3) -> tuple[subproce
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
-    """One completion through the proxy (its response); the hook chooses the lane."""
-    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": 4, **extra}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Authorization": f"Bearer {KEY}",
-                                                                     "Content-Type": "application/json"})
+def complete(url: str, prompt: str, chat: bool = False, **extra: Any) -> dict[str, Any]:
+    """One completion (`chat`: a chat completion of one user message) through the proxy (its response); the hook
+    chooses the lane."""
+    path, body = _body(prompt, chat, {"max_tokens": 4, **extra})
+    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {KEY}",
+                                                            "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return dict(json.loads(response.read()))
 
 
-def send(url: str, prompt: str, **extra: Any) -> tuple[int, str]:
-    """One completion through the proxy, answered or not: its HTTP status and the proxy's request id (the
-    `x-litellm-call-id` header, LiteLLM's litellm_call_id)."""
-    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": 4, **extra}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Authorization": f"Bearer {KEY}",
-                                                                     "Content-Type": "application/json"})
+def send(url: str, prompt: str, chat: bool = False, **extra: Any) -> tuple[int, str]:
+    """One completion (`chat`: a chat completion of one user message) through the proxy, answered or not: its HTTP
+    status and the proxy's request id (the `x-litellm-call-id` header, LiteLLM's litellm_call_id)."""
+    path, body = _body(prompt, chat, {"max_tokens": 4, **extra})
+    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {KEY}",
+                                                            "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             response.read()
@@ -190,11 +194,20 @@ def send(url: str, prompt: str, **extra: Any) -> tuple[int, str]:
         return exc.code, exc.headers.get("x-litellm-call-id", "")
 
 
-def leave_mid_stream(url: str, prompt: str, max_tokens: int, chunks: int = 1, **extra: Any) -> bytes:
-    """A streaming completion whose client closes its socket once `chunks` chunks came (what it read)."""
-    body = json.dumps({"model": "fast", "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}).encode()
+def _body(prompt: str, chat: bool, extra: Mapping[str, Any]) -> tuple[str, bytes]:
+    """A request's path and body: a completion of `prompt`, or (`chat`) a chat completion of it as one message."""
+    text: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    return ("/v1/chat/completions" if chat else "/v1/completions",
+            json.dumps({"model": "fast", **text, **extra}).encode())
+
+
+def leave_mid_stream(url: str, prompt: str, max_tokens: int, chunks: int = 1, chat: bool = False,
+                     **extra: Any) -> bytes:
+    """A streaming completion (`chat`: a chat completion) whose client closes its socket once `chunks` chunks came
+    (what it read)."""
+    path, body = _body(prompt, chat, {"max_tokens": max_tokens, "stream": True, **extra})
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as conn:
-        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         seen = b""
         while seen.count(b"data:") < chunks:  # until the chunks came; then the client goes

@@ -128,15 +128,18 @@ class Setup:
 
 
 @contextmanager
-def collector(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
+def collector(setup: Setup, *extra_args: str, engines: Sequence[Setup] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """`stepline collect` watching `engines` (default: the setup's own), each named as the README's attach section
+    names one (`--engine NAME=URL`), with `extra_args` last; its output appended to collector.log."""
     log = setup.work / "collector.log"
     (setup.work / "run").mkdir(exist_ok=True)
-    with log.open("wb") as out:
+    watched = [arg for e in (engines or (setup,)) for arg in ("--engine", f"{e.engine_name}={e.engine_url}")]
+    with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stepline", "collect", "--engine", f"{setup.engine_name}={setup.engine_url}",
-             "--store", setup.store, "--plugin-socket", setup.socket, "--otlp-port", str(setup.otlp_port),
+            [sys.executable, "-m", "stepline", "collect", *watched, "--store", setup.store,
+             "--plugin-socket", setup.socket, "--otlp-port", str(setup.otlp_port),
              "--query-port", str(setup.query_port), "--metrics-port", str(setup.metrics_port),
-             "--scrape-interval", "1", "--flush-interval", "0.5"],
+             "--scrape-interval", "1", "--flush-interval", "0.5", *extra_args],
             stdout=out, stderr=subprocess.STDOUT, env=setup.env(), cwd=setup.work)
     try:
         wait_for(f"http://127.0.0.1:{setup.metrics_port}/metrics", 60, process, log)

@@ -46,6 +46,9 @@ def test_password_from_a_file_is_never_shown(tmp_path: Path) -> None:
         ({}, {"listen": "::"}, "STEPLINE_QUERY_OPEN=1"),
         ({}, {"lane_bars": ("heavy=100k",)}, "lane bar 'heavy=100k' must be LANE=TOKENS"),
         ({"STEPLINE_LANE_BARS": "heavy=0"}, {}, "lane bar 'heavy=0' must be LANE=TOKENS"),
+        ({}, {"backends": ("vllm-0",)}, "backend 'vllm-0' must be ADDRESS=ENGINE"),
+        ({"STEPLINE_BACKENDS": "vllm.svc=vllm-0"}, {}, "backend 'vllm.svc=vllm-0' must be ADDRESS=ENGINE"),
+        ({}, {"backends": ("vllm.svc:8000=",)}, "backend 'vllm.svc:8000=' must be ADDRESS=ENGINE"),
     ],
 )
 def test_bad_values_are_named(env: dict[str, str], overrides: dict[str, object], fragment: str) -> None:
@@ -101,3 +104,9 @@ def test_off_loopback_the_query_endpoint_needs_a_password_or_an_explicit_open() 
 def test_lane_bars_are_tokens_per_lane() -> None:
     settings = Settings.from_env({"STEPLINE_LANE_BARS": "heavy=100000tokens, xl = 400000"})
     assert settings.lane_bar_map() == {"heavy": 100_000, "xl": 400_000}
+
+
+def test_backends_name_the_engines_behind_an_address() -> None:
+    settings = Settings.from_env({"STEPLINE_BACKENDS": "vllm.svc:8000=vllm-0,http://vllm.svc:8000/v1=vllm-1"},
+                                 backends=None)
+    assert settings.backend_map() == {("vllm.svc", 8000): ("vllm-0", "vllm-1")}

@@ -111,6 +111,34 @@ def test_decisions_that_join_no_engine_request_are_no_baseline(store: Store) -> 
     assert lane_leak(store, ALL) == []
 
 
+def _behind_a_service(shared: bool) -> tuple[list[GatewayDecision], list[Request]]:
+    """The fast lane is a service (svc:8000) in front of two replicas that take its requests in turn; the router
+    forwards no request id. `shared`: the collector knows who stands behind the service (`--backend`)."""
+    decisions, requests = _traffic(dense_monsters=2)
+    replicas = ("fast-0:8000", "fast-1:8000")
+    fast = [i for i, d in enumerate(decisions) if d.lane == "fast"]
+    turn = {i: replicas[k % 2] for k, i in enumerate(fast)}
+    decisions = [d._replace(request_id="", engine="svc:8000", candidates=["svc:8000", LANES["heavy"]],
+                            backend_engines=replicas if shared else ()) if i in turn else d._replace(request_id="")
+                 for i, d in enumerate(decisions)]
+    return decisions, [r._replace(engine=turn[i]) if i in turn else r for i, r in enumerate(requests)]
+
+
+def test_behind_a_service_the_join_looks_across_its_replicas_and_says_so(store: Store) -> None:
+    _insert(store, *_behind_a_service(shared=True))
+    [found] = lane_leak(store, ALL)
+    e = found.evidence
+    assert (e["leaked_requests"], e["lanes_leaked_onto"], e["joined_by_time_and_size"]) == (2, ["fast"], 54)
+    assert found.engine in ("fast-0:8000", "fast-1:8000")  # the replica the worst leak ran on
+    assert list(e["shared_backends"]) == ["svc:8000"]
+    assert e["shared_backends"]["svc:8000"].startswith("42 decisions; the engines behind it: fast-0:8000, fast-1:8000")
+
+
+def test_behind_a_service_nobody_declared_the_decisions_join_nothing(store: Store) -> None:
+    _insert(store, *_behind_a_service(shared=False))
+    assert lane_leak(store, ALL) == []  # the heavy lane's joined, none leaked; the fast lane's join no engine
+
+
 def test_diagnose_names_the_leak_beside_the_engines(store: Store) -> None:
     _insert(store, *_traffic(dense_monsters=2, gateway="edge"))
     assert [f.kind for f in diagnose(store.client, ALL) if f.kind == "lane_leak"] == ["lane_leak"]

@@ -108,6 +108,20 @@ def test_a_backend_is_named_as_the_collector_names_the_engine_there() -> None:
     assert isinstance(row, GatewayDecision) and (row.engine, row.candidates) == ("fast", ["fast", "10.0.0.6:8000"])
 
 
+def test_a_backend_that_stands_for_several_engines_keeps_its_name_and_says_who_is_behind_it() -> None:
+    """`--backend 10.0.0.5:8000=fast-0 --backend 10.0.0.5:8000=fast-1`: a service in front of two replicas."""
+    behind = EngineAddresses((), {("10.0.0.5", 8000): ("fast-0", "fast-1")})
+    named = OtlpReceiver(SourceContext("h1", ManualClock(), engine_addresses=behind), port=0)
+    named.start()
+    try:
+        export(named.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
+        [row] = drain(named)
+    finally:
+        named.stop()
+    assert isinstance(row, GatewayDecision) and (row.engine, row.backend_engines) == (
+        "10.0.0.5:8000", ("fast-0", "fast-1"))
+
+
 def test_one_bad_decision_in_a_batch_rejects_only_itself(receiver: OtlpReceiver) -> None:  # noqa: F811
     unicode_digit = {**MONSTER, d.REQUEST_ID: "req-8", d.SIZE_CHARS: "²"}
     huge_id = {**MONSTER, d.REQUEST_ID: "r" * 7_000_000}
@@ -127,8 +141,9 @@ def test_decisions_are_stored_and_read_back(store: Store) -> None:
     now_ns = time.time_ns()
     rows = [to_decision({**MONSTER, d.FIRST_BYTE: now_ns + 1}, now_ns, now_ns + 5, "router", "h1"),
             to_decision({d.LANE: "fast", d.SWALLOWED: "ValueError: x"}, now_ns, now_ns, "router", "h1")]
+    rows[0] = rows[0]._replace(backend_engines=("fast-0", "fast-1"))
     store.insert("gateway_decisions", rows, GatewayDecision._fields)
-    got = store.query("SELECT engine, lane, size_chars, threshold_unit, swallowed_exception, first_byte_ts IS NULL "
-                      "FROM gateway_decisions ORDER BY lane, size_chars").result_rows
-    assert [tuple(r) for r in got] == [("10.0.0.5:8000", "fast", 340_112, "chars", "", 0),
-                                       ("", "fast", None, "", "ValueError: x", 1)]  # NULL sizes sort last
+    got = store.query("SELECT engine, lane, size_chars, threshold_unit, swallowed_exception, first_byte_ts IS NULL, "
+                      "backend_engines FROM gateway_decisions ORDER BY lane, size_chars").result_rows
+    assert [tuple(r) for r in got] == [("10.0.0.5:8000", "fast", 340_112, "chars", "", 0, ["fast-0", "fast-1"]),
+                                       ("", "fast", None, "", "ValueError: x", 1, [])]  # NULL sizes sort last

@@ -27,3 +27,17 @@ def test_an_address_the_collector_does_not_watch_or_shares_keeps_its_name() -> N
     assert addresses.name_of(backend_engine("http://svc.ns:8000/v1")) == "svc.ns:8000"  # two engines behind it
     assert addresses.shared == {"svc.ns:8000": ["a", "b"]}
     assert EngineAddresses().name_of("127.0.0.1:8001") == "127.0.0.1:8001"
+
+
+def test_a_service_in_front_of_replicas_is_declared_and_names_the_engines_behind_it() -> None:
+    """`--backend vllm.svc:8000=a --backend vllm.svc:8000=b`: a Kubernetes service the collector does not watch
+    stands for engines a and b; the decision keeps the service's name, and the join looks across both. One engine
+    declared behind an address (a pod's address, where the sidecar watches 127.0.0.1) is that address's name."""
+    declared = {("vllm.svc", 8000): ("a", "b"), ("10.1.2.3", 8000): ("pod-0",)}
+    addresses = EngineAddresses(("pod-0=http://127.0.0.1:8000",), declared)
+    assert addresses.name_of(backend_engine("http://vllm.svc:8000/v1")) == "vllm.svc:8000"
+    assert addresses.behind("vllm.svc:8000") == ["a", "b"]
+    assert addresses.name_of("10.1.2.3:8000") == "pod-0" and addresses.behind("10.1.2.3:8000") == []
+    assert addresses.behind("127.0.0.1:8000") == [] and addresses.behind("fast") == []
+    # Two watched names for one URL stand for both, too.
+    assert EngineAddresses(ENGINES).behind("svc.ns:8000") == ["a", "b"]

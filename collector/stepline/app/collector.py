@@ -66,7 +66,7 @@ class Collector:
         s = self.settings
         self.metrics.gpu_expected.set(1 if s.expect_gpus else 0)
         ctx = SourceContext(host=s.host_name, clock=self.clock, engine_models=self._engine_models,
-                            engine_addresses=EngineAddresses(s.engines))
+                            engine_addresses=EngineAddresses(s.engines, s.backend_map()))
         specs = source_registry.enabled(s)
         scheduled = [Scheduled(src, spec.interval_s(s)) for spec in specs for src in spec.build(s, ctx)]
         if self._extra is not None:

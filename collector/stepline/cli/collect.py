@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in its decisions): prompts of TOKENS or more, as the engine counts them, belong on LANE, "
                              "e.g. heavy=100000 (repeatable; $STEPLINE_LANE_BARS, comma-separated); lane_leak judges "
                              "the decisions that carry no bar of their own against it")
+    parser.add_argument("--backend", action="append", default=None, metavar="ADDRESS=ENGINE",
+                        help="ENGINE stands behind a gateway's backend ADDRESS that it is not watched at, e.g. "
+                             "vllm.default.svc:8000=vllm-0 for a service in front of replicas (repeat per replica; "
+                             "$STEPLINE_BACKENDS, comma-separated): decisions to that backend join the requests of "
+                             "the engines behind it by time and size")
     parser.add_argument("--role", choices=ROLES,
                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
@@ -83,6 +88,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         gateways=tuple(args.gateway) if args.gateway else None,
         lane_budgets=tuple(args.lane_budget) if args.lane_budget else None,
         lane_bars=tuple(args.lane_bar) if args.lane_bar else None,
+        backends=tuple(args.backend) if args.backend else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
         role=args.role, pod_resources_socket=args.pod_resources_socket,
     )

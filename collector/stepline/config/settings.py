@@ -72,9 +72,12 @@ class Settings:
     gateway_token: str | None = field(default=None, repr=False)
     """Sent as a Bearer token to each gateway's /metrics."""
     lane_budgets: tuple[str, ...] = ()
-    # LANE=TOKENS: what a router that cannot say its bar routes by, declared once by its operator (lane_bar_map).
-    lane_bars: tuple[str, ...] = ()
     """LANE=SECONDS: the least stall budget of the engines a gateway sends that lane to (a lane slow by design)."""
+    lane_bars: tuple[str, ...] = ()
+    """LANE=TOKENS: what a router that cannot say its bar routes by, declared once by its operator (lane_bar_map)."""
+    backends: tuple[str, ...] = ()
+    """ADDRESS=ENGINE: an engine that stands behind a gateway's backend address the collector does not reach it at
+    (a Kubernetes service in front of replicas, a pod's address), one entry per engine (backend_map)."""
     writer_max_rows: int = 200_000
     """Rows each table's writer holds in memory; beyond them rows are dropped, counted (queue_full)."""
     writer_batch_rows: int = 20_000
@@ -159,6 +162,7 @@ class Settings:
         self.engine_gpu_map()
         self.lane_budget_map()
         self.lane_bar_map()
+        self.backend_map()
         if self.role not in ROLES:
             raise SettingsError(f"role {self.role!r} must be one of {', '.join(ROLES)}")
         if self.role == "node" and self.engines:
@@ -194,6 +198,23 @@ class Settings:
                                     "(e.g. heavy=100000)")
             bars[lane.strip()] = int(digits)
         return bars
+
+    def backend_map(self) -> dict[tuple[str, int], tuple[str, ...]]:
+        """(host, port) of a gateway's backend -> the engines behind it, as declared (`vllm.svc:8000=vllm-0`, or
+        the address as a URL); raises SettingsError naming a bad entry."""
+        behind: dict[tuple[str, int], tuple[str, ...]] = {}
+        for spec in self.backends:
+            address, sep, engine = spec.rpartition("=")
+            try:
+                host, port = url_host_port(address if "://" in address else f"http://{address}", "backend")
+            except ValueError:
+                host, port = "", 0
+            if not (sep and engine.strip() and host and (address.count(":") or "://" in address)):
+                raise SettingsError(f"backend {spec!r} must be ADDRESS=ENGINE, the address as the gateway names it "
+                                    "(host:port or a URL), e.g. vllm.default.svc:8000=vllm-0")
+            names = behind.get((host, port), ())
+            behind[(host, port)] = (*names, engine.strip()) if engine.strip() not in names else names
+        return behind
 
     def engine_gpu_map(self) -> dict[str, str]:
         """GPU UUID -> engine from engine_gpus; raises SettingsError naming a bad or twice-given entry."""
@@ -330,6 +351,7 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("gateways", "STEPLINE_GATEWAYS", _csv),
     ("lane_budgets", "STEPLINE_LANE_BUDGETS", _csv),
     ("lane_bars", "STEPLINE_LANE_BARS", _csv),
+    ("backends", "STEPLINE_BACKENDS", _csv),
     ("host_name", "STEPLINE_HOST_NAME", str),
     ("listen", "STEPLINE_LISTEN", str),
     ("metrics_port", "STEPLINE_METRICS_PORT", int),

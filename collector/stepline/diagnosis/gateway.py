@@ -22,9 +22,10 @@ from stepline.store.reads import Reads
 MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
 
 
-# Every decision with the engine's count of the request it became; each is judged against the bar it recorded
-# (those that recorded none are counted as such).
-_JOINED = joined("d.gateway, d.lane, d.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
+# Every decision with the engine's count of the request it became (on the engine it ran on: one of several behind a
+# backend that stands for more than one); each is judged against the bar it recorded (those that recorded none are
+# counted as such).
+_JOINED = joined("d.gateway, d.lane, r.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
                  "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts, m.matched_by",
                  "1", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
 _JOIN_OUTCOMES = join_outcomes("1")  # how _JOINED's decisions joined, refusals included
@@ -55,11 +56,32 @@ def lane_leak(reader: Reads, window: Window) -> list[Finding]:
         # A time match the rules refused is a request the finding could not count: say how many.
         outcomes = {str(r[0]): dict(zip(JOIN_OUTCOMES, r[1:], strict=True)) for r in
                     Query(_JOIN_OUTCOMES, engine=window.engine, start=window.start, end=window.end).rows(reader)}
+        shared = shared_backends(reader, window)
         for gateway, finding in found:
             counts = outcomes.get(gateway, {})
             finding.evidence["time_matches_refused"] = {o: int(counts.get(o, 0))
                                                         for o in ("ambiguous", "taken", "unjoined")}
+            if shared.get(gateway):
+                finding.evidence["shared_backends"] = shared[gateway]
     return [finding for _, finding in found]
+
+
+# Decisions to a backend that stands for several engines (sources/addresses.py): the join looked across them.
+_SHARED = f"""
+SELECT gateway, engine, any(backend_engines), count() FROM gateway_decisions
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND notEmpty(backend_engines) GROUP BY gateway, engine ORDER BY gateway, engine
+"""
+
+
+def shared_backends(reader: Reads, window: Window) -> dict[str, dict[str, str]]:
+    """gateway -> each backend of its decisions that stands for several engines, and how the join read it."""
+    out: dict[str, dict[str, str]] = {}
+    for gateway, backend, engines, decisions in Query(_SHARED, engine=window.engine, start=window.start,
+                                                      end=window.end).rows(reader):
+        out.setdefault(str(gateway), {})[str(backend)] = (
+            f"{int(decisions)} decisions; the engines behind it: {', '.join(map(str, engines))} (each decision "
+            "matched by time and size across them, or by the id it forwarded)")
+    return out
 
 
 def _matched_by(methods: list[Any]) -> dict[str, int]:

@@ -199,6 +199,7 @@ class GatewayDecision(NamedTuple):
     first_byte_ts: int | None
     end_ts: int
     swallowed_exception: str
+    backend_engines: tuple[str, ...] = ()  # the engines behind a backend that stands for several (the join's)
 
 
 class GatewaySample(NamedTuple):

@@ -23,7 +23,8 @@ from stepline.model.rows import UNKNOWN_FINISH_REASON
 # 6: `steps` gained vllm_elapsed_ms and step_time, and elapsed_ms became the step's duration as stepline derives it
 # (under async scheduling vLLM's reading is a wait, not a duration); added columns, no rebuild (rows older collectors
 # wrote hold 0 and '' in them).
-SCHEMA_VERSION = 6
+# 7: `gateway_decisions` gained backend_engines (added column, no rebuild: rows written before hold []).
+SCHEMA_VERSION = 7
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
 DIM = "LowCardinality(String)"
@@ -635,6 +636,9 @@ TABLES: tuple[Table, ...] = (
             Column("end_ts", TIME, "When the attempt ended (the span's end)."),
             Column("swallowed_exception", "String", "An exception the routing hook caught and went on past "
                    "(type: message), so that failing open is seen; '' when none."),
+            Column("backend_engines", "Array(LowCardinality(String))", "The engines behind the chosen backend "
+                   "where its address stands for several (a service in front of replicas, `stepline collect "
+                   "--backend`): the join looks for the request among theirs; [] where it is one engine."),
         ),
         ("host", "gateway", "ts"),
         "One row per routing attempt of a gateway in front of the engines: size measured, lane and backend chosen, "

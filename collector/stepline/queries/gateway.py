@@ -62,6 +62,9 @@ def _bucket(moment: str) -> str:
     return f"intDiv(toUnixTimestamp64Milli({moment}), {round(2000 * MATCH_SKEW_S)})"
 
 
+# The engines a decision's request may be on: the backend it chose, or, where that address stands for several
+# engines (a service in front of replicas: sources/addresses.py), each of them, and the match looks across them.
+BEHIND = "if(empty(backend_engines), [engine], backend_engines)"
 _DECISIONS = ("(SELECT *, cityHash64(host, gateway, ts, engine, request_id, attempt) AS decision_key\n"
               f" FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE})")
 # The engine's ids of the requests the window's decisions name.
@@ -73,7 +76,8 @@ def _requests(columns: tuple[str, ...]) -> str:
     """The engine requests, merged, on the backends the window's decisions chose that arrived near the window, or
     up to 10 minutes before it where a decision names them."""
     return merged_matching(
-        f"{EACH_ENGINE} AND engine GLOBAL IN (SELECT engine FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE})"
+        f"{EACH_ENGINE} AND engine GLOBAL IN (SELECT arrayJoin({BEHIND}) FROM gateway_decisions "
+        f"WHERE {IN_WINDOW} AND {EACH_ENGINE})"
         f" AND arrival_ts <= {{end:DateTime64(6)}} + {_ms(MATCH_FORWARD_S + MATCH_SKEW_S)}"
         f" AND (arrival_ts >= {{start:DateTime64(6)}} - {_ms(MATCH_SKEW_S)} OR arrival_ts >= {{start:DateTime64(6)}}"
         f" - INTERVAL 10 MINUTE AND request_id GLOBAL IN {_NAMED})",
@@ -90,17 +94,18 @@ def _outcomes() -> str:
     # Each decision beside the requests its id names, and beside those no decision names that arrived in its
     # window.
     pairs = f"""SELECT {pair}, 1 AS is_id
-FROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id FROM {_DECISIONS} WHERE request_id != '') AS d
-GLOBAL INNER JOIN {requests} AS r ON r.engine = d.engine AND r.request_id = d.engine_id
+FROM (SELECT *, arrayJoin({ENGINE_IDS}) AS engine_id, arrayJoin({BEHIND}) AS behind
+      FROM {_DECISIONS} WHERE request_id != '') AS d
+GLOBAL INNER JOIN {requests} AS r ON r.engine = d.behind AND r.request_id = d.engine_id
 UNION ALL
 SELECT {pair}, 0 AS is_id
 FROM (SELECT *, ts - {_ms(MATCH_SKEW_S)} AS earliest,
              least(coalesce(first_byte_ts, end_ts), ts + {_ms(MATCH_FORWARD_S)}) + {_ms(MATCH_SKEW_S)} AS latest,
-             arrayJoin(range({_bucket('earliest')}, {_bucket('latest')} + 1)) AS slot
+             arrayJoin(range({_bucket('earliest')}, {_bucket('latest')} + 1)) AS slot, arrayJoin({BEHIND}) AS behind
       FROM {_DECISIONS} WHERE engine != '') AS d
 GLOBAL INNER JOIN (SELECT *, {_bucket('arrival_ts')} AS slot FROM {requests}
                    WHERE request_id GLOBAL NOT IN {_NAMED}) AS r
-    ON r.engine = d.engine AND r.slot = d.slot
+    ON r.engine = d.behind AND r.slot = d.slot
 WHERE r.arrival_ts >= d.earliest AND r.arrival_ts <= d.latest"""
     calibrated = " ".join(
         f"countIf(is_id AND size_{u} IS NOT NULL AND prompt_tokens > 0) OVER (PARTITION BY gateway) >= "

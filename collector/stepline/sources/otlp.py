@@ -227,9 +227,12 @@ class OtlpReceiver(Address):
                 return False
             self._pending.extend(decoded.rows)
             # A decision's backend, as the gateway called it (a URL's host:port), named as the collector names the
-            # engine at that address (sources/addresses.py): the decision joins that engine's requests.
-            name_of = self._ctx.engine_addresses.name_of
-            self._pending.extend(d._replace(engine=name_of(d.engine), candidates=[name_of(c) for c in d.candidates])
+            # engine at that address (sources/addresses.py): the decision joins that engine's requests, or those
+            # of the engines behind it where the address stands for several.
+            addresses = self._ctx.engine_addresses
+            self._pending.extend(d._replace(engine=addresses.name_of(d.engine),
+                                            candidates=[addresses.name_of(c) for c in d.candidates],
+                                            backend_engines=tuple(addresses.behind(d.engine)))
                                  for d in decoded.decisions)
             self._counts["spans_accepted"] += rows
             self._counts["spans_ignored"] += decoded.ignored

@@ -2,6 +2,7 @@
 
     python benchmarks/whatif_validation.py [--cases short-burst,steady-hot,burst,two-engines] [--tpot 0.1]
     python benchmarks/whatif_validation.py --family shaped [--seeds 6] [--seed0 0]
+    python benchmarks/whatif_validation.py --family cliff [--seeds 2] [--seed0 0]
 
 `--family shaped`: truths whose step cost is not of the fit's linear form (sim.costmodel.ShapedCostModel: tile
 quantisation of prefill, a per-chunk cost, decode batching that is not linear, a context term that grows
@@ -9,6 +10,10 @@ faster than linear, multiplicative step jitter; drawn per seed, on a drawn workl
 whatif's intervals (the share of true figures inside their predicted [low, high]) against their nominal
 coverage, the median interval width, and whether pairs of levers whose goodput intervals separate run in the
 predicted order.
+
+`--family cliff`: two engines under such a cost (one fixed shape, its jitter seeded), each serving cached chat and
+uncached documents, so many that the shard lever's long lane, which takes every document over the bar, sits near
+its capacity: the case where a cost a little off tips a lane from draining to queueing without end.
 
 For each case: record a run under settings A through the normal path (plugin datagrams, OTLP spans, /metrics
 into the embedded store), run `whatif` on the recording (the fit, the calibration, every lever), then run the
@@ -36,7 +41,7 @@ from stepline.diagnosis.findings import Window
 from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim.config import EngineConfig
 from stepline.sim.costmodel import ShapedCostModel
-from stepline.sim.workloads import Workload, make_workload, short_burst, steady
+from stepline.sim.workloads import Workload, chat_arrivals, compose, make_workload, short_burst, steady
 from stepline.store.chdb import open_client
 from stepline.store.reader import open_reader
 from stepline.whatif.core import Priced, lanes, whatif
@@ -87,6 +92,32 @@ def shaped_cases(seeds: Sequence[int]) -> dict[str, Case]:
     return out
 
 
+# The cliff family's truth: a step cost the fit's linear form misses (a 512-token prefill tile, 20 ms per step
+# carrying prefill, a context knee at 64k, 10% jitter), under which the long lane's steps cost more than the fit of
+# the mixed recording says; and documents at CLIFF_DOCS_PER_S on each engine, which put that lane near its capacity.
+CLIFF_DOCS_PER_S = 1.2
+CLIFF_CHAT_PER_S = 4.0
+CLIFF_DURATION_S = 60.0
+
+
+def cliff_cases(seeds: Sequence[int]) -> dict[str, Case]:
+    """One two-engine case per seed: chat and documents on each, the shard lever's long lane near its capacity."""
+    out: dict[str, Case] = {}
+    for seed in seeds:
+        cost = ShapedCostModel(prefill_tile=512, chunk_overhead_s=0.02, context_knee_tokens=65_536, jitter=0.1,
+                               seed=seed)
+        engines: Case = []
+        for k in range(2):
+            chat = chat_arrivals(f"chat{k}", 0.0, CLIFF_DURATION_S, CLIFF_CHAT_PER_S, seed=seed, prompt_median=1200,
+                                 output_median=150, cached=(0.85, 0.95), max_prompt=8000)
+            docs = chat_arrivals(f"doc{k}", 0.0, CLIFF_DURATION_S, CLIFF_DOCS_PER_S, seed=seed, prompt_median=6000,
+                                 output_median=60, cached=(0.0, 0.05), max_prompt=32_768)
+            # Equal spans on both engines: the recording aligns engines by their end, the truth by their start.
+            engines.append((f"e{k}", compose("cliff", CLIFF_DURATION_S, 60.0, chat, docs), EngineConfig(cost=cost)))
+        out[f"cliff-{seed}"] = engines
+    return out
+
+
 def describe(case: Case) -> str:
     cost = case[0][2].cost
     if not isinstance(cost, ShapedCostModel):
@@ -128,6 +159,21 @@ def truth(base: str, case: Case, lever: Lever) -> Figures:
         engines.append((engine, Scenario(f"truth-{engine}", None, w, lane.config)))
     traces = record(base, engines)
     return whatif(traces, OBJECTIVES, levers=[], jobs=1).recorded
+
+
+def _lane(p: Priced) -> str:
+    """The busiest lane of the lever's central replay and its load; where its headroom is short of its fit's error,
+    that error, and whether the interval is open-ended."""
+    assert p.replay is not None
+    busiest = p.replay.busiest
+    if busiest is None:
+        return "-"
+    text = f"{busiest[0]} {busiest[1]:.0%}"
+    for h in p.headroom:
+        text += f"; {h.engine} x{1 + h.error:.2f}: {h.load * (1 + h.error):.0%}"  # the load at the fit's error
+    if p.dearer is not None and any(math.isinf(b.high) for b in p.bands().values()):
+        text += ", open"
+    return text
 
 
 def _err(predicted: float, actual: float) -> float:
@@ -176,7 +222,7 @@ class Coverage:
             hit = band.low * (1 - ROUNDING) <= true <= band.high * (1 + ROUNDING)
             self.inside[name] = self.inside.get(name, 0) + hit
             self.total[name] = self.total.get(name, 0) + 1
-            if band.value:
+            if band.value and math.isfinite(band.high):  # an open-ended interval (knife-edge) has no width
                 self.widths.append((band.high - band.low) / abs(band.value))
             marks.append("in" if hit else "OUT")
             if not hit:
@@ -206,9 +252,10 @@ def main() -> int:
     global OBJECTIVES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(cases()))
-    parser.add_argument("--family", choices=("linear", "shaped"), default="linear",
-                        help="the named cases (linear step cost), or truths drawn off the fit's form per seed")
-    parser.add_argument("--seeds", type=int, default=6, help="shaped truths to draw (--family shaped)")
+    parser.add_argument("--family", choices=("linear", "shaped", "cliff"), default="linear",
+                        help="the named cases (linear step cost), truths drawn off the fit's form per seed, or two "
+                             "engines whose shard lever puts a lane near its capacity")
+    parser.add_argument("--seeds", type=int, default=6, help="shaped or cliff truths to draw (--family shaped, cliff)")
     parser.add_argument("--seed0", type=int, default=0)
     parser.add_argument("--replays", type=int, default=INTERVAL_REPLAYS, help="whatif's perturbed replays")
     parser.add_argument("--ttft", type=float, default=10.0)
@@ -218,13 +265,16 @@ def main() -> int:
                              "overhead 3/4 of the fixed step cost); the truths run as they would")
     args = parser.parse_args()
     OBJECTIVES = Objectives(args.ttft, args.tpot)
-    every = cases() if args.family == "linear" else shaped_cases(range(args.seed0, args.seed0 + args.seeds))
+    seeds = range(args.seed0, args.seed0 + args.seeds)
+    every = cases() if args.family == "linear" else shaped_cases(seeds) if args.family == "shaped" \
+        else cliff_cases(seeds)
     chosen = [c.strip() for c in args.cases.split(",") if c.strip()] if args.family == "linear" else list(every)
     coverage = Coverage()  # the levers' intervals as whatif gives them (widened by the calibration's misses)
     raw = Coverage()  # the same, not widened: the replays' spread alone
     calibration = Coverage()  # the recording against the replayed baseline's own intervals
     all_errors: list[float] = []
     rankings: list[str] = []
+    edged: list[tuple[str, bool]] = []  # each knife-edge lever's in/OUT marks, and whether its interval is open
     with tempfile.TemporaryDirectory(prefix="stepline-whatif-") as directory:
         base = f"chdb://{directory}"
         anchor = open_client(directory)  # the process's first client: the engine starts with stepline's profile
@@ -268,8 +318,12 @@ def main() -> int:
                     e = _err(getattr(pf, attr), getattr(actual, attr))
                     all_errors.append(e)
                     row += [f"{getattr(pf, attr):.3f}", f"{getattr(actual, attr):.3f}", f"{e:+.1%}"]
+                row.append(_lane(p))
                 if p.spread:
-                    row.append(coverage.add(f"{name} {p.lever.name}", p.bands(), actual))
+                    marks = coverage.add(f"{name} {p.lever.name}", p.bands(), actual)
+                    row.append(marks)
+                    if p.knife_edge:
+                        edged.append((marks, any(math.isinf(b.high) for b in p.bands().values())))
                     raw.add(f"{name} {p.lever.name}", bands(pf, [r.figures for r in p.spread]), actual)
                     goodput_bands.append(p.bands()["goodput_rps"])
                 rows.append(row)
@@ -277,7 +331,8 @@ def main() -> int:
                 actual_goodput.append(actual.goodput_rps)
             if goodput_bands:
                 coverage.pairs(goodput_bands, actual_goodput)
-            header = ["lever"] + [f"{label} {k}" for _, label in FIGURES for k in ("pred", "run", "err")] + (
+            header = ["lever"] + [f"{label} {k}" for _, label in FIGURES for k in ("pred", "run", "err")] + [
+                "busiest lane (load; at the edge: x cost error)"] + (
                 ["in interval (TTFT p50, p99, ITL p99, goodput)"] if goodput_bands else [])
             print(render_table(header, rows, max_width=40))
             tau = _kendall(predicted_goodput, actual_goodput)
@@ -306,6 +361,9 @@ def main() -> int:
                 "run in the predicted order")
         for miss in coverage.misses:
             print(f"  outside: {miss}")
+        edge_marks = [m for each, _ in edged for m in each.split()]
+        print(f"knife-edge levers: {len(edged)}, {sum(o for _, o in edged)} of them open-ended; their true figures "
+              f"inside: {edge_marks.count('in')}/{len(edge_marks)}")
         for label, other in (("the replays' spread alone (not widened)", raw),
                              ("the recordings against the replayed baseline's intervals", calibration)):
             if other.total:

@@ -13,7 +13,7 @@ from stepline.diagnosis.findings import Window
 from stepline.drills.scenarios import Scenario, run_engines
 from stepline.sim import costmodel
 from stepline.sim.config import EngineConfig
-from stepline.sim.workloads import Arrival, Workload, short_burst
+from stepline.sim.workloads import Arrival, Workload, chat_arrivals, compose, short_burst
 from stepline.store.reader import open_reader
 from stepline.whatif.core import WhatIf, lanes, whatif
 from stepline.whatif.figures import Objectives
@@ -236,3 +236,60 @@ def test_the_reports_section_shows_the_bands_in_its_table_and_around_the_best_le
     low, high = (dict(e) for e in envelope([best.replay.timeline, *(r.timeline for r in best.spread)]))
     assert best.replay.timeline and all(low[t] <= v <= high[t] for t, v in best.replay.timeline)
     assert any(low[t] < high[t] for t in low)  # the replays differ somewhere
+
+
+def _cliff_engines() -> list[tuple[str, Scenario]]:
+    """Two engines under a step cost the fit's form misses, each serving cached chat and uncached documents: a
+    shard bar above most documents sends the longest of both engines to one lane, near its capacity."""
+    cost = costmodel.ShapedCostModel(prefill_tile=2048, chunk_overhead_s=0.02, context_knee_tokens=65_536,
+                                     jitter=0.1, seed=1)
+    out = []
+    for k in range(2):
+        chat = chat_arrivals(f"chat{k}", 0.0, 60.0, 4.0, seed=1, prompt_median=1200, output_median=150,
+                             cached=(0.85, 0.95), max_prompt=8000)
+        docs = chat_arrivals(f"doc{k}", 0.0, 60.0, 0.65, seed=1, prompt_median=6000, output_median=60,
+                             cached=(0.0, 0.05), max_prompt=32_768)
+        out.append((f"e{k}", Scenario(f"cliff-e{k}", None, compose("cliff", 60.0, 60.0, chat, docs),
+                                      EngineConfig(cost=cost))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cliff(chdb_dir: object) -> WhatIf:
+    url = f"chdb://{chdb_dir}?database=t_whatif_cliff"
+    _, window = run_engines(_cliff_engines(), url)
+    reader = open_reader(url)
+    try:
+        traces = load(reader.client, window)
+    finally:
+        reader.close()
+    levers = [Lever(f"shard at {bar:,} tokens", "shard", shard_tokens=bar) for bar in (4096, 16_384)]
+    return whatif(traces, OBJECTIVES, levers=levers, jobs=1, replays=3)
+
+
+def test_a_shard_lever_onto_a_lane_near_its_capacity_is_a_knife_edge_whose_interval_holds_it_dearer(
+        cliff: WhatIf) -> None:
+    """The 16k bar sends every long document to one lane: a step cost off by the fit's own error fills it, and its
+    interval reaches the replay with every step that much dearer (or is open past the lane's capacity)."""
+    edged = {p.lever.name: p for p in cliff.levers}["shard at 16,384 tokens"]
+    assert edged.replay is not None and edged.dearer is not None
+    assert [h.engine for h in edged.headroom], edged.replay.loads
+    for h in edged.headroom:
+        assert h.load == edged.replay.loads[h.engine] and h.error == cliff.fits[h.engine].model_error
+        assert h.load * (1 - h.error) < 1 <= h.load * (1 + h.error)
+        assert f"{h.engine} at {h.load:.0%} of its capacity" in edged.knife_edge
+        assert f"its fit's error ({h.error:.0%} of the step cost)" in edged.knife_edge
+        # Every step dearer by the fit's error: the lane carries more.
+        assert edged.dearer.loads[h.engine] > h.load
+    band, dearer = edged.bands(), edged.dearer.figures
+    assert band["ttft_p99_s"].high >= dearer.ttft_p99_s and band["ttft_p50_s"].high >= dearer.ttft_p50_s
+    assert band["goodput_rps"].low <= dearer.goodput_rps
+    assert f"{edged.lever.name}: knife-edge: " in render(cliff)
+
+
+def test_a_shard_lever_with_ample_headroom_is_not_flagged(cliff: WhatIf) -> None:
+    ample = {p.lever.name: p for p in cliff.levers}["shard at 4,096 tokens"]
+    assert ample.replay is not None
+    assert ample.headroom == [] and ample.dearer is None, ample.replay.loads
+    assert all(load * (1 + cliff.fits[e].model_error) < 1 for e, load in ample.replay.loads.items())
+    assert "of its capacity" not in ample.knife_edge

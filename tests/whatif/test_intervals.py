@@ -9,7 +9,20 @@ import pytest
 from stepline.sim.costmodel import CostModel
 from stepline.whatif.figures import Figures
 from stepline.whatif.fit import MIN_MODEL_ERROR, Fit, form_error
-from stepline.whatif.intervals import Band, bands, knife_edge, misses, nominal_coverage, verdict, widened
+from stepline.whatif.intervals import (
+    Band,
+    Headroom,
+    at_capacity,
+    bands,
+    headroom_edge,
+    knife_edge,
+    misses,
+    nominal_coverage,
+    opened,
+    past_capacity,
+    verdict,
+    widened,
+)
 
 
 def _figures(ttft_p99: float = 1.0, goodput: float = 2.0, unfinished: int = 0, rate: float = 40.0) -> Figures:
@@ -36,7 +49,7 @@ def test_an_interval_spans_every_replay_and_keeps_the_central_value() -> None:
 def test_replays_that_disagree_on_draining_are_a_knife_edge() -> None:
     drained, backlog = (_figures(), ""), (_figures(unfinished=12), "")
     why = knife_edge(drained, [drained, backlog, drained], ("lane-a", 0.97))
-    assert why == "the queue drains in 3 of 4 replays, lane-a busy 97% of the time (headroom 3%)"
+    assert why == "the queue drains in 3 of 4 replays, lane-a at 97% of its capacity (headroom 3%)"
     assert knife_edge(backlog, [backlog, (_figures(), "lane-a: stopped after 200,000 steps")], None) == ""
 
 
@@ -45,6 +58,44 @@ def test_a_ttft_tail_that_triples_across_replays_is_a_knife_edge_and_a_steady_on
     assert knife_edge(central, [(_figures(ttft_p99=21.0), ""), central], None) == \
         "TTFT p99 spans 0.50-21.00 s over 3 replays"
     assert knife_edge(central, [(_figures(ttft_p99=0.6), ""), (_figures(ttft_p99=1.4), "")], None) == ""
+
+
+def test_a_lane_whose_headroom_its_fits_error_could_use_up_is_at_capacity() -> None:
+    loads = {"long": 0.9, "short": 0.3, "over": 1.2, "just-over": 1.05}
+    # 0.9 x 1.15 >= 1: a cost 15% off fills the long lane; 1.05 x 0.85 < 1: a cost 15% lower drains the lane just
+    # over; the short one has room either way, and the one far over its capacity queues in every replay (its spread
+    # says by how much).
+    errors = dict.fromkeys(loads, 0.15)
+    assert at_capacity(loads, errors) == [Headroom("just-over", 1.05, 0.15), Headroom("long", 0.9, 0.15)]
+    assert Headroom("just-over", 1.05, 0.15).describe().startswith(
+        "just-over at 105% of its capacity (no headroom), within its fit's error (15% of the step cost): steps 5% "
+        "cheaper would drain it")
+    # Under a fit off by 4% at most: 0.9 x 1.04 < 1, room to spare; 1.05 x 0.96 >= 1, over whatever the error.
+    assert at_capacity(loads, dict.fromkeys(loads, 0.04)) == []
+
+
+def test_a_lane_short_of_headroom_names_its_load_and_the_error_and_says_whether_the_interval_holds() -> None:
+    lanes = at_capacity({"long": 0.9}, {"long": 0.15})
+    said = headroom_edge(lanes, None)
+    assert said.startswith("long at 90% of its capacity (headroom 10%), less than its fit's error (15% of the step "
+                           "cost): steps 11% dearer fill it")
+    # The dearer replay kept the lane under its capacity: the interval holds it.
+    within = headroom_edge(lanes, (_figures(ttft_p99=2.0), "", {"long": 0.97}))
+    assert "long at 97% of its capacity, TTFT p99 2.00 s, which the interval holds" in within
+    assert not past_capacity(lanes, _figures(ttft_p99=2.0), "", {"long": 0.97})
+    # Past its capacity the figures depend on how far past: whatif cannot tell, and says the interval is open.
+    assert past_capacity(lanes, _figures(ttft_p99=19.7), "", {"long": 1.04})
+    assert past_capacity(lanes, _figures(unfinished=3), "", {"long": 0.99})
+    assert "whatif cannot tell" in headroom_edge(lanes, (_figures(ttft_p99=19.7), "", {"long": 1.04}))
+    assert headroom_edge([], (_figures(), "", {})) == ""
+
+
+def test_an_open_ended_interval_has_no_highest_latency_and_goodput_down_to_0() -> None:
+    b = opened({"ttft_p99_s": Band(0.47, 0.4, 2.0), "goodput_rps": Band(3.0, 2.5, 3.2),
+                "decode_p50 < 1k": Band(40.0, 38.0, 41.0)})
+    assert b["ttft_p99_s"] == Band(0.47, 0.4, math.inf)
+    assert b["goodput_rps"] == Band(3.0, 0.0, 3.2) and b["decode_p50 < 1k"] == Band(40.0, 0.0, 41.0)
+    assert b["ttft_p99_s"].as_json() == {"value": 0.47, "low": 0.4, "high": None}
 
 
 def test_the_best_is_recommended_only_where_its_interval_clears_the_others() -> None:

@@ -23,15 +23,20 @@ from stepline.sim.engine import Simulation
 from stepline.sim.records import FinishReason, StepRecord
 from stepline.sim.workloads import Arrival, Workload
 from stepline.whatif.figures import BANDS, Figures, Objectives, Served, band, figures
-from stepline.whatif.fit import Fit, FitError, Jitter, fit
+from stepline.whatif.fit import Fit, FitError, Jitter, fit, scaled
 from stepline.whatif.intervals import (
     INTERVAL_REPLAYS,
     Band,
+    Headroom,
     Verdict,
+    at_capacity,
     bands,
+    headroom_edge,
     knife_edge,
     misses,
+    opened,
     outside,
+    past_capacity,
     verdict,
     widened,
 )
@@ -75,7 +80,15 @@ class Replay:
     timeline: list[tuple[float, float]]  # (bucket start, epoch s; ITL p99 in it, s)
     steps: int
     stopped: str = ""  # why the replay stopped before draining ('' when it drained)
-    busiest: tuple[str, float] | None = None  # the engine that stepped the largest share of its time, and the share
+    loads: dict[str, float] = field(default_factory=dict)  # each lane's share of its capacity over the window (load)
+
+    @property
+    def busiest(self) -> tuple[str, float] | None:
+        """The lane with the highest load, and the load."""
+        if not self.loads:
+            return None
+        engine = max(self.loads, key=lambda e: self.loads[e])
+        return engine, self.loads[engine]
 
 
 @dataclass(slots=True)
@@ -84,16 +97,28 @@ class Priced:
     replay: Replay | None  # None when unavailable
     spread: list[Replay] = field(default_factory=list)  # its perturbed replays (intervals)
     widen: dict[str, float] = field(default_factory=dict)  # the calibration's misses (WhatIf.misses)
+    headroom: list[Headroom] = field(default_factory=list)  # its lanes within their fit's error of capacity
+    dearer: Replay | None = None  # replayed with every step as dear as the fit's error allows (lanes in headroom)
 
     def bands(self) -> dict[str, Band]:
-        """Each figure's interval over the replays, widened by what the calibration missed."""
+        """Each figure's interval over the replays (the dearer one too), widened by what the calibration missed;
+        open-ended where the dearer replay took a lane past its capacity."""
         if self.replay is None:
             return {}
-        return widened(bands(self.replay.figures, [r.figures for r in self.spread]), self.widen)
+        extra = [self.dearer.figures] if self.dearer is not None else []
+        out = widened(bands(self.replay.figures, [r.figures for r in self.spread] + extra), self.widen)
+        d = self.dearer
+        return opened(out) if d is not None and past_capacity(self.headroom, d.figures, d.stopped, d.loads) else out
 
     @property
     def knife_edge(self) -> str:
-        return _edge(self.replay, self.spread) if self.replay is not None else ""
+        if self.replay is None:
+            return ""
+        d = self.dearer
+        dearer = (d.figures, d.stopped, d.loads) if d is not None else None
+        # The lanes short of headroom name their load themselves; the replays' disagreement then names none.
+        return "; ".join(why for why in (_edge(self.replay, self.spread, named=not self.headroom),
+                                         headroom_edge(self.headroom, dearer)) if why)
 
     def delta(self, baseline: Figures) -> float:
         if self.replay is None or baseline.goodput_rps <= 0:
@@ -249,10 +274,29 @@ def whatif(traces: list[EngineTrace], objectives: Objectives, *, levers: Sequenc
                     {t.engine: c for t, c in zip(used, configs, strict=True)}, recorded, recorded_timeline,
                     bases[pick], step_times=STEP_TIMES[pick], other_mode_worst=worst[1 - pick],
                     baseline_spread=spreads[0] if spreads else [])
-    it = iter(zip(central, spreads[1:] if spreads else [[] for _ in central], strict=True))
+    # A lane whose headroom the fit's error could use up is replayed once more at that error (intervals only).
+    errors = {t.engine: fits[t.engine].model_error for t in used}
+    short = [at_capacity(r.loads, errors) for r in central]
+    edged = [i for i, lanes_short in enumerate(short) if lanes_short] if replays > 0 else []
+    dear = dict(zip(edged, _run_all([_dearer(plans[i], errors) for i in edged], start, end, span, objectives, limit,
+                                    jobs), strict=True)) if edged else {}
+    it = iter(enumerate(zip(central, spreads[1:] if spreads else [[] for _ in central], strict=True)))
     miss = result.misses()
-    result.levers = [Priced(lv, None) if lv.unavailable else Priced(lv, *next(it), widen=miss) for lv in chosen]
+    priced = []
+    for lv in chosen:
+        if lv.unavailable:
+            priced.append(Priced(lv, None))
+            continue
+        i, (replayed, spread_i) = next(it)
+        priced.append(Priced(lv, replayed, spread_i, widen=miss, headroom=short[i], dearer=dear.get(i)))
+    result.levers = priced
     return result
+
+
+def _dearer(plan: list[Lane], errors: dict[str, float]) -> list[Lane]:
+    """`plan` with every lane's steps as dear as its fit's error allows."""
+    return [replace(lane, config=replace(lane.config, cost=scaled(lane.config.cost, 1.0 + errors[lane.engine])))
+            for lane in plan]
 
 
 def _perturbed(plan: list[Lane], draws: dict[str, list[CostModel]], k: int, jitter: bool) -> list[Lane]:
@@ -261,11 +305,11 @@ def _perturbed(plan: list[Lane], draws: dict[str, list[CostModel]], k: int, jitt
                     seed=f"{lane.engine}/{k + 1}" if jitter else "") for lane in plan]
 
 
-def _edge(central: Replay, spread: Sequence[Replay]) -> str:
+def _edge(central: Replay, spread: Sequence[Replay], *, named: bool = True) -> str:
     if not spread:
         return ""
     return knife_edge((central.figures, central.stopped), [(r.figures, r.stopped) for r in spread],
-                      central.busiest)
+                      central.busiest if named else None)
 
 
 def lanes(traces: list[EngineTrace], configs: list[EngineConfig], lever: Lever | None, t0: float,
@@ -311,13 +355,14 @@ def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Obj
     steps = 0
     stopped = ""
     unfinished = 0
-    busy = 0.0  # the current lane's seconds of stepping
-    shares: list[tuple[float, str]] = []
+    busy = 0.0  # the current lane's seconds of stepping at its capacity (load)
+    loads: dict[str, float] = {}
+    current: EngineConfig | None = None  # the settings of the lane being replayed
 
     def on_step(step: StepRecord) -> None:
         nonlocal steps, busy
         steps += 1
-        busy += step.elapsed_ms / 1000
+        busy += step.elapsed_ms / 1000 * fill(step, current) if current is not None else 0.0
         stamped.append((step.ts, step.inter_token_latencies_iter))
         served.extend(Served(f.num_prompt_tokens, f.num_generation_tokens, f.time_to_first_token, f.decode_time)
                       for f in step.finished_requests)
@@ -333,16 +378,26 @@ def replay(plan: list[Lane], t0: float, end: float, span: float, objectives: Obj
                          if lane.residuals else None)
         before = len(served)
         busy = 0.0
+        current = lane.config
         try:
             sim.advance_to(math.inf)
         except _Runaway:
             stopped = f"{lane.engine}: stopped after {limit:,} steps without draining"
         unfinished += len(lane.arrivals) - (len(served) - before)
-        shares.append((busy / max(span, stamped[-1][0] - t0 if stamped else 0.0, 1e-9), lane.engine))
+        loads[lane.engine] = busy / span
     itls = (x for _, s in stamped for x in s)
-    share, engine = max(shares, default=(0.0, ""))
     return Replay(figures(served, itls, objectives, span, unfinished), itl_timeline(stamped, t0, end), steps,
-                  stopped, (engine, share) if engine else None)
+                  stopped, loads)
+
+
+def fill(step: StepRecord, config: EngineConfig) -> float:
+    """The share of its engine's capacity a step used: of the token budget, or of the sequence slots, whichever
+    is fuller. A continuous-batching engine steps whenever a request decodes, so the share of the time it steps says
+    nothing of its headroom; the steps' fill, weighted by their time, does: a lane whose every step is full has none.
+    """
+    tokens = (step.num_ctx_tokens + step.num_generation_tokens) / max(1, config.max_num_batched_tokens)
+    seqs = (step.num_ctx_requests + step.num_generation_requests) / max(1, config.max_num_seqs)
+    return min(1.0, max(tokens, seqs))
 
 
 def _run_one(args: tuple[list[Lane], float, float, float, Objectives, int]) -> Replay:

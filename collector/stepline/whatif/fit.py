@@ -88,10 +88,7 @@ class Fit:
         for factor in factors:
             chosen = [x for _ in blocks for x in rng.choice(blocks)] if blocks else list(self.samples)
             coefficients = _nnls([x for x, _ in chosen], [y for _, y in chosen]) if chosen else []
-            cost = CostModel(*coefficients) if coefficients else self.cost
-            out.append(CostModel(*(c * factor for c in (cost.step_overhead_s, cost.prefill_token_s,
-                                                        cost.prefill_attention_pair_s, cost.decode_request_s,
-                                                        cost.decode_context_token_s))))
+            out.append(scaled(CostModel(*coefficients) if coefficients else self.cost, factor))
         return out
 
     def describe(self) -> str:
@@ -99,6 +96,12 @@ class Fit:
         return (f"step = {c.step_overhead_s * 1e3:.2f} ms + {c.prefill_token_s * 1e6:.3g} us/prefill token + "
                 f"{c.prefill_attention_pair_s * 1e9:.3g} ns/attention pair + {c.decode_request_s * 1e3:.3g} "
                 f"ms/decoding request + {c.decode_context_token_s * 1e9:.3g} ns/context token")
+
+
+def scaled(cost: CostModel, factor: float) -> CostModel:
+    """`cost` with every term multiplied by `factor`: every step that much dearer (or cheaper)."""
+    return CostModel(*(c * factor for c in (cost.step_overhead_s, cost.prefill_token_s, cost.prefill_attention_pair_s,
+                                            cost.decode_request_s, cost.decode_context_token_s)))
 
 
 class Jitter:

@@ -8,6 +8,13 @@ lowest and highest value over those n + 1 replays: for n + 1 exchangeable draws,
 probability n / (n + 2), the interval's nominal coverage. What the replays cannot vary (a step cost of another
 form than the fit's, the scheduler's model of vLLM) they do not cover: where the recording falls outside the
 replayed baseline's own interval, by some share, every plan's interval for that figure is widened by that share.
+
+Near a lane's capacity a figure stops moving with the cost and jumps: a lane that fills 93% of its capacity in the
+central replay queues without end when its steps cost 8% more. Where a lane's load lies within its fit's error of
+its capacity (load x (1 - error) < 1 <= load x (1 + error)), the plan is a knife-edge whatever its replays say, and
+it is replayed once more with every step as dear as that error allows: its figures extend the interval (past its
+nominal coverage), or, where that replay takes the lane past its capacity, the interval is open-ended: past the cliff
+the figures depend on how far the cost is off, which whatif cannot tell.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ class Band:
         return self.low <= other.high and other.low <= self.high
 
     def as_json(self) -> dict[str, float | None]:
-        return {k: (None if math.isnan(v) else v) for k, v in (("value", self.value), ("low", self.low),
-                                                                 ("high", self.high))}
+        """null where a figure is unknown (nan) or the interval is open-ended (infinite)."""
+        return {k: (None if not math.isfinite(v) else v) for k, v in (("value", self.value), ("low", self.low),
+                                                                        ("high", self.high))}
 
 
 def nominal_coverage(replays: int) -> float:
@@ -100,10 +108,10 @@ def widened(b: dict[str, Band], miss: dict[str, float]) -> dict[str, Band]:
 def knife_edge(central: tuple[Figures, str], spread: Sequence[tuple[Figures, str]],
                busiest: tuple[str, float] | None) -> str:
     """Why a plan sits at a capacity cliff ('' when its replays agree): each replay's figures and why it stopped
-    early ('' when it drained); `busiest`, the engine busiest in the central replay and its busy share."""
+    early ('' when it drained); `busiest`, the lane with the highest load in the central replay and the load."""
     every = [central, *spread]
     backlog = [bool(stopped) or f.unfinished > 0 for f, stopped in every]
-    edge = f", {busiest[0]} busy {busiest[1]:.0%} of the time (headroom {max(0.0, 1 - busiest[1]):.0%})" \
+    edge = f", {busiest[0]} at {busiest[1]:.0%} of its capacity (headroom {max(0.0, 1 - busiest[1]):.0%})" \
         if busiest else ""
     if any(backlog) and not all(backlog):
         return f"the queue drains in {backlog.count(False)} of {len(every)} replays{edge}"
@@ -111,6 +119,68 @@ def knife_edge(central: tuple[Figures, str], spread: Sequence[tuple[Figures, str
     if len(ttft) > 1 and max(ttft) >= KNIFE_EDGE_SPREAD * min(ttft):
         return f"TTFT p99 spans {min(ttft):.2f}-{max(ttft):.2f} s over {len(every)} replays{edge}"
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """A lane whose load in the central replay lies within its fit's error of its capacity: a cost off by that
+    error, one way or the other, takes it across."""
+
+    engine: str
+    load: float  # its share of its capacity over the window (whatif.core.fill), in the central replay
+    error: float  # how far its step cost may be off, either way (whatif.fit.Fit.model_error)
+
+    def describe(self) -> str:
+        if self.load < 1:
+            return (f"{self.engine} at {self.load:.0%} of its capacity (headroom {1 - self.load:.0%}), less than its "
+                    f"fit's error ({self.error:.0%} of the step cost): steps {1 / self.load - 1:.0%} dearer fill it")
+        return (f"{self.engine} at {self.load:.0%} of its capacity (no headroom), within its fit's error "
+                f"({self.error:.0%} of the step cost): steps {1 - 1 / self.load:.0%} cheaper would drain it")
+
+
+def at_capacity(loads: dict[str, float], errors: dict[str, float]) -> list[Headroom]:
+    """The lanes whose load lies within their fit's error of their capacity: load x (1 - error) < 1 <= load x
+    (1 + error). Further under it, a cost that far off leaves room; further over, every replay queues, and their
+    spread says by how much."""
+    return [Headroom(engine, load, errors[engine]) for engine, load in sorted(loads.items())
+            if engine in errors and load > 0 and load * (1.0 - errors[engine]) < 1.0 <= load * (1.0 + errors[engine])]
+
+
+def undrained(f: Figures, stopped: str) -> bool:
+    return bool(stopped) or f.unfinished > 0
+
+
+def past_capacity(lanes: Sequence[Headroom], f: Figures, stopped: str, loads: dict[str, float]) -> bool:
+    """Whether the dearer replay (figures, why it stopped, each lane's load) took a lane at its capacity past its
+    capacity: its figures then depend on how far past, that is on how far the cost is off, which the fit's error
+    does not bound (a lever moves a lane to a mix of steps the recording did not hold)."""
+    return undrained(f, stopped) or any(loads.get(h.engine, 0.0) >= 1.0 for h in lanes)
+
+
+def headroom_edge(lanes: Sequence[Headroom], dearer: tuple[Figures, str, dict[str, float]] | None) -> str:
+    """Why a plan sits at a capacity cliff by its lanes' headroom ('' when none is short of it), and what its replay
+    with every step as dear as the fit's error allows (`dearer`: figures, why it stopped, each lane's load; None:
+    not replayed) gave."""
+    if not lanes:
+        return ""
+    text = "; ".join(h.describe() for h in lanes)
+    if dearer is None:
+        return text
+    f, stopped, loads = dearer
+    at = ", ".join(f"{h.engine} at {loads.get(h.engine, 0.0):.0%}" for h in lanes)
+    then = f"with every step that much dearer {at} of its capacity, TTFT p99 {f.ttft_p99_s:.2f} s" + (
+        f", {stopped or f'{f.unfinished} requests unserved'}" if undrained(f, stopped) else "")
+    if past_capacity(lanes, f, stopped, loads):
+        return (f"{text}; {then}: past its capacity how far the figures go depends on how far the cost is off, "
+                "which whatif cannot tell: the interval is open-ended (latencies without a highest value, goodput "
+                "down to 0)")
+    return f"{text}; {then}, which the interval holds (a cost off by more than the fit's error it does not)"
+
+
+def opened(b: dict[str, Band]) -> dict[str, Band]:
+    """`b` open-ended the way a lane past its capacity goes: latencies without a highest value, rates down to 0."""
+    return {name: Band(band.value, band.low, math.inf) if name.endswith("_s")
+            else Band(band.value, 0.0, band.high) for name, band in b.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ FIGURE_NAMES = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p99_s":
 def seconds(x: float) -> str:
     if math.isnan(x):
         return "-"
+    if math.isinf(x):
+        return "open"  # an interval's end that whatif cannot tell (intervals.opened)
     return f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.2f}s" if x < 100 else f"{x:.0f}s"
 
 
@@ -129,6 +131,9 @@ def _sureness(result: WhatIf) -> list[str]:
              f"{n - 1} costs as the fit might have come out (its steps resampled in runs of 50, each cost scaled "
              f"within its held-out error, total or by kind of step, at least {MIN_MODEL_ERROR:.0%}){residuals}; "
              f"nominal coverage {nominal_coverage(n):.0%}"]
+    if any(p.dearer is not None for p in result.levers):
+        lines.append("a plan with a lane within its fit's error of its capacity is replayed once more with every "
+                     "step that much dearer: its interval holds that replay too (a cost off by more it does not)")
     outside = result.recorded_outside()
     if outside:
         missed = ", ".join(f"{FIGURE_NAMES[k]} {_figure(k, v)} outside [{_figure(k, b.low)}-{_figure(k, b.high)}]"
@@ -193,6 +198,7 @@ def as_json(result: WhatIf) -> dict[str, Any]:
                     "figures": p.replay.figures.as_json() if p.replay else None,
                     "intervals": {k: b.as_json() for k, b in p.bands().items()} if result.baseline_spread else None,
                     "knife_edge": bool(p.knife_edge), "knife_edge_why": p.knife_edge,
+                    "headroom": [{"engine": h.engine, "load": h.load, "error": h.error} for h in p.headroom],
                     "goodput_delta": None if math.isnan(p.delta(result.baseline.figures)) else
                     p.delta(result.baseline.figures),
                     "stopped": p.replay.stopped if p.replay else ""}

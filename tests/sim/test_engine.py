@@ -161,3 +161,24 @@ def test_async_scheduling_schedules_a_step_ahead() -> None:
     assert synchronous[0].num_ctx_tokens == pipelined[0].num_ctx_tokens == 500  # a, alone, at once
     b_sync, b_async = (next(s for s in steps if s.num_ctx_tokens >= 8000) for steps in (synchronous, pipelined))
     assert b_async.iteration_index == b_sync.iteration_index + 1
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(long_prefill_token_threshold=512),
+                                    EngineConfig(async_scheduling=True)])
+def test_each_steps_work_is_who_it_carried_and_what_the_cost_model_charged(config: EngineConfig) -> None:
+    from stepline.sim.costmodel import attention_pairs
+
+    _, steps = simulate(make_workload("short-burst"), config)
+    cost = config.cost
+    carried = 0
+    for step in steps:
+        prefills = [w for w in step.work if w.prefill_tokens]
+        decodes = [w for w in step.work if w.decode_context]
+        assert sum(w.prefill_tokens for w in prefills) == step.num_ctx_tokens
+        assert (len(prefills), len(decodes)) == (step.num_ctx_requests, step.num_generation_requests)
+        seconds = cost.step_seconds(step.num_ctx_tokens + sum(w.draft_tokens for w in decodes),
+                                    sum(attention_pairs(w.prefill_start, w.prefill_tokens) for w in prefills),
+                                    len(decodes), sum(w.decode_context for w in decodes))
+        assert step.elapsed_ms == pytest.approx(seconds * 1e3, rel=1e-9)
+        carried += len(step.work)
+    assert carried > len(steps)

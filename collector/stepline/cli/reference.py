@@ -374,6 +374,7 @@ def _storage(statement: str) -> dict[str, str]:
 
 def schema_page() -> str:
     """Each table's key as its DDL says, then the column reference `stepline schema --markdown` prints."""
+    from stepline.analysis import usage
     from stepline.model import schema, schemadoc
 
     statements = {m.group(1): s for s in schema.ddl("stepline", 30)
@@ -398,6 +399,7 @@ def schema_page() -> str:
         _table(["table", "engine", "ORDER BY", "PARTITION BY", "TTL", "sharded by", "projections"], rows),
         "## Columns",
         schemadoc.markdown().strip(),
+        usage.METHOD.strip(),
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from stepline.core.clock import Clock, SystemClock
 from stepline.sim.config import EngineConfig
 from stepline.sim.metrics import VllmMetrics
-from stepline.sim.records import FinishedRequest, StepRecord
+from stepline.sim.records import FinishedRequest, StepRecord, StepWork
 from stepline.sim.scheduler import Batch, Request, Scheduler
 from stepline.sim.workloads import Arrival, Workload
 
@@ -223,6 +223,7 @@ class Simulation:
     def _finish_step(self, batch: Batch, end: float) -> None:
         scheduler = self._scheduler
         drafts = sum(1 for r in batch.decodes if r.drafted)
+        work = _work(batch)  # before `complete`, which moves the requests' counters on
         outcome = scheduler.complete(batch, end)
         wait_ms = None
         if self.config.async_scheduling:
@@ -263,6 +264,7 @@ class Simulation:
             spec_num_accepted_tokens=outcome.spec_accepted_tokens,
             spec_accepted_per_pos=tuple(outcome.spec_accepted_per_pos),
             wait_ms=wait_ms,
+            work=work,
         )
         self.iteration_index += 1
         self.metrics.observe_step(record)
@@ -304,3 +306,9 @@ class Simulation:
             max_tokens_param=request.max_tokens,
             num_preemptions=request.num_preemptions,
         )
+
+
+def _work(batch: Batch) -> tuple[StepWork, ...]:
+    """Each request's part of `batch`: its decode (context as scheduled, drafts) and its prefill chunks."""
+    decodes = tuple(StepWork(r.request_id, 0, 0, r.computed, r.drafted) for r in batch.decodes)
+    return decodes + tuple(StepWork(r.request_id, start, tokens, 0) for r, start, tokens in batch.prefills)

@@ -35,6 +35,18 @@ class FinishedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class StepWork:
+    """One request's part of one step, as the scheduler gave it: the simulator's ground truth of who a step
+    carried, which no vLLM report holds (stepline infers it from the requests' phases)."""
+
+    request_id: str
+    prefill_start: int  # context position its prefill chunk starts at
+    prefill_tokens: int  # its prefill (or recompute) chunk; 0 when it only decoded
+    decode_context: int  # tokens in context of its decode, the new one included; 0 when it did not decode
+    draft_tokens: int = 0  # speculative draft tokens it carried for verification
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One engine step: what was scheduled, how long it took, and what came out of it."""
 
@@ -74,3 +86,6 @@ class StepRecord:
     # the step, launched before the previous one's outputs were processed (elapsed_ms stays the step's true
     # duration, which the simulator knows and a real engine does not report). None: the engine steps synchronously.
     wait_ms: float | None = None
+    # Who the step carried and what each cost it (StepWork): the truth a benchmark checks attribution against.
+    # Never reported through the plugin, OTLP or /metrics.
+    work: tuple[StepWork, ...] = ()

@@ -1,0 +1,52 @@
+"""The reads GPU usage per request is attributed from (stepline.analysis.usage): an engine's steps, the requests whose
+lives touch a window, and its GPUs' energy readings, each bound by epoch microseconds ({lo:Int64}, {hi:Int64}) so that
+no session's time zone enters, for the engine bound as {engine:String} ('' for every engine).
+
+Each read is ordered the way the attribution walks it (per engine and engine index, by time), so that the pass over
+them is one walk, never a sort in Python.
+"""
+
+from __future__ import annotations
+
+from stepline.queries.requests import MERGED, SCHEDULED
+from stepline.queries.window import EACH_ENGINE
+
+_FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
+_TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
+# The requests alive at some moment of [lo, hi]: finished at or after lo, arrived by hi.
+_ALIVE = f"{EACH_ENGINE} AND ts >= {_FROM} AND arrival_ts <= {_TO}"
+
+# host, engine, engine_index, end (us), elapsed_ms, prefill tokens, decoding requests, decode tokens (drafts included)
+STEPS = f"""
+SELECT host, engine, engine_index, toUnixTimestamp64Micro(ts) AS end_us, elapsed_ms, num_ctx_tokens,
+       num_generation_requests, num_generation_tokens
+FROM steps
+WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+ORDER BY host, engine, engine_index, ts, step
+"""
+
+# The earliest moment a request alive in [lo, hi] was scheduled (us; NULL when none is known): where its prefill
+# began, so the walk over the steps starts there.
+EARLIEST_SCHEDULED = f"""
+SELECT minOrNull(toUnixTimestamp64Micro({SCHEDULED}))
+FROM {MERGED}
+WHERE {_ALIVE} AND isFinite(queue_seconds)
+"""
+
+# host, engine, engine_index, request_id, arrival (us), queue s, ttft s, finish (us), prompt, cached, generated
+REQUESTS = f"""
+SELECT host, engine, engine_index, request_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, queue_seconds,
+       ttft_seconds, toUnixTimestamp64Micro(ts) AS finish_us, prompt_tokens, cached_tokens, generation_tokens
+FROM {MERGED}
+WHERE {_ALIVE}
+ORDER BY host, engine, arrival_us, request_id
+"""
+
+# host, engine, gpu_uuid, when (us), energy counter (mJ, NULL where the read failed), power (W, NaN where unknown):
+# only the GPUs matched to an engine (engine != '').
+GPU_ENERGY = f"""
+SELECT host, engine, gpu_uuid, toUnixTimestamp64Micro(ts) AS at_us, energy_mj, power_w
+FROM gpu_samples
+WHERE engine != '' AND {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+ORDER BY host, engine, gpu_uuid, ts
+"""

@@ -94,6 +94,19 @@ def available() -> bool:
     return (VENV / "bin" / "litellm").exists()
 
 
+def ready_or_skip() -> None:
+    """The proxy's environment refreshed with this checkout's callback; without it, a skip saying how to make it (a
+    failure in CI, where .ci/run makes it)."""
+    import pytest
+
+    if not available():
+        reason = f"no LiteLLM proxy at {VENV}: bash tests/gateway/install.sh makes it"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (.ci/run must)")
+        pytest.skip(reason)
+    install()
+
+
 @functools.cache
 def install() -> Path:
     """The proxy's environment, refreshed (stepline's wheel reinstalled once per process, so that the callback under

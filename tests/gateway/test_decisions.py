@@ -94,32 +94,30 @@ def test_the_real_sdk_sends_decisions_beside_vllm_spans(receiver: OtlpReceiver) 
     assert (stats["spans_accepted"], stats["spans_rejected"], stats["spans_ignored"]) == (1, 1, 1)
 
 
-def test_a_backend_is_named_as_the_collector_names_the_engine_there() -> None:
-    """`--engine fast=http://10.0.0.5:8000`: the router's decisions for http://10.0.0.5:8000/v1 are fast's, and join
-    fast's requests (queries/gateway.py joins on the engine's name)."""
-    ctx = SourceContext("h1", ManualClock(), engine_addresses=EngineAddresses(("fast=http://10.0.0.5:8000/metrics",)))
-    named = OtlpReceiver(ctx, port=0)
+def _received(addresses: EngineAddresses) -> GatewayDecision:
+    """MONSTER's decision as a collector that knows these engine addresses stores it."""
+    named = OtlpReceiver(SourceContext("h1", ManualClock(), engine_addresses=addresses), port=0)
     named.start()
     try:
         export(named.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
         [row] = drain(named)
     finally:
         named.stop()
-    assert isinstance(row, GatewayDecision) and (row.engine, row.candidates) == ("fast", ["fast", "10.0.0.6:8000"])
+    assert isinstance(row, GatewayDecision)
+    return row
+
+
+def test_a_backend_is_named_as_the_collector_names_the_engine_there() -> None:
+    """`--engine fast=http://10.0.0.5:8000`: the router's decisions for http://10.0.0.5:8000/v1 are fast's, and join
+    fast's requests (queries/gateway.py joins on the engine's name)."""
+    row = _received(EngineAddresses(("fast=http://10.0.0.5:8000/metrics",)))
+    assert (row.engine, row.candidates, row.backend_engines) == ("fast", ["fast", "10.0.0.6:8000"], ())
 
 
 def test_a_backend_that_stands_for_several_engines_keeps_its_name_and_says_who_is_behind_it() -> None:
     """`--backend 10.0.0.5:8000=fast-0 --backend 10.0.0.5:8000=fast-1`: a service in front of two replicas."""
-    behind = EngineAddresses((), {("10.0.0.5", 8000): ("fast-0", "fast-1")})
-    named = OtlpReceiver(SourceContext("h1", ManualClock(), engine_addresses=behind), port=0)
-    named.start()
-    try:
-        export(named.url, [(d.DECISION_SPAN, MONSTER)], resource={"service.name": "router-a"})
-        [row] = drain(named)
-    finally:
-        named.stop()
-    assert isinstance(row, GatewayDecision) and (row.engine, row.backend_engines) == (
-        "10.0.0.5:8000", ("fast-0", "fast-1"))
+    row = _received(EngineAddresses((), {("10.0.0.5", 8000): ("fast-0", "fast-1")}))
+    assert (row.engine, row.backend_engines) == ("10.0.0.5:8000", ("fast-0", "fast-1"))
 
 
 def test_one_bad_decision_in_a_batch_rejects_only_itself(receiver: OtlpReceiver) -> None:  # noqa: F811

@@ -18,7 +18,6 @@ makes both).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import urllib.request
@@ -132,12 +131,7 @@ def _leave_mid_stream(setup: harness.Setup, url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     setup = harness.setup_or_skip(tmp_path_factory, "realvllm-gateway")
-    if not proxy.available():
-        reason = f"no LiteLLM proxy at {proxy.VENV}: bash tests/gateway/install.sh makes it"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " (.ci/run must)")
-        pytest.skip(reason)
-    proxy.install()  # the callback under test is this checkout's
+    proxy.ready_or_skip()  # the callback under test is this checkout's
     # The engine keeps the harness's name (`--engine NAME=URL`, as the README attaches one): the collector names the
     # decisions for LiteLLM's api_base (127.0.0.1:PORT/v1) after the engine it watches there, and they join.
     began = time.monotonic()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -164,12 +163,7 @@ def _run(lanes: Lanes, work: Path, annotated: bool) -> Variant:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Variant]:
     setup = harness.setup_or_skip(tmp_path_factory, "realvllm-lanes")
-    if not proxy.available():
-        reason = f"no LiteLLM proxy at {proxy.VENV}: bash tests/gateway/install.sh makes it"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " (.ci/run must)")
-        pytest.skip(reason)
-    proxy.install()  # the callback under test is this checkout's
+    proxy.ready_or_skip()  # the callback under test is this checkout's
     fast = replace(setup, engine_name="fast")
     heavy = replace(setup, engine_name="heavy", engine_port=free_port())
     template = setup.work / "chat.jinja"

@@ -11,7 +11,7 @@ import pytest
 from stepline.analysis.placement import PRIOR_WEIGHTS, pairs
 from stepline.analysis.usage import EngineUsage, Usage, apportion, usage
 from stepline.diagnosis.findings import Window
-from stepline.model.rows import GpuSample, Request, Step, micros
+from stepline.model.rows import EngineSample, GpuSample, Request, Step, micros
 from stepline.store.store import Store
 
 T0 = float(int(time.time()) - 600)  # whole seconds: every moment below is whole microseconds
@@ -201,3 +201,17 @@ def test_an_idle_engine_with_sampled_gpus_has_all_its_window_idle(store: Store) 
     e = engine_of(usage(store, window(1.0, 3.0)))
     assert (e.busy_us, e.idle_us, e.window_us) == (0, 2_000_000, 2_000_000)
     assert (e.busy_energy_mj, e.idle_energy_mj) == (0, 1_200_000)
+
+
+def test_idle_is_counted_while_the_engine_was_up_not_over_a_longer_window(store: Store) -> None:
+    """Scraped from 0.5 s to 9 s (its /metrics): a window of 100 s counts 8.5 s of its life, the steps' 6 s busy."""
+    _timeline(store)
+    store.insert("engine_samples", [EngineSample(micros(T0 + at), "h", ENGINE, "0", "m", "vllm:num_requests_running",
+                                                 "gauge", {}, 1.0, 0.0) for at in (0.5, 3.0, 9.0)],
+                 EngineSample._fields)
+    e = engine_of(usage(store, window(-50, 50)))
+    assert e.busy_us == _busy(-50, 50) == 6_000_000
+    assert e.window_us == 8_500_000 and e.busy_us + e.idle_us == e.window_us
+    # Scraped before the window began, up at its start: the life is what lies inside it.
+    assert engine_of(usage(store, window(5.0, 50))).window_us == 4_000_000
+    assert engine_of(usage(store, window(2.0, 4.0))).window_us == 2_000_000

@@ -121,13 +121,15 @@ def install() -> Path:
 @contextmanager
 def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: str, threshold_chars: int,
                   gateway: str = "lanes", router_settings: Mapping[str, Any] | None = None,
-                  hook: Path | None = None, hook_env: Mapping[str, str] | None = None) -> Iterator[str]:
+                  hook: Path | None = None, hook_env: Mapping[str, str] | None = None,
+                  auth: Path | None = None) -> Iterator[str]:
     """The proxy, serving until the block ends (its URL): `lanes` maps each lane (a model group) to its backend's
     OpenAI base URL (`http://host:port/v1`), each serving `model`; SIZE_LANES routes between them at
     `threshold_chars` (or `hook`, a routing hook's file whose module-level `hook` the proxy loads, configured by
     `hook_env`); stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. `router_settings`, where
-    given, is the config's own (`fallbacks`, `num_retries`, ...). Its config, hook and log (proxy.log) go to
-    `work`."""
+    given, is the config's own (`fallbacks`, `num_retries`, ...). `auth`, where given, is a custom auth's file
+    (its `user_api_key_auth` replaces the master key: tests/gateway/team_auth.py). Its config, hook and log
+    (proxy.log) go to `work`."""
     module = hook.stem if hook is not None else "size_lanes"
     (work / f"{module}.py").write_text(hook.read_text() if hook is not None else SIZE_LANES)
     models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": api_base,
@@ -136,6 +138,9 @@ def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: st
         "callbacks": [f"{module}.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}
     if router_settings is not None:
         config["router_settings"] = dict(router_settings)
+    if auth is not None:
+        (work / auth.name).write_text(auth.read_text())
+        config["general_settings"] = {"custom_auth": f"{auth.stem}.user_api_key_auth"}
     (work / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
            "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": gateway,
@@ -182,21 +187,21 @@ def _start(work: Path, env: dict[str, str], attempts: int = 3) -> tuple[subproce
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def complete(url: str, prompt: str, chat: bool = False, **extra: Any) -> dict[str, Any]:
+def complete(url: str, prompt: str, chat: bool = False, *, key: str = KEY, **extra: Any) -> dict[str, Any]:
     """One completion (`chat`: a chat completion of one user message) through the proxy (its response); the hook
     chooses the lane."""
     path, body = _body(prompt, chat, {"max_tokens": 4, **extra})
-    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {KEY}",
+    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {key}",
                                                             "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return dict(json.loads(response.read()))
 
 
-def send(url: str, prompt: str, chat: bool = False, **extra: Any) -> tuple[int, str]:
+def send(url: str, prompt: str, chat: bool = False, *, key: str = KEY, **extra: Any) -> tuple[int, str]:
     """One completion (`chat`: a chat completion of one user message) through the proxy, answered or not: its HTTP
     status and the proxy's request id (the `x-litellm-call-id` header, LiteLLM's litellm_call_id)."""
     path, body = _body(prompt, chat, {"max_tokens": 4, **extra})
-    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {KEY}",
+    request = urllib.request.Request(f"{url}{path}", body, {"Authorization": f"Bearer {key}",
                                                             "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:

@@ -35,6 +35,14 @@ def test_a_decision_span_is_one_row_with_the_threshold_in_its_unit() -> None:
         first_byte_ts=(ARRIVAL_NS + 900_000_500) // 1000, end_ts=(FINISH_NS + 500) // 1000, swallowed_exception="")
 
 
+def test_who_sent_it_is_bounded_as_every_name_is() -> None:
+    row = to_decision({**MONSTER, d.KEY: "alpha-key", d.TEAM: "alpha", d.END_USER: "customer-7"}, ARRIVAL_NS,
+                      FINISH_NS, "router", "h1")
+    assert (row.key, row.team, row.user, row.end_user, row.model) == ("alpha-key", "alpha", "", "customer-7", "")
+    with pytest.raises(DecisionRejected, match=f"{d.TEAM} is over the 1024-byte limit"):
+        to_decision({**MONSTER, d.TEAM: "t" * 2000}, ARRIVAL_NS, FINISH_NS, "router", "h1")
+
+
 def test_a_hook_that_failed_open_leaves_no_size_and_says_what_it_swallowed() -> None:
     row = to_decision({d.LANE: "fast", d.SWALLOWED: "KeyError: 'messages'"}, ARRIVAL_NS, ARRIVAL_NS, "r", "h")
     assert (row.size_chars, row.size_bytes, row.size_tokens, row.threshold) == (None, None, None, None)

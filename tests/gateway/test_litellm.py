@@ -24,6 +24,7 @@ from tests.gateway.proxy import complete as _complete
 from tests.sources.test_otlp import drain, make_receiver, receiver  # noqa: F401
 
 MODEL = "test/model"
+TEAM_AUTH = Path(__file__).with_name("team_auth.py")
 THRESHOLD_CHARS = 4000
 
 
@@ -175,3 +176,23 @@ def test_fallbacks_and_retries_are_numbered_attempts_of_one_request(failing_prox
         assert all(d.candidates == ["fast", fallback_group] for d in attempts), attempts
         assert all(d.error_type for d in attempts if d.status != 200)
         assert all(d.size_chars and d.threshold == THRESHOLD_CHARS for d in attempts)
+
+
+def test_who_sent_each_request_is_its_keys_alias_team_and_user(tmp_path: Path, lanes: dict[str, SimServer],
+                                                               receiver: OtlpReceiver) -> None:  # noqa: F811
+    """Two virtual keys of two teams (tests/gateway/team_auth.py); one request names its end user (OpenAI's `user`
+    field), one is refused by the size hook: every decision says who sent it, the model its backend was asked for,
+    and never the key itself."""
+    _installed()
+    with litellm_proxy(tmp_path, {lane: f"{server.url}/v1" for lane, server in lanes.items()}, MODEL,
+                       f"{receiver.url}/v1/traces", THRESHOLD_CHARS, auth=TEAM_AUTH) as url:
+        sent = [send(url, "alpha asks", key="sk-alpha-1", user="customer-7"), send(url, "beta asks", key="sk-beta-1"),
+                send(url, f"{REFUSE} alpha again", key="sk-alpha-1")]
+        decisions = {d.request_id: d for d in _decisions(receiver, 3)}  # before the proxy stops: it sends them
+    assert [status for status, _ in sent] == [200, 200, 429], sent
+    assert set(decisions) == {i for _, i in sent}, (sent, list(decisions.values()))
+    who = [(d.key, d.team, d.user, d.end_user, d.model, d.status) for d in (decisions[i] for _, i in sent[:3])]
+    assert who == [("alpha-key", "alpha", "ann", "customer-7", MODEL.rpartition("/")[2], 200),
+                   ("beta-key", "beta", "bo", "", MODEL.rpartition("/")[2], 200),
+                   ("alpha-key", "alpha", "ann", "", "", 429)], who
+    assert not any("sk-" in str(d) for d in decisions.values())

@@ -83,3 +83,17 @@ def test_a_recorder_left_open_sends_its_queue_at_exit(tmp_path: Path, receiver: 
     subprocess.run([sys.executable, str(script), f"{receiver.url}/v1/traces"], check=True, timeout=60)
     rows = [r for r in drain(receiver) if isinstance(r, GatewayDecision)]
     assert sorted(r.request_id for r in rows) == [f"r{i}" for i in range(5)]
+
+
+def test_who_sent_it_reaches_the_row(receiver: OtlpReceiver) -> None:  # noqa: F811
+    """The key (by its alias), team, user, end user and the model asked for travel as the decision's attributes;
+    what was not said is ''."""
+    recorder = DecisionRecorder(f"{receiver.url}/v1/traces", gateway="edge")
+    recorder.record(lane="fast", start_s=time.time(), model="tiny-lora", key="alpha-key", team="alpha", user="ann",
+                    end_user="customer-7")
+    recorder.record(lane="fast", start_s=time.time(), team="beta")
+    assert recorder.flush(10)
+    recorder.close()
+    rows = [r for r in drain(receiver) if isinstance(r, GatewayDecision)]
+    assert sorted((r.model, r.key, r.team, r.user, r.end_user) for r in rows) == [
+        ("", "", "beta", "", ""), ("tiny-lora", "alpha-key", "alpha", "ann", "customer-7")]

@@ -31,6 +31,9 @@ MAX_LOOKBACK_S = 3600.0  # a request scheduled earlier still counts; its earlier
 STEP_PAD_S = 30.0  # a step that began in the window and ended after it (a long prefill chunk takes seconds)
 GPU_PAD_S = 10.0  # GPU samples beyond the window, so that its edges interpolate between two samples
 MAX_STEPS = 5_000_000
+# Scrapes this far either side of the window say whether the engine was up at its edges (the scrape interval is
+# seconds; a gap of this length is an engine or a collector that was down).
+LIFE_PAD_S = 600.0
 
 METHOD = """\
 ## Derived: GPU-seconds and energy per request
@@ -40,7 +43,9 @@ from `steps`, `requests` and `gpu_samples`; nothing is stored.
 
 - **Busy time** is the part of each step (from `ts` - `elapsed_ms`, or the previous step's `ts` of its engine index
   where that is later, to `ts`) that lies in the window, summed over the engine's steps; **idle** is the rest of the
-  window, per engine index. Busy + idle = the window's length times the engine indices seen, exactly.
+  time the engine was up in the window, per engine index: from its first `/metrics` scrape or step in the window to
+  its last (`engine_samples`), or the whole window where it was never scraped. Busy + idle = that time times the
+  engine indices seen, exactly.
 - **Which requests a step carried** is inferred, since no report lists them: a request's prefill steps are those of
   its engine index that ended after it was scheduled (`arrival_ts` + `queue_seconds`) and by its first token
   (`arrival_ts` + `ttft_seconds`), its decode steps those that ended after its first token and by its finish (`ts`).
@@ -157,6 +162,7 @@ class _Engine:
     curves: list[EnergyCurve] = field(default_factory=list)
     gpus: int = 0
     without_duration: int = 0
+    scraped: tuple[int, int] | None = None  # its first and last /metrics scrape in the window (us), if any
 
 
 def usage(reader: Reads, window: Window) -> Usage:
@@ -175,6 +181,9 @@ def usage(reader: Reads, window: Window) -> Usage:
         _add_step(engines[(s.host, s.engine)], s)
     for r in _rows(reader, q.REQUESTS, RequestRow, {**bound, "lo": lo, "hi": hi}):
         engines[(r.host, r.engine)].requests.append(r)
+    life = round(LIFE_PAD_S * 1e6)
+    for host, engine, first_us, last_us in _rows_raw(reader, q.LIFE, {**bound, "lo": start - life, "hi": end + life}):
+        engines[(host, engine)].scraped = (first_us, last_us)
     pad = round(GPU_PAD_S * 1e6)
     _add_gpus(engines, _rows_raw(reader, q.GPU_ENERGY, {**bound, "lo": start - pad, "hi": end + pad}))
     results = [attribute(host, engine, e, start, end) for (host, engine), e in sorted(engines.items())]
@@ -234,6 +243,7 @@ def attribute(host: str, engine: str, e: _Engine, start: int, end: int) -> tuple
     energy_shares = [0.0] * len(e.requests)
     busy = busy_energy = 0.0
     busy_us = idle_us = 0
+    up = _up(e, start, end)
     for rank in e.ranks.values():
         spans = _spans(rank, start, end)
         energies = [used(e.curves, a, b) / ranks if b > a else 0.0 for a, b in spans]
@@ -243,8 +253,8 @@ def attribute(host: str, engine: str, e: _Engine, start: int, end: int) -> tuple
         busy_us += rank_busy
         busy += rank_busy
         busy_energy += sum(energies)
-        idle_us += (end - start) - rank_busy
-    idle_us += (ranks - len(e.ranks)) * (end - start)  # an engine seen only on its GPUs was idle throughout
+        idle_us += up - rank_busy
+    idle_us += (ranks - len(e.ranks)) * up  # an engine seen only on its GPUs was idle throughout
     times = apportion(busy_us, [*time_shares, max(0.0, busy - math.fsum(time_shares))])
     energy = _energy(e, start, end, busy_energy, energy_shares)
     gpus_per_rank = e.gpus / ranks if e.gpus else 1.0
@@ -253,7 +263,7 @@ def attribute(host: str, engine: str, e: _Engine, start: int, end: int) -> tuple
                 for i, (r, t) in enumerate(zip(e.requests, times, strict=False)) if t or (energy and energy[0][i])]
     unattributed = times[-1]
     summary = EngineUsage(
-        host, engine, ranks, e.gpus, window_us=ranks * (end - start), busy_us=busy_us,
+        host, engine, ranks, e.gpus, window_us=ranks * up, busy_us=busy_us,
         attributed_us=busy_us - unattributed, unattributed_us=unattributed, idle_us=idle_us,
         energy_method=method(e.curves), energy_mj=energy[1] if energy else None,
         busy_energy_mj=energy[2] if energy else None,
@@ -262,6 +272,20 @@ def attribute(host: str, engine: str, e: _Engine, start: int, end: int) -> tuple
         idle_energy_mj=energy[1] - energy[2] if energy else None,
         weights=weights, steps_without_duration=e.without_duration, requests_unplaced=unplaced)
     return summary, requests
+
+
+def _up(e: _Engine, start: int, end: int) -> int:
+    """How long (us) the engine was up in the window: from its first /metrics scrape or step in it to its last, where
+    the collector scraped it; the whole window where it never did (then nothing says when it was down)."""
+    if e.scraped is None:
+        return end - start
+    first, last = e.scraped
+    for rank in e.ranks.values():
+        begun = [s - d for s, d in zip(rank.end_us, rank.elapsed_us, strict=True) if s > start]
+        ended = [s for s in rank.end_us if s <= end]
+        first = min(first, *begun) if begun else first
+        last = max(last, *ended) if ended else last
+    return max(0, min(end, last) - max(start, first))
 
 
 def _phases(e: _Engine) -> tuple[dict[int, list[Phases]], int]:

@@ -36,6 +36,14 @@ ERROR_TYPE = "error.type"
 CLIENT_DISCONNECTED = "stepline.gateway.client_disconnected"
 FIRST_BYTE = "stepline.gateway.first_byte_unix_nano"
 SWALLOWED = "stepline.gateway.swallowed_exception"
+# Who sent the request, where the gateway knows (all optional; never a key itself): the model the backend was asked
+# for (a LoRA adapter's name where the request named one), the API key's alias, its team, its user, and the end user
+# the client named (OpenAI's `user` field).
+MODEL = "stepline.gateway.model"
+KEY = "stepline.gateway.key"
+TEAM = "stepline.gateway.team"
+USER = "stepline.gateway.user"
+END_USER = "stepline.gateway.end_user"
 UNITS = ("chars", "bytes", "tokens")
 DEFAULT_GATEWAY = "gateway"
 _MAX_SIZE = (1 << 63) - 1
@@ -93,7 +101,9 @@ def to_decision(attrs: Mapping[str, Any], start_ns: int, end_ns: int, gateway: s
         status=_whole(attrs, STATUS, where, 999) or 0, error_type=_name(attrs, ERROR_TYPE, where),
         client_disconnected=_flag(attrs, CLIENT_DISCONNECTED, where),
         first_byte_ts=None if first_byte is None else _micros(first_byte), end_ts=_micros(end_ns),
-        swallowed_exception=_text(attrs, SWALLOWED)[:_MAX_TEXT])
+        swallowed_exception=_text(attrs, SWALLOWED)[:_MAX_TEXT], model=_name(attrs, MODEL, where),
+        key=_name(attrs, KEY, where), team=_name(attrs, TEAM, where), user=_name(attrs, USER, where),
+        end_user=_name(attrs, END_USER, where))
 
 
 def text_cut(attrs: Mapping[str, Any]) -> bool:

@@ -106,6 +106,19 @@ def _measured(meta: dict[str, Any], text: str) -> dict[str, Any]:
             "swallowed": meta.get("stepline_swallowed")}
 
 
+def _who(meta: Mapping[str, Any], request: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """Who sent the request, as the proxy's auth put it in `metadata` (proxy/litellm_pre_call_utils.py
+    `add_litellm_data_to_request`: user_api_key_alias, _team_alias, _team_id, _user_id, _end_user_id; the
+    StandardLoggingUserAPIKeyMetadata of types/utils.py), and the model the backend was asked for. The key is named
+    by its alias, else by the first 12 characters of its hash, never by itself; the end user is the client's
+    OpenAI `user` field where the proxy kept none."""
+    key = meta.get("user_api_key_alias") or str(meta.get("user_api_key_hash") or "")[:12]
+    return {"model": str(model or "").rpartition("/")[2], "key": str(key or ""),
+            "team": str(meta.get("user_api_key_team_alias") or meta.get("user_api_key_team_id") or ""),
+            "user": str(meta.get("user_api_key_user_id") or ""),
+            "end_user": str(meta.get("user_api_key_end_user_id") or request.get("user") or "")}
+
+
 def _int(value: Any) -> int | None:
     try:
         return None if value is None else int(value)
@@ -297,7 +310,8 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
             request_id=call_id, lane=str(meta.get("model_group") or data.get("model") or ""),
             backend=str(data.get("api_base") or meta.get("api_base") or ""), start_s=started, end_s=time.time(),
             attempt=attempt, candidates=candidates, status=_int(getattr(exception, "status_code", None)) or 500,
-            error_type=type(exception).__name__, **_measured(meta, text))
+            error_type=type(exception).__name__, **_measured(meta, text),
+            **_who(meta, data, (data.get("litellm_params") or {}).get("model") or data.get("model")))
 
     def _record_refusal(self, data: Mapping[str, Any], exception: Exception) -> None:
         """A request refused before any deployment was called: the size it had, the lane the hook chose
@@ -312,7 +326,7 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         self.recorder.record(
             request_id=call_id, lane=str(meta.get("stepline_lane") or data.get("model") or ""), backend="",
             start_s=now, end_s=now, attempt=1, candidates=[], status=_int(getattr(exception, "status_code", None))
-            or 500, error_type=type(exception).__name__, **_measured(meta, text))
+            or 500, error_type=type(exception).__name__, **_measured(meta, text), **_who(meta, data, ""))
 
     def _record_disconnect(self, data: dict[str, Any]) -> None:
         call_id = str(data.get("litellm_call_id") or "")
@@ -333,7 +347,8 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
         self.recorder.record(
             request_id=call_id, lane=str(data.get("model") or ""), backend=str(params.get("api_base") or ""),
             start_s=start_s, end_s=time.time(), attempt=attempt, candidates=candidates, status=499,
-            error_type="client_disconnected", client_disconnected=True, **_measured(meta, text))
+            error_type="client_disconnected", client_disconnected=True, **_measured(meta, text),
+            **_who(meta, data, params.get("model")))
 
     def _remember(self, call_id: str) -> None:
         self._disconnected.add(call_id)
@@ -380,7 +395,8 @@ class StepLineLogger(CustomLogger):  # type: ignore[misc]
             status=499 if disconnected else (code or (500 if failed else 200)),
             error_type=str(error.get("error_class") or (type(exception).__name__ if exception is not None else "")),
             client_disconnected=disconnected,
-            first_byte_s=float(first) if first and not failed else None, **_measured(meta, text))
+            first_byte_s=float(first) if first and not failed else None, **_measured(meta, text),
+            **_who(meta, kwargs, payload.get("model") or (kwargs.get("litellm_params") or {}).get("model")))
 
 
 proxy_handler = StepLineLogger()

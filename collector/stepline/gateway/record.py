@@ -79,13 +79,18 @@ class DecisionRecorder:
                threshold: float | None = None, threshold_unit: str = "", health: str = "",
                in_flight: int | None = None, status: int = 0, error_type: str = "",
                client_disconnected: bool = False, first_byte_s: float | None = None,
-               swallowed: BaseException | str | None = None) -> None:
-        """Queue one attempt's decision (times are Unix seconds); never raises, never waits."""
+               swallowed: BaseException | str | None = None, model: str = "", key: str = "", team: str = "",
+               user: str = "", end_user: str = "") -> None:
+        """Queue one attempt's decision (times are Unix seconds); never raises, never waits. `key` is the API key's
+        alias or another name for it, never the key."""
         try:
             attrs: dict[str, Any] = {d.REQUEST_ID: request_id, d.LANE: lane, d.BACKEND: backend, d.ATTEMPT: attempt,
                                      d.CANDIDATES: list(candidates), d.HEALTH: health, d.STATUS: status,
                                      d.ERROR_TYPE: error_type, d.CLIENT_DISCONNECTED: client_disconnected,
                                      d.THRESHOLD_UNIT: threshold_unit}
+            for attr, who in ((d.MODEL, model), (d.KEY, key), (d.TEAM, team), (d.USER, user), (d.END_USER, end_user)):
+                if who:
+                    attrs[attr] = who
             for key, value in ((d.SIZE_CHARS, size_chars), (d.SIZE_BYTES, size_bytes), (d.SIZE_TOKENS, size_tokens),
                                (d.IN_FLIGHT, in_flight),
                                (d.THRESHOLD, None if threshold is None else float(threshold)),

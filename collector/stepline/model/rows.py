@@ -200,6 +200,11 @@ class GatewayDecision(NamedTuple):
     end_ts: int
     swallowed_exception: str
     backend_engines: tuple[str, ...] = ()  # the engines behind a backend that stands for several (the join's)
+    model: str = ""  # the model the backend was asked for (a LoRA adapter's name where one was)
+    key: str = ""  # who sent it, where the gateway says: the API key's alias, its team, its user, the end user
+    team: str = ""
+    user: str = ""
+    end_user: str = ""
 
 
 class GatewaySample(NamedTuple):

@@ -23,7 +23,8 @@ from stepline.model.rows import UNKNOWN_FINISH_REASON
 # 6: `steps` gained vllm_elapsed_ms and step_time, and elapsed_ms became the step's duration as stepline derives it
 # (under async scheduling vLLM's reading is a wait, not a duration); added columns, no rebuild (rows older collectors
 # wrote hold 0 and '' in them).
-# 7: `gateway_decisions` gained backend_engines (added column, no rebuild: rows written before hold []).
+# 7: `gateway_decisions` gained backend_engines, and who sent each request: model, key, team, user, end_user
+# (added columns, no rebuild: rows written before hold [] and '').
 SCHEMA_VERSION = 7
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
@@ -639,6 +640,14 @@ TABLES: tuple[Table, ...] = (
             Column("backend_engines", "Array(LowCardinality(String))", "The engines behind the chosen backend "
                    "where its address stands for several (a service in front of replicas, `stepline collect "
                    "--backend`): the join looks for the request among theirs; [] where it is one engine."),
+            Column("model", DIM, "The model the backend was asked for (LiteLLM: the deployment's model, its "
+                   "provider prefix cut): a LoRA adapter's name where the request named one; '' when not said."),
+            Column("key", DIM, "The API key the request came with, by its alias (LiteLLM: user_api_key_alias, "
+                   "else the first 12 characters of the key's hash; never the key); '' when not said."),
+            Column("team", DIM, "The key's team (LiteLLM: user_api_key_team_alias, else its id); '' when none."),
+            Column("user", DIM, "The key's user (LiteLLM: user_api_key_user_id); '' when none."),
+            Column("end_user", DIM, "The end user the client named (OpenAI's `user` field; LiteLLM: "
+                   "user_api_key_end_user_id); '' when none."),
         ),
         ("host", "gateway", "ts"),
         "One row per routing attempt of a gateway in front of the engines: size measured, lane and backend chosen, "

@@ -50,3 +50,13 @@ FROM gpu_samples
 WHERE engine != '' AND {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
 ORDER BY host, engine, gpu_uuid, ts
 """
+
+# host, engine, first and last scrape of its /metrics in [lo, hi] (us): while the collector saw the engine up. Its
+# idle time is counted within these (and its steps), not over a window longer than its life; the caller reads a
+# little either side of its window, so that an engine up across the window's edge is up at the edge.
+LIFE = f"""
+SELECT host, engine, toUnixTimestamp64Micro(min(ts)) AS first_us, toUnixTimestamp64Micro(max(ts)) AS last_us
+FROM engine_samples
+WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+GROUP BY host, engine
+"""

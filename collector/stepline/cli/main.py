@@ -20,6 +20,7 @@ COMMANDS = {
     "collect": "stepline.cli.collect",
     "query": "stepline.cli.query",
     "requests": "stepline.cli.requests",
+    "slo": "stepline.cli.slo",
     "timeline": "stepline.cli.timeline",
     "status": "stepline.cli.status",
     "doctor": "stepline.cli.doctor",

@@ -15,6 +15,7 @@ from stepline.alerting.build import build, render
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.definitions import Alert, alerts
 from stepline.alerting.prometheus import alertmanager
+from stepline.alerting.slo import recording_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"
@@ -78,7 +79,7 @@ def test_inhibition_and_routing_in_alertmanager_config() -> None:
 @needs_promtool
 def test_promtool_check_rules() -> None:
     out = _tool(str(PROMTOOL), "check", "rules", str(ALERTS / "prometheus-rules.yaml"))
-    assert f"SUCCESS: {len(alerts(CFG))} rules found" in out
+    assert f"SUCCESS: {len(alerts(CFG)) + len(recording_rules(CFG))} rules found" in out
 
 
 @needs_amtool

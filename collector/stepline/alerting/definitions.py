@@ -2,8 +2,9 @@
 
 Placeholders in summaries and descriptions: `[engine]`, `[value]`, `[value_duration]`, `[value_ratio]`,
 and for the watchdog pages `[state]`, `[budget]`, `[age]`, `[waiting]`, `[running]`, `[finding]`, `[gpus]`
-("GPUs idle", or "no GPU readings" for an engine that has none) (see `templates.py`). The engines' liveness
-alerts are in `liveness.py`.
+("GPUs idle", or "no GPU readings" for an engine that has none), and for the SLO alerts `[objective]`, `[scope]`,
+`[long_window]` (see `templates.py`). The engines' liveness alerts are in `liveness.py`, the SLO burn-rate alerts in
+`slo.py`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.liveness import engine_liveness, plugin_liveness
 from stepline.alerting.rule import Alert, Severity, diagnose_hint
+from stepline.alerting.slo import burn_alerts
 
 __all__ = ["Alert", "Severity", "alerts"]
 
@@ -18,8 +20,8 @@ __all__ = ["Alert", "Severity", "alerts"]
 def alerts(cfg: AlertConfig) -> list[Alert]:
     """Every alert, in the order they appear in the rule file."""
     return [*engine_liveness(cfg), *plugin_liveness(cfg), *_engine_latency(cfg), *_engine_cache(cfg),
-            *_engine_diagnosis(cfg), *_gateways(cfg), *_gpu_clocks(cfg), *_gpu_faults(cfg), *_collector_health(cfg),
-            *_dead_mans_switch()]
+            *_engine_diagnosis(cfg), *_gateways(cfg), *burn_alerts(cfg), *_gpu_clocks(cfg), *_gpu_faults(cfg),
+            *_collector_health(cfg), *_dead_mans_switch()]
 
 
 def _engine_latency(cfg: AlertConfig) -> list[Alert]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from stepline.alerting import receivers, templates
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.definitions import Alert, alerts
+from stepline.alerting.slo import recording_rules
 
 HEARTBEAT = "Watchdog"
 INHIBITED_BY_ENGINE_DOWN = ("EngineStalled", "EngineWedgedWithQueue")
@@ -30,12 +31,12 @@ def rule(cfg: AlertConfig, a: Alert) -> dict[str, object]:
 
 
 def rule_groups(cfg: AlertConfig) -> dict[str, object]:
-    """The `groups:` document for `rule_files`: the rules, and those that page within 30 s of their cause in a
-    group evaluated more often."""
+    """The `groups:` document for `rule_files`: the rules (after the SLO recording rules they read), and those that
+    page within 30 s of their cause in a group evaluated more often."""
     every = alerts(cfg)
     return {"groups": [
         {"name": cfg.group_name, "interval": cfg.evaluation_interval,
-         "rules": [rule(cfg, a) for a in every if not a.fast]},
+         "rules": [*recording_rules(cfg), *(rule(cfg, a) for a in every if not a.fast)]},
         {"name": cfg.fast_group_name, "interval": cfg.fast_evaluation_interval,
          "rules": [rule(cfg, a) for a in every if a.fast]},
     ]}
@@ -69,8 +70,9 @@ def alertmanager(cfg: AlertConfig) -> dict[str, object]:
             {"source_matchers": ['alertname="EngineGone"'],
              "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_ENGINE_GONE)}"'],
              "equal": ["engine"]},
+            # An SLO's page silences its ticket, of the same objective and scope only.
             {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
-             "equal": ["alertname", "engine", "gpu", "instance"]},
+             "equal": ["alertname", "engine", "gpu", "instance", "objective", "model", "lane"]},
         ],
         "receivers": [_receiver(names[route], integrations) for route, integrations in receivers.routed(cfg).items()],
     }

@@ -7,9 +7,14 @@ import re
 
 from stepline.alerting.config import AlertConfig
 
-LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind", "gateway", "lane")
+LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind", "gateway", "lane", "objective",
+          "long_window")
 _TOKEN = re.compile(r"\[(" + "|".join((*LABELS, "value", "value_duration", "value_ratio", "value_rate",
-                                       "state", "budget", "age", "waiting", "running", "finding", "gpus")) + r")\]")
+                                       "state", "budget", "age", "waiting", "running", "finding", "gpus",
+                                       "scope")) + r")\]")
+# An SLO's series keep the one label of its scope (model, lane or engine), the others summed away: absent labels
+# render empty in both backends' `$labels`, so this names whichever it is.
+SCOPE = "{{ $labels.model }}{{ $labels.lane }}{{ $labels.engine }}"
 
 # Grafana auxiliary instant queries (refId -> PromQL with `{sel}`); their results are in `$values`.
 GRAFANA_AUX = {
@@ -46,6 +51,7 @@ def prometheus(cfg: AlertConfig, text: str) -> str:
     gpu_q = _per_engine(cfg, "stepline_engine_gpu_utilization_ratio")
     repl: dict[str, str] = {
         "value": "{{ $value | humanize }}",
+        "scope": SCOPE,
         "value_duration": "{{ $value | humanizeDuration }}",
         "value_ratio": "{{ $value | humanizePercentage }}",
         "value_rate": "{{ $value | humanize }}",
@@ -71,6 +77,7 @@ def grafana(text: str) -> str:
 
     repl = {
         "value": aux("A", "{{ humanize .Value }}"),
+        "scope": SCOPE,
         "value_duration": aux("A", "{{ humanizeDuration .Value }}"),
         "value_ratio": aux("A", "{{ humanizePercentage .Value }}"),
         "value_rate": aux("A", "{{ humanize .Value }}"),

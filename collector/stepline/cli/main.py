@@ -21,6 +21,7 @@ COMMANDS = {
     "query": "stepline.cli.query",
     "requests": "stepline.cli.requests",
     "usage": "stepline.cli.usage",
+    "slo": "stepline.cli.slo",
     "timeline": "stepline.cli.timeline",
     "status": "stepline.cli.status",
     "doctor": "stepline.cli.doctor",

@@ -1,1 +1,2 @@
-"""Configuration: the collector's settings (`settings`) and the service-level objectives (`slo`)."""
+"""Configuration: the collector's settings (`settings`), the service-level objectives (`slo`) and what each
+objective counts as good (`objectives`)."""

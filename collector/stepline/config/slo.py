@@ -1,9 +1,11 @@
 """The service-level objectives one deployment holds its engines to: dashboards draw them, alerts page on
-them, `stepline whatif` scores goodput against them."""
+them, `stepline whatif` scores goodput against them, `stepline slo` reports them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from stepline.config.objectives import DEFAULT_OBJECTIVES, LATENCY_SLIS, Objective
 
 
 @dataclass(frozen=True)
@@ -15,8 +17,24 @@ class Slo:
     itl_p99_critical_seconds: float = 1.0
     """ITL p99 at which decode is effectively stopped (~1 token/s): DecodeStarvation critical."""
     ttft_p99_seconds: float = 10.0
-    """Time to first token p99; for dashboards (no alert reads it yet), and the TTFT objective of `stepline whatif`'s
-    goodput."""
+    """Time to first token p99: the bound of the `ttft` objective (99% of requests within it), for dashboards, and
+    the TTFT objective of `stepline whatif`'s goodput."""
     tpot_seconds: float = 0.1
     """Mean time per output token a request should see: the TPOT objective of `stepline whatif`'s goodput (a
-    request meets it when its decode averages this or better)."""
+    request meets it when its decode averages this or better), and the bound of the `tpot` objective."""
+    objectives: tuple[Objective, ...] = DEFAULT_OBJECTIVES
+    """The objectives the SLI counters, the burn-rate alerts, the SLO dashboard and `stepline slo` read
+    (`config.objectives`); their names are label values, unique."""
+
+    def __post_init__(self) -> None:
+        names = [o.name for o in self.objectives]
+        if len(set(names)) != len(names):
+            raise ValueError(f"objective names repeat: {', '.join(sorted(names))}")
+
+    def threshold(self, o: Objective) -> float:
+        """The latency bound of a latency objective (its own, else this Slo's for its SLI); 0 for the others."""
+        if o.sli not in LATENCY_SLIS:
+            return 0.0
+        if o.threshold_seconds is not None:
+            return o.threshold_seconds
+        return self.ttft_p99_seconds if o.sli == "ttft" else self.tpot_seconds

@@ -156,12 +156,29 @@ class SelfMetrics:
             "stepline_gateway_decisions", "Routing decisions received, by outcome: answered, refused (429/503), error, "
             "disconnected (the client left), failed_open (a hook swallowed an exception or measured nothing).",
             ["gateway", "lane", "outcome"], registry=r)
+        self._slo_metrics(r)
         self.listeners = ListenerCounts()
         r.register(self.listeners)
         self.top_finding = Gauge("stepline_engine_top_finding_info",
                                  "The engine's top warning or critical diagnosis finding over the last 5 minutes "
                                  "(refreshed on each state change and every few seconds while work is in flight).",
                                  ["engine", "kind", "severity", "title"], registry=r)
+
+
+    def _slo_metrics(self, r: CollectorRegistry) -> None:
+        """The SLIs of the objectives (`stepline.config.objectives`) as good/total counters, what the burn-rate
+        rules divide."""
+        labels = ["objective", "engine", "model", "lane"]
+        self.slo_requests = Counter(
+            "stepline_slo_requests", "Requests the objective's SLI judged (those whose reports tell it: a TTFT, a "
+            "mean TPOT, a finish reason, a gateway's status), each once; lane: the gateway lane of the engine's latest "
+            "decision ('' without a gateway); model '' for a gateway's decisions.", labels, registry=r)
+        self.slo_good_requests = Counter(
+            "stepline_slo_good_requests", "Of stepline_slo_requests_total, those good by the objective's SLI.", labels,
+            registry=r)
+        self.slo_dropped = Counter(
+            "stepline_slo_requests_dropped", "Requests an objective's SLI did not count because their label set "
+            "would have passed the collector's bound on SLI series.", ["objective"], registry=r)
 
 
 class ListenerCounts:

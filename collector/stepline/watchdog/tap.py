@@ -7,7 +7,8 @@ each engine's top finding (the diagnosis of its last few minutes) fresh: at once
 changes, every few seconds while it has work in flight, and now and then while idle, until the
 finding has aged out of the window. A page that fires names the cause it has at that moment. It also tells when a
 scraped engine works while its plugin sends nothing (`silence`): a `plugin_silent` event and
-`stepline_engine_plugin_silent_seconds`.
+`stepline_engine_plugin_silent_seconds`. And it counts each finished request against the service-level objectives
+(`slo`): the SLIs the burn-rate alerts read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from stepline.config.slo import Slo
 from stepline.core.clock import Clock, SystemClock
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.core.selfmetrics import SelfMetrics
@@ -38,6 +40,7 @@ from stepline.model.rows import (
 from stepline.store.reads import Reads
 from stepline.watchdog.budget import PROGRESS_COUNTERS, STATES, Assessment, EngineModel, Policy
 from stepline.watchdog.silence import PluginSilence, resumed_event, silent_event
+from stepline.watchdog.slo import SliCounters
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +85,12 @@ class Watchdog:
                  policy: Policy | None = None, interval_s: float = 1.0,
                  reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_findings,
                  diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0,
-                 lane_budgets: dict[str, float] | None = None, expect_plugin: bool = False) -> None:
+                 lane_budgets: dict[str, float] | None = None, expect_plugin: bool = False,
+                 slo: Slo | None = None) -> None:
         """`lane_budgets`: lane -> the least stall budget (seconds) of the engines a gateway sends that lane to; a
         lane that is slow by design (monsters pinned to it) gets room, while its crashes and refusals (EngineGone)
         page as on any lane. `expect_plugin`: the collector receives plugin steps, so a scraped engine whose counters
-        move without them has a silent plugin (`silence.py`)."""
+        move without them has a silent plugin (`silence.py`). `slo`: the objectives whose SLIs it counts."""
         self._metrics = metrics
         self._emit = emit
         self._host = host
@@ -116,6 +120,7 @@ class Watchdog:
         self._expect_plugin = expect_plugin
         self._silence = PluginSilence(self._policy.plugin_silent_after_s, self._policy.plugin_delivery_s)
         self._silent: dict[str, float] = {}  # engine -> since when its plugin has been silent
+        self._slis = SliCounters(metrics, slo)
         metrics.gpu_present.set(0)
 
     # --- the tap: on the ingest path, so it files rows and nothing more ---
@@ -141,8 +146,8 @@ class Watchdog:
                         self._gpu(row)
                     elif type(row) is Event:
                         self._event(row)
-                    elif type(row) is Request and row.engine:
-                        self._model(row.engine, row.ts).request(row)
+                    elif type(row) is Request:
+                        self._request(row)
                     elif type(row) is GatewayDecision:
                         self._decision(row)
                     elif type(row) is GatewaySample and row.engine and row.metric in _IN_FLIGHT_METRICS:
@@ -156,8 +161,15 @@ class Watchdog:
             model = self._engines[engine] = EngineModel(engine, ts / 1e6, self._policy)
         return model
 
+    def _request(self, r: Request) -> None:
+        # The lane of the engine's latest decision: a request's report does not say which lane sent it.
+        self._slis.request(r, self._lanes.get(r.engine, ("", ""))[1])
+        if r.engine:
+            self._model(r.engine, r.ts).request(r)
+
     def _decision(self, d: GatewayDecision) -> None:
         self._metrics.gateway_decisions.labels(d.gateway, d.lane, _outcome(d)).inc()
+        self._slis.decision(d)
         if not d.engine:
             return
         if d.in_flight is not None:

@@ -1,0 +1,102 @@
+"""The objectives (`Slo.objectives`) over a window, from the store: per objective and scope, how many requests its SLI
+judged, how many were good, and how much of the error budget that spent. `stepline slo` prints it.
+
+Each SLI reads what the collector's counters read (`config.objectives.judge_request`, `judge_decision`), from the
+merged requests (a request's two reports as one row) and the gateway's decisions; a lane-scoped request objective
+takes the lane from the gateway's decision for that request (the counters, seeing one report at a time, take the
+engine's latest).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from stepline.config.objectives import FAILED_FINISH_REASONS, Objective
+from stepline.config.slo import Slo
+from stepline.core.texttable import render_table
+from stepline.model.rows import UNKNOWN_FINISH_REASON
+from stepline.queries.requests import merged_matching
+from stepline.queries.window import SINCE
+from stepline.store.reads import Reads
+
+_FAILED = ", ".join(f"'{r}'" for r in FAILED_FINISH_REASONS)
+# What each request SLI reads, and when a request counts and is good (as `judge_request`).
+_REQUEST_SLI = {
+    "ttft": ("ttft_seconds", "NOT isNaN(ttft_seconds)", "ttft_seconds <= {threshold:Float64}"),
+    "tpot": ("mean_tpot_seconds", "NOT isNaN(mean_tpot_seconds)", "mean_tpot_seconds <= {threshold:Float64}"),
+    "availability": ("finish_reason", f"finish_reason NOT IN ('', '{UNKNOWN_FINISH_REASON}')",
+                     f"finish_reason NOT IN ({_FAILED})"),
+}
+_SCOPE_COLUMN = {"model": "model_name", "engine": "engine", "lane": "lane"}
+# The lane of each request a gateway routed: its latest decision's (a retry may change lanes).
+_LANES = ("(SELECT engine, request_id, argMax(lane, ts) AS lane FROM gateway_decisions WHERE "
+          f"{SINCE} GROUP BY engine, request_id)")
+
+
+@dataclass(frozen=True)
+class SloStatus:
+    """One objective in one scope over the window."""
+
+    objective: str
+    sli: str
+    scope: str  # "model=...", "lane=...", "engine=..."
+    total: int
+    good: int
+    target: float
+
+    @property
+    def ratio(self) -> float:
+        """The SLI: the share of requests good (NaN without any)."""
+        return self.good / self.total if self.total else math.nan
+
+    @property
+    def budget_used(self) -> float:
+        """The share of the error budget spent: bad requests over those the target allows (above 1: overspent)."""
+        return (self.total - self.good) / (self.total * (1 - self.target)) if self.total else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        ratio = None if math.isnan(self.ratio) else self.ratio
+        return {**asdict(self), "sli_ratio": ratio, "budget_used": self.budget_used,
+                "budget_left": 1 - self.budget_used}
+
+
+def _request_sql(o: Objective) -> str:
+    column, known, good = _REQUEST_SLI[o.sli]
+    scope = _SCOPE_COLUMN[o.scope]
+    columns = ("ts", column, "model_name")
+    source = merged_matching(SINCE, columns)
+    if o.scope == "lane":
+        source = f"(SELECT r.*, l.lane AS lane FROM {source} AS r LEFT JOIN {_LANES} AS l USING (engine, request_id))"
+    return (f"SELECT toString({scope}) AS scope, count() AS total, countIf({good}) AS good FROM {source} "
+            f"WHERE {known} GROUP BY scope ORDER BY scope")
+
+
+def _decision_sql(o: Objective) -> str:
+    scope = _SCOPE_COLUMN[o.scope]
+    return (f"SELECT toString({scope}) AS scope, count() AS total, "
+            "countIf((status > 0 AND status < 500) OR client_disconnected) AS good "
+            f"FROM gateway_decisions WHERE {SINCE} GROUP BY scope ORDER BY scope")
+
+
+def statuses(reader: Reads, slo: Slo, *, since: float) -> list[SloStatus]:
+    """Every objective in every scope that had requests since `since` (epoch seconds)."""
+    out = []
+    for o in slo.objectives:
+        sql = _decision_sql(o) if o.sli == "gateway_availability" else _request_sql(o)
+        parameters = {"since": round(since * 1e6), "threshold": slo.threshold(o)}
+        for scope, total, good in reader.query(sql, parameters=parameters).result_rows:
+            out.append(SloStatus(o.name, o.sli, f"{o.scope}={scope}", int(total), int(good), o.target))
+    return out
+
+
+def render(found: Sequence[SloStatus]) -> str:
+    """An aligned table: each objective and scope, its SLI against its target, and the error budget."""
+    rows = [[s.objective, s.scope, str(s.total), str(s.good), _pct(s.ratio, 3), _pct(s.target, 3),
+             _pct(s.budget_used, 1), _pct(1 - s.budget_used, 1)] for s in found]
+    return render_table(["objective", "scope", "total", "good", "SLI", "target", "budget used", "budget left"], rows)
+
+
+def _pct(value: float, digits: int) -> str:
+    return "-" if math.isnan(value) else f"{value * 100:.{digits}f}%"

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from litellm.proxy._types import UserAPIKeyAuth  # type: ignore[import-not-found]
-
 # key -> (its alias, its team's id, its team's alias, its user)
 KEYS = {"sk-alpha-1": ("alpha-key", "team-a1", "alpha", "ann"), "sk-beta-1": ("beta-key", "team-b1", "beta", "bo")}
 
 
 async def user_api_key_auth(request: Any, api_key: str) -> Any:
+    # Imported here: the tests read KEYS in their own process, which has no LiteLLM.
+    from litellm.proxy._types import UserAPIKeyAuth  # type: ignore[import-not-found]
+
     key = api_key.removeprefix("Bearer ").strip()
     if key not in KEYS:
         raise ValueError("unknown key")

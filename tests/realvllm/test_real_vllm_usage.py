@@ -24,8 +24,13 @@ from tests.realvllm import harness
 from tests.realvllm.test_real_vllm_gateway import prose
 
 TEAM_AUTH = Path(proxy.__file__).with_name("team_auth.py")
-# Per key: how many requests, of how many sentences, with how many tokens to generate (unequal on purpose).
+# Per key: how many requests, of how many sentences, with how many tokens to generate (unequal on purpose). The
+# teams' prompts differ in size 3-4x, so that the join tells them apart by size while they run side by side.
 SENT = {"sk-alpha-1": (6, 3, 24), "sk-beta-1": (3, 12, 8)}
+# Between one team's requests: LiteLLM forwards no request id, so each decision is joined to its engine request by
+# time and size (queries/gateway.py), and two of one size that arrive within 0.5 s of each other are refused as
+# ambiguous (docs/usage.md says so); each team sends one at a time, a second apart.
+PAUSE_S = 1.0
 
 
 @dataclass
@@ -49,6 +54,7 @@ def _send(url: str, key: str, sent: dict[str, Sent], lock: threading.Lock) -> No
             team.requests += 1
             team.prompt_tokens += int(response["usage"]["prompt_tokens"])
             team.generation_tokens += int(response["usage"]["completion_tokens"])
+        time.sleep(PAUSE_S)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_each_read_keeps_to_its_engine_and_span_in_walking_order(store: Store, r
     store.insert("requests", [_request("before", 0, 0.9), _request("across", 0.5, 5), _request("after", 8, 9)],
                  Request._fields)
     store.insert("gpu_samples", [_gpu(1, "e0", None), _gpu(2, "e0", 5), _gpu(2, "", 7)], GpuSample._fields)
-    span = {"engine": "e0", "lo": _us(1), "hi": _us(4)}
+    span = {"engine": "e0", "host": "", "lo": _us(1), "hi": _us(4)}
     assert [r[3] for r in rows(STEPS, **span)] == [_us(1), _us(2), _us(3)]
     assert [r[3] for r in rows(REQUESTS, **span)] == ["across"]
     assert rows(EARLIEST_SCHEDULED, **span) == [(_us(1.0),)]

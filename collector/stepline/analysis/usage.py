@@ -165,10 +165,11 @@ class _Engine:
     scraped: tuple[int, int] | None = None  # its first and last /metrics scrape in the window (us), if any
 
 
-def usage(reader: Reads, window: Window) -> Usage:
-    """Each request's and engine's GPU time and energy over `window` (every engine where its engine is '')."""
+def usage(reader: Reads, window: Window, host: str = "") -> Usage:
+    """Each request's and engine's GPU time and energy over `window` (every engine where its engine is ''), of the
+    engines of `host` ('': every host)."""
     start, end = _micros(window.start), _micros(window.end)
-    bound = {"engine": window.engine}
+    bound = {"engine": window.engine, "host": host}
     earliest = reader.query(q.EARLIEST_SCHEDULED, parameters={**bound, "lo": start, "hi": end}).result_rows
     lo = min(start, max(earliest[0][0] if earliest and earliest[0][0] is not None else start,
                         start - round(MAX_LOOKBACK_S * 1e6)))

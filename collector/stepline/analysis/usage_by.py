@@ -23,13 +23,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stepline.analysis.usage import EngineUsage, Usage, usage
+from stepline.analysis.usage import EngineUsage, usage
 from stepline.core.texttable import render_table
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
 from stepline.queries.gateway import joined
 from stepline.queries.requests import merged_matching
-from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
+from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
 from stepline.store.reads import Reads
 
 DIMENSIONS = ("tenant", "team", "key", "user", "end_user", "model", "adapter", "lane", "engine")
@@ -38,15 +38,111 @@ IDLE = "(idle)"
 UNATTRIBUTED = "(unattributed)"
 
 # The requests that finished in the window, with what the engine counted of them.
-_FINISHED_IN = merged_matching(f"{EACH_ENGINE} AND {IN_WINDOW}", ("model_name", "prompt_tokens", "generation_tokens"))
-_FINISHED = ("SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), model_name, prompt_tokens, "
+_FINISHED_IN = merged_matching(f"{EACH_ENGINE} AND {EACH_HOST} AND {IN_WINDOW}",
+                               ("model_name", "prompt_tokens", "generation_tokens"))
+_FINISHED = ("SELECT host, engine, request_id, toUnixTimestamp64Micro(arrival_ts), model_name, prompt_tokens, "
              f"generation_tokens FROM {_FINISHED_IN}")
-# Who sent each engine request a gateway decision in the window joins.
+# Who sent each engine request a gateway decision in the window joins (on whichever host the decision was written).
 _WHO = joined("r.engine, r.request_id, toUnixTimestamp64Micro(r.arrival_ts), d.lane, d.model, d.key, d.team, d.user, "
               "d.end_user", "1", ("arrival_ts",))
 # The GPU model each engine ran on in the window (its commonest, where it had several).
-_GPU_MODELS = (f"SELECT engine, topK(1)(gpu_name)[1] FROM gpu_samples WHERE engine != '' AND {EACH_ENGINE} AND "
-               f"{between()} GROUP BY engine")
+_GPU_MODELS = (f"SELECT host, engine, topK(1)(gpu_name)[1] FROM gpu_samples WHERE engine != '' AND {EACH_ENGINE} "
+               f"AND {EACH_HOST} AND {between()} GROUP BY host, engine")
+
+Key = tuple[str, str, int]  # engine, request id, arrival (us)
+
+
+@dataclass(frozen=True)
+class Who:
+    """What a request is grouped by besides its engine: the engine's model and the gateway's decision ('' where
+    none joins)."""
+
+    model: str = ""
+    lane: str = ""
+    adapter: str = ""
+    key: str = ""
+    team: str = ""
+    user: str = ""
+    end_user: str = ""
+
+    def value(self, by: str, engine: str) -> str:
+        """The value of dimension `by`."""
+        if by == "engine":
+            return engine
+        if by == "tenant":
+            return self.team or self.key or self.end_user or self.user or NONE
+        return str(getattr(self, by)) or NONE
+
+
+@dataclass(frozen=True)
+class Line:
+    """One request's part of the window (its share of the GPU time, and its requests and tokens where it finished
+    in the window), or one engine's idle or unattributed part: what the report and the per-minute rollup group."""
+
+    host: str
+    engine: str
+    kind: str  # LINE_KINDS
+    gpu_name: str  # '' where the engine's GPUs were not sampled
+    who: Who
+    requests: int
+    prompt_tokens: int
+    generation_tokens: int
+    engine_us: int  # its part of the engine's time, us over the engine indices
+    gpu_seconds: float
+    energy_mj: int | None  # None: the engine's GPUs were not sampled
+    gpus: int  # the engine's GPUs seen; 0: none sampled
+
+
+LINE_KINDS = ("request", "idle", "unattributed")
+
+
+@dataclass(frozen=True)
+class Lines:
+    """The window's lines, and the engines they come from (the exact pass's account of each)."""
+
+    lines: list[Line]
+    engines: list[EngineUsage]
+
+
+def lines(reader: Reads, window: Window, host: str = "") -> Lines:
+    """Every request's and engine's part of `window` (the engines of `host`; '': every host), with who sent it."""
+    used = usage(reader, window, host)
+    bound = {"engine": window.engine, "host": host, "start": window.start, "end": window.end}
+    gpu_of = {(str(h), str(e)): str(name) for h, e, name in Query(_GPU_MODELS, **bound).rows(reader)}
+    who = {(str(r[0]), str(r[1]), int(r[2])): r[3:] for r in Query(_WHO, **bound).rows(reader)}
+    finished = {(str(r[1]), str(r[2]), int(r[3])): (str(r[0]), str(r[4]), int(r[5]), int(r[6]))
+                for r in Query(_FINISHED, **bound).rows(reader)}
+    # A request that finished after the window is read for its model by its engine's.
+    served = {key[0]: model for key, (_, model, _, _) in finished.items()}
+    gpus = {(e.host, e.engine): e for e in used.engines}
+    out: list[Line] = []
+    for r in used.requests:
+        key = (r.engine, r.request_id, round(r.arrival.timestamp() * 1e6))
+        done = finished.pop(key, None)
+        _, model, prompt, generated = done or ("", served.get(r.engine, ""), 0, 0)
+        out.append(Line(r.host, r.engine, "request", gpu_of.get((r.host, r.engine), ""), _who(model, who.get(key)),
+                        1 if done else 0, prompt, generated, r.step_us, r.gpu_seconds, r.energy_mj,
+                        gpus[(r.host, r.engine)].gpus))
+    for key, (h, model, prompt, generated) in finished.items():  # finished in the window, no share of it
+        e = gpus.get((h, key[0]))
+        out.append(Line(h, key[0], "request", gpu_of.get((h, key[0]), ""), _who(model, who.get(key)), 1, prompt,
+                        generated, 0, 0.0, None, e.gpus if e else 0))
+    out += [line for e in used.engines for line in _engine_lines(e, gpu_of.get((e.host, e.engine), ""))]
+    return Lines(out, used.engines)
+
+
+def _who(model: str, decision: Sequence[Any] | None) -> Who:
+    lane, adapter, api_key, team, user, end_user = (str(x) for x in (decision or ("",) * 6))
+    return Who(model, lane, adapter, api_key, team, user, end_user)
+
+
+def _engine_lines(e: EngineUsage, gpu_name: str) -> list[Line]:
+    """The GPU time nobody sent (idle) and what no known request can take (unattributed), of one engine."""
+    per_us = e.gpus_per_rank / 1e6
+    return [Line(e.host, e.engine, "idle", gpu_name, Who(), 0, 0, 0, e.idle_us, e.idle_us * per_us,
+                 e.idle_energy_mj, e.gpus),
+            Line(e.host, e.engine, "unattributed", gpu_name, Who(), 0, 0, 0, e.unattributed_us,
+                 e.unattributed_us * per_us, e.unattributed_energy_mj, e.gpus)]
 
 
 @dataclass
@@ -91,7 +187,9 @@ class Report:
     unattributed: Group
     prices: dict[str, float]  # GPU model -> price per GPU-hour, as given
     unpriced_gpus: list[str] = field(default_factory=list)  # GPU models seen without a price
-    engines: list[EngineUsage] = field(default_factory=list)
+    engines: list[EngineUsage] = field(default_factory=list)  # the exact pass's engines (none from the rollup)
+    without_gpus: list[str] = field(default_factory=list)  # engines no GPU sample tied to: 1 GPU per rank
+    source: str = "exact"  # exact: one pass over the steps; rollup: usage_minutes (stepline.analysis.usage_rollup)
 
     @property
     def gpu_seconds(self) -> float:
@@ -103,54 +201,42 @@ class Report:
 
 
 def report(reader: Reads, window: Window, by: str, prices: Mapping[str, float] | None = None) -> Report:
-    """GPU time, energy and cost over `window`, grouped by `by` (one of DIMENSIONS)."""
+    """GPU time, energy and cost over `window`, grouped by `by` (one of DIMENSIONS), from one exact pass."""
+    check(by)
+    found = lines(reader, window)
+    return grouped(found.lines, window, by, prices, found.engines)
+
+
+def check(by: str) -> None:
+    """ValueError unless `by` is one of DIMENSIONS."""
     if by not in DIMENSIONS:
         raise ValueError(f"usage by {by!r}: one of {', '.join(DIMENSIONS)}")
+
+
+def grouped(found: Iterable[Line], window: Window, by: str, prices: Mapping[str, float] | None = None,
+            engines: Sequence[EngineUsage] = (), source: str = "exact") -> Report:
+    """The lines grouped by `by`, idle and unattributed on lines of their own, priced per GPU model."""
     prices = dict(prices or {})
-    used = usage(reader, window)
-    bound = {"engine": window.engine, "start": window.start, "end": window.end}
-    gpu_of = {str(e): str(name) for e, name in Query(_GPU_MODELS, **bound).rows(reader)}
-    who = {(str(r[0]), str(r[1]), int(r[2])): tuple(str(x) for x in r[3:]) for r in Query(_WHO, **bound).rows(reader)}
     groups: dict[str, Group] = {}
-    model_of: dict[tuple[str, str, int], str] = {}
-    for engine, rid, arrival, model, prompt, generated in Query(_FINISHED, **bound).rows(reader):
-        key = (str(engine), str(rid), int(arrival))
-        model_of[key] = str(model)
-        g = _group(groups, _value(by, key, str(model), who.get(key)))
-        g.requests += 1
-        g.prompt_tokens += int(prompt)
-        g.generation_tokens += int(generated)
-    _shares(used, by, groups, who, model_of, gpu_of, prices)
-    idle, unattributed = _engine_lines(used.engines, gpu_of, prices)
-    seen = sorted({gpu_of.get(e.engine, "") for e in used.engines} - {""})
+    special = {"idle": Group(IDLE), "unattributed": Group(UNATTRIBUTED)}
+    seen: set[str] = set()
+    without: set[str] = set()
+    for line in found:
+        seen.add(line.gpu_name)
+        if line.kind == "idle" and line.gpus == 0:
+            without.add(line.engine)
+        g = special.get(line.kind) or _group(groups, line.who.value(by, line.engine))
+        g.requests += line.requests
+        g.prompt_tokens += line.prompt_tokens
+        g.generation_tokens += line.generation_tokens
+        # A request that finished in the window with no share of it adds no GPU time: no cost of 0 either.
+        if line.gpu_seconds or line.energy_mj is not None or line.kind != "request":
+            g.add(line.gpu_seconds, None if line.energy_mj is None else line.energy_mj / 1000,
+                  prices.get(line.gpu_name))
     ordered = sorted(groups.values(), key=lambda g: (-g.gpu_seconds, g.name))
-    return Report(by, window, ordered, idle, unattributed, prices, [m for m in seen if m not in prices], used.engines)
-
-
-def _shares(used: Usage, by: str, groups: dict[str, Group], who: Mapping[tuple[str, str, int], tuple[str, ...]],
-            model_of: dict[tuple[str, str, int], str], gpu_of: Mapping[str, str], prices: Mapping[str, float]) -> None:
-    """Each request's share of the window into its group (a request that finished after the window is read for its
-    model by the engine's: its row is not among the finished)."""
-    served = {engine: m for (engine, _, _), m in model_of.items()}
-    for r in used.requests:
-        key = (r.engine, r.request_id, round(r.arrival.timestamp() * 1e6))
-        model = model_of.get(key, served.get(r.engine, ""))
-        energy = None if r.energy_mj is None else r.energy_mj / 1000
-        _group(groups, _value(by, key, model, who.get(key))).add(r.gpu_seconds, energy,
-                                                                 prices.get(gpu_of.get(r.engine, "")))
-
-
-def _engine_lines(engines: Iterable[EngineUsage], gpu_of: Mapping[str, str],
-                  prices: Mapping[str, float]) -> tuple[Group, Group]:
-    """The GPU time nobody sent (idle) and what no known request can take (unattributed), over every engine."""
-    idle, unattributed = Group(IDLE), Group(UNATTRIBUTED)
-    for e in engines:
-        price = prices.get(gpu_of.get(e.engine, ""))
-        per_us = e.gpus_per_rank / 1e6
-        idle.add(e.idle_us * per_us, None if e.idle_energy_mj is None else e.idle_energy_mj / 1000, price)
-        unattributed.add(e.unattributed_us * per_us,
-                         None if e.unattributed_energy_mj is None else e.unattributed_energy_mj / 1000, price)
-    return idle, unattributed
+    unpriced = sorted(m for m in seen - {""} if m not in prices)
+    return Report(by, window, ordered, special["idle"], special["unattributed"], prices, unpriced, list(engines),
+                  sorted(without), source)
 
 
 def _group(groups: dict[str, Group], name: str) -> Group:
@@ -159,20 +245,11 @@ def _group(groups: dict[str, Group], name: str) -> Group:
     return groups[name]
 
 
-def _value(by: str, key: tuple[str, str, int], model: str, who: tuple[str, ...] | None) -> str:
-    """The request's value of dimension `by`."""
-    if by == "engine":
-        return key[0]
-    if by == "model":
-        return model or NONE
-    lane, adapter, api_key, team, user, end_user = who or ("",) * 6
-    values = {"lane": lane, "adapter": adapter, "key": api_key, "team": team, "user": user, "end_user": end_user,
-              "tenant": team or api_key or end_user or user}
-    return values[by] or NONE
-
-
 # ---- rendering -------------------------------------------------------------------------------------------------
 
+SOURCES = {"exact": "from one pass over the window's steps (exact)",
+           "rollup": "from the per-minute rollup (usage_minutes), the window's edges from its steps: each minute as "
+                     "it was rolled up, minutes after it closed (requests running then count as unattributed)"}
 COLUMNS = ("requests", "prompt_tokens", "generation_tokens", "gpu_seconds", "energy_kwh", "cost",
            "cost_per_1m_tokens", "share_of_gpu_time")
 
@@ -202,7 +279,7 @@ def as_csv(r: Report) -> str:
 
 def as_json(r: Report) -> str:
     return json.dumps({"by": r.by, "from": r.window.start.isoformat(), "to": r.window.end.isoformat(),
-                       "rows": rows(r), "idle_share_of_gpu_time": round(r.idle_share(), 4),
+                       "source": r.source, "rows": rows(r), "idle_share_of_gpu_time": round(r.idle_share(), 4),
                        "prices_per_gpu_hour": r.prices, "gpu_models_without_a_price": r.unpriced_gpus,
                        "engines": [_engine(e) for e in r.engines]}, indent=1)
 
@@ -230,15 +307,14 @@ def render(r: Report) -> str:
               _text(g.cost_per_million_tokens, 2), f"{g.gpu_seconds / total:.1%}" if total else "-")
              for g in (*r.groups, r.idle, r.unattributed)]
     table = render_table((r.by, "requests", "tokens", "GPU-s", "kWh", "cost", "$/1M tok", "of GPU time"), lines)
-    notes = [f"idle: {r.idle_share():.1%} of the GPU time in the window (no request on the engine)"]
+    notes = [f"idle: {r.idle_share():.1%} of the GPU time in the window (no request on the engine)", SOURCES[r.source]]
     if not r.prices:
         notes.append("no cost: set a price per GPU-hour per GPU model (--gpu-price 'MODEL=USD', "
                      "$STEPLINE_GPU_PRICES)")
     elif r.unpriced_gpus:
         notes.append(f"no price for {', '.join(r.unpriced_gpus)}: their GPU time has no cost")
-    if any(e.gpus == 0 for e in r.engines):
-        notes.append("engines without GPU samples count 1 GPU per rank and no energy: "
-                     + ", ".join(sorted(e.engine for e in r.engines if e.gpus == 0)))
+    if r.without_gpus:
+        notes.append("engines without GPU samples count 1 GPU per rank and no energy: " + ", ".join(r.without_gpus))
     return table + "\n" + "\n".join(notes)
 
 

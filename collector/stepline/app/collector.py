@@ -12,6 +12,7 @@ from types import FrameType
 
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from stepline.analysis.usage_rollup import UsageRollup
 from stepline.config.settings import Settings
 from stepline.core.clock import Clock, SystemClock
 from stepline.core.listener import Address
@@ -33,6 +34,8 @@ from stepline.store.url import StoreUrl, parse_store_url
 from stepline.watchdog.tap import Watchdog
 
 log = logging.getLogger(__name__)
+
+USAGE_ROLLUP_INTERVAL_S = 60.0  # the rollup's poll: one minute closes a minute
 
 
 class Collector:
@@ -82,6 +85,8 @@ class Collector:
                 sink.get()
             except StoreUnreachable as exc:
                 log.warning("%s: collecting into the spool until it answers", exc)
+        if s.usage_rollup:  # it reads what the writers wrote, through a client of its own
+            scheduled.append(Scheduled(UsageRollup(s.host_name, self.clock, sink.reader), USAGE_ROLLUP_INTERVAL_S))
         try:
             if isinstance(sink, Store):
                 sink.ensure_schema(s.retention_days)

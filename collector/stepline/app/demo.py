@@ -6,16 +6,17 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
-from stepline.analysis import perrequest, summary, timeline
+from stepline.analysis import perrequest, summary, timeline, usage_rollup
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
 from stepline.diagnosis.detectors import summary_for_demo
 from stepline.ingest.runner import Scheduled
-from stepline.model.rows import micros
+from stepline.model.rows import UsageMinute, micros
 from stepline.queries.requests import merged
 from stepline.queries.window import ENGINE, SINCE
 from stepline.sim import vllm_server as sim_server
@@ -59,7 +60,9 @@ def run_demo(store_url: str, workload: Workload, *, fast: bool = False, scrape_i
         # The real GPU source would find no NVML here: the demo's GPUs are simulated, sampled by the same code.
         base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
                                 "plugin_socket": os.path.join(sockets, "plugin.sock"),
-                                "disabled_sources": frozenset({"gpu"})}
+                                "disabled_sources": frozenset({"gpu"}),
+                                # Rolled up below, once every report is in: a fast replay lies in the past.
+                                "usage_rollup": False}
         if fast:
             interval = scrape_interval_s or 5.0
             collector = Collector(Settings.from_env(engines=(), scrape_interval_s=interval, **base))
@@ -81,7 +84,22 @@ def run_demo(store_url: str, workload: Workload, *, fast: bool = False, scrape_i
                 server.stop()
         telemetry.close()
         collector.stop()
+    roll_up_usage(collector.settings.store, collector.settings.host_name, since, time.time())
     _print_summary(collector.settings.store, engine, since)
+
+
+def roll_up_usage(store_url: str, host: str, start_s: float, end_s: float, engines: Collection[str] = ()) -> int:
+    """Roll the whole minutes of [start_s, end_s) into usage_minutes, as the collector's job does minute by minute
+    (the Usage dashboard reads them), for `host`'s engines (every host's where '', only `engines` where given);
+    how many rows."""
+    store = Store.open(store_url)
+    try:
+        rows = [r for r in usage_rollup.roll(store, host, start_s, end_s) if not engines or r.engine in engines]
+        if rows:
+            store.insert("usage_minutes", rows, UsageMinute._fields)
+    finally:
+        store.close()
+    return len(rows)
 
 
 def _gpu_sources(gpus: SimulatedGpus, ctx: SourceContext, engine: str, settings: Settings) -> list[Scheduled]:

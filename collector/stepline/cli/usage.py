@@ -27,11 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="price per GPU-hour of a GPU model as NVML names it, e.g. 'NVIDIA H100 80GB HBM3=2.49' "
                              f"(repeatable; ${PRICES_ENV}, comma-separated); no price, no cost")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="default table")
+    parser.add_argument("--exact", action="store_true",
+                        help="one pass over the window's steps, even where the per-minute rollup covers it (windows "
+                             "over an hour read the rollup where the collectors wrote it)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; 0."""
-    from stepline.analysis import usage_by
+    from stepline.analysis import usage_by, usage_rollup
     from stepline.cli.diagnose import window_of
     from stepline.core.usage import UsageError
     from stepline.store.reader import open_located
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     window = window_of(args)
     reader = open_located(args.store)[0]
     try:
-        found = usage_by.report(reader.client, window, args.by, prices)
+        found = usage_rollup.report(reader.client, window, args.by, prices, exact=args.exact)
     finally:
         reader.close()
     print({"csv": usage_by.as_csv, "json": usage_by.as_json}.get(args.format, usage_by.render)(found))

@@ -89,6 +89,8 @@ class Settings:
     """Where rows wait on disk until the store takes them; None: beside the store (see spool_path)."""
     spool_max_bytes: int = 1 << 30
     """The spool's bound, past which the oldest batches go, counted; 0: no spool (rows wait in memory only)."""
+    usage_rollup: bool = True
+    """Roll each closed minute's usage of this host's engines into usage_minutes (the Usage dashboard reads it)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -375,4 +377,5 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),
     ("spool_dir", "STEPLINE_SPOOL_DIR", str),
     ("spool_max_bytes", "STEPLINE_SPOOL_MAX_BYTES", size),
+    ("usage_rollup", "STEPLINE_USAGE_ROLLUP", boolean),
 )

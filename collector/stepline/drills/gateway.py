@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stepline.analysis import gateway as analysis_gateway
+from stepline.app.demo import roll_up_usage
 from stepline.diagnosis.detectors import summary_for_demo
 from stepline.diagnosis.findings import Window
 from stepline.drills.generator import draw_engine, ordinary_traffic
@@ -107,6 +108,7 @@ def run_demo(store_url: str) -> None:
     started = time.monotonic()
     case = seed_story(time.strftime("lane-%H%M%S"))
     gateway, runs, window = replay(case, store_url)
+    roll_up_usage(store_url, "", window.start.timestamp(), window.end.timestamp(), {n for n, _ in case.engines})
     fast, heavy = case.config.lanes
     print(f"replayed a router in front of two simulated engines ({case.duration_s:.0f} s of traffic, "
           f"{len(case.requests)} requests) in {time.monotonic() - started:.1f} s")

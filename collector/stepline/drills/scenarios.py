@@ -279,7 +279,9 @@ def run_engines(engines: Sequence[tuple[str, Scenario]], store_url: str, *, end_
         # The GPUs are simulated and sampled on the virtual clock below; the real GPU source would find no NVML.
         base: dict[str, Any] = {"store": store_url, "metrics_port": 0, "query_port": 0, "otlp_port": 0,
                                 "plugin_socket": os.path.join(sockets, "plugin.sock"),
-                                "disabled_sources": frozenset({"gpu"}), "scrape_interval_s": SCRAPE_INTERVAL_S}
+                                "disabled_sources": frozenset({"gpu"}), "scrape_interval_s": SCRAPE_INTERVAL_S,
+                                # A replay lies in the past: the job would roll its minutes before their reports.
+                                "usage_rollup": False}
         collector = Collector(Settings.from_env(engines=(), **base))
         collector.start()
         try:

@@ -222,7 +222,33 @@ class GatewaySample(NamedTuple):
     delta: float
 
 
-Row = EngineSample | Event | Step | Request | GpuSample | HostSample | GatewayDecision | GatewaySample
+class UsageMinute(NamedTuple):
+    """One line of a minute's usage rollup (the usage_minutes table): a group of requests, or an engine's idle or
+    unattributed time."""
+
+    ts: int  # the minute's start
+    host: str
+    engine: str
+    line: str  # request, idle or unattributed
+    gpu_name: str
+    model: str
+    lane: str
+    adapter: str
+    key: str
+    team: str
+    user: str
+    end_user: str
+    requests: int
+    prompt_tokens: int
+    generation_tokens: int
+    engine_us: int
+    gpu_seconds: float
+    energy_mj: int | None
+    gpus: int
+
+
+Row = (EngineSample | Event | Step | Request | GpuSample | HostSample | GatewayDecision | GatewaySample
+       | UsageMinute)
 
 TABLE_OF: dict[type[Row], str] = {
     EngineSample: "engine_samples",
@@ -233,4 +259,5 @@ TABLE_OF: dict[type[Row], str] = {
     HostSample: "host_samples",
     GatewayDecision: "gateway_decisions",
     GatewaySample: "gateway_samples",
+    UsageMinute: "usage_minutes",
 }

@@ -24,7 +24,8 @@ from stepline.model.rows import UNKNOWN_FINISH_REASON
 # (under async scheduling vLLM's reading is a wait, not a duration); added columns, no rebuild (rows older collectors
 # wrote hold 0 and '' in them).
 # 7: `gateway_decisions` gained backend_engines, and who sent each request: model, key, team, user, end_user
-# (added columns, no rebuild: rows written before hold [] and '').
+# (added columns, no rebuild: rows written before hold [] and ''); and `usage_minutes`, the collector's per-minute
+# rollup of who used the GPUs (a new table: `Store` creates it in a store of version 6).
 SCHEMA_VERSION = 7
 
 TIME = "DateTime64(6, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
@@ -672,6 +673,44 @@ TABLES: tuple[Table, ...] = (
         ),
         ("host", "gateway", "metric", "ts"),
         "Every litellm_ and vllm_router_ sample scraped from a gateway's /metrics; delta as in engine_samples.",
+    ),
+    Table(
+        "usage_minutes",
+        (
+            *_key("The minute rolled up (its start; the rollup covers [ts, ts + 60 s))",
+                  "The engine whose GPU time the row is, named as in `steps`."),
+            Column("line", "Enum8('request' = 1, 'idle' = 2, 'unattributed' = 3)", "What the row counts: the "
+                   "requests of one group ('request'), or the engine's time with no request on it ('idle') or its "
+                   "busy time no known request can take ('unattributed': still running when the minute was rolled "
+                   "up, aborted without a report, recomputed after a preemption)."),
+            Column("gpu_name", DIM, "The GPU model the engine ran on in the minute (its commonest in "
+                   "`gpu_samples`), for a price per GPU-hour at read time; '' where none was sampled."),
+            Column("model", DIM, "The engine's served model, as its requests report it ('' on idle and "
+                   "unattributed rows)."),
+            Column("lane", DIM, "The gateway's lane of the group's requests ('' where no gateway decision joins)."),
+            Column("adapter", DIM, "The model the gateway asked the backend for (a LoRA adapter's name where the "
+                   "request named one); '' where none joins."),
+            Column("key", DIM, "The API key's alias the gateway saw (gateway_decisions.key); '' where none joins."),
+            Column("team", DIM, "The key's team (gateway_decisions.team); '' where none."),
+            Column("user", DIM, "The key's user (gateway_decisions.user); '' where none."),
+            Column("end_user", DIM, "The end user the client named (gateway_decisions.end_user); '' where none."),
+            Column("requests", COUNT, "Requests of the group that finished in the minute."),
+            Column("prompt_tokens", COUNTER, "Their prompt tokens, as the engine counted them."),
+            Column("generation_tokens", COUNTER, "Their generated tokens, as the engine counted them."),
+            Column("engine_us", COUNTER, "The row's part of the engine's time in the minute, microseconds summed "
+                   "over its engine indices: the group's shares of the steps, or the idle or unattributed time "
+                   "(stepline.analysis.usage; an engine's rows add up to 60 s x its indices while it was up)."),
+            Column("gpu_seconds", GAUGE, "engine_us x the engine's GPUs per engine index, in seconds (a Float64: "
+                   "GPUs divided among engine indices need not be whole); 1 GPU per index where none was sampled."),
+            Column("energy_mj", "Nullable(UInt64) CODEC(ZSTD(1))", "The row's part of the GPUs' energy in the "
+                   "minute, mJ; NULL where the engine's GPUs were not sampled."),
+            Column("gpus", "UInt16", "GPUs seen serving the engine in the minute; 0 where none was sampled."),
+        ),
+        ("ts", "host", "engine", "line"),
+        "Who used the GPUs, per minute: `stepline usage`'s numbers for each closed minute, rolled up by the "
+        "collector of the engines' host a few minutes after it (USAGE_ROLLUP_LAG_S); one row per engine, line and "
+        "group of requests (model, lane, adapter, key, team, user, end user). The Usage dashboard and `stepline "
+        "usage` over long windows read it.",
     ),
 )
 

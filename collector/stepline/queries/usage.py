@@ -1,6 +1,7 @@
 """The reads GPU usage per request is attributed from (stepline.analysis.usage): an engine's steps, the requests whose
 lives touch a window, and its GPUs' energy readings, each bound by epoch microseconds ({lo:Int64}, {hi:Int64}) so that
-no session's time zone enters, for the engine bound as {engine:String} ('' for every engine).
+no session's time zone enters, for the engine bound as {engine:String} ('' for every engine) on the host bound as
+{host:String} ('' for every host).
 
 Each read is ordered the way the attribution walks it (per engine and engine index, by time), so that the pass over
 them is one walk, never a sort in Python.
@@ -9,19 +10,19 @@ them is one walk, never a sort in Python.
 from __future__ import annotations
 
 from stepline.queries.requests import MERGED, SCHEDULED
-from stepline.queries.window import EACH_ENGINE
+from stepline.queries.window import EACH_ENGINE, EACH_HOST
 
 _FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
 _TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
 # The requests alive at some moment of [lo, hi]: finished at or after lo, arrived by hi.
-_ALIVE = f"{EACH_ENGINE} AND ts >= {_FROM} AND arrival_ts <= {_TO}"
+_ALIVE = f"{EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND arrival_ts <= {_TO}"
 
 # host, engine, engine_index, end (us), elapsed_ms, prefill tokens, decoding requests, decode tokens (drafts included)
 STEPS = f"""
 SELECT host, engine, engine_index, toUnixTimestamp64Micro(ts) AS end_us, elapsed_ms, num_ctx_tokens,
        num_generation_requests, num_generation_tokens
 FROM steps
-WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+WHERE {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
 ORDER BY host, engine, engine_index, ts, step
 """
 
@@ -47,7 +48,7 @@ ORDER BY host, engine, arrival_us, request_id
 GPU_ENERGY = f"""
 SELECT host, engine, gpu_uuid, toUnixTimestamp64Micro(ts) AS at_us, energy_mj, power_w
 FROM gpu_samples
-WHERE engine != '' AND {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+WHERE engine != '' AND {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
 ORDER BY host, engine, gpu_uuid, ts
 """
 
@@ -57,6 +58,6 @@ ORDER BY host, engine, gpu_uuid, ts
 LIFE = f"""
 SELECT host, engine, toUnixTimestamp64Micro(min(ts)) AS first_us, toUnixTimestamp64Micro(max(ts)) AS last_us
 FROM engine_samples
-WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts <= {_TO}
+WHERE {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
 GROUP BY host, engine
 """

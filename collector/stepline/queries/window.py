@@ -17,6 +17,8 @@ ENGINE = one_engine()
 ENGINES = "engine IN {engines:Array(String)}"
 # Every engine, or only the window's: the filter of a query that answers for all engines at once.
 EACH_ENGINE = "({engine:String} = '' OR engine = {engine:String})"
+# Every host, or one collector's: what a collector's own reads of its host's engines add (the usage rollup).
+EACH_HOST = "({host:String} = '' OR host = {host:String})"
 IN_WINDOW = between()
 # From `since` on, bound as epoch microseconds: a bound DateTime64 string would depend on the session's zone.
 SINCE = "ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')"

@@ -147,7 +147,7 @@ def test_every_sql_query_runs_on_a_demo_store(demo: Demo, scope: str, interval_m
     variables: dict[str, str | list[str]] = (
         {"host": ALL, "engine": [demo.engine], "gpu": ALL} if scope == "one engine"
         else {"host": [demo.host], "engine": ALL, "gpu": ["0", "1"]})
-    variables.update(gateway=ALL, lane=ALL)
+    variables.update(gateway=ALL, lane=ALL, by="team" if scope == "one engine" else "tenant", gpu_price="2.49")
     ctx = QueryContext(demo.from_ms, demo.to_ms, interval_ms, variables)
     # The gateway dashboard's engine is a backend behind the gateway: one engine is the story's heavy lane.
     lanes = QueryContext(demo.from_ms, demo.to_ms, interval_ms,

@@ -10,7 +10,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from stepline.alerting.config import AlertConfig
-from stepline.dashboards import collector, engine, fleet, gateway, gpu, requests, slo
+from stepline.dashboards import collector, engine, fleet, gateway, gpu, requests, slo, usage
 
 DASHBOARDS: dict[str, Callable[[AlertConfig], db.Dashboard]] = {
     "fleet-overview.json": fleet.dashboard,
@@ -20,6 +20,7 @@ DASHBOARDS: dict[str, Callable[[AlertConfig], db.Dashboard]] = {
     "gateway-lanes.json": gateway.dashboard,
     "collector-health.json": collector.dashboard,
     "slo.json": slo.dashboard,
+    "usage.json": usage.dashboard,
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import clickhouse_connect
 
+from stepline.analysis.usage_rollup import UsageRollup
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.endpoints.events import post_events
@@ -40,6 +41,9 @@ def test_collects_a_live_engine_and_answers_sql_while_running(store_url: str, st
         assert collector.metrics_server is not None and announced.metrics_url.endswith(
             f":{collector.metrics_server.port}/metrics")
         wait_until(lambda: collector.wait_for_rows("engine_samples", 1000, 0.1) >= 1000)
+        # The usage rollup runs beside the sources: at its start it rolls the last closed minute.
+        [rollup] = [s for s in collector.sources if isinstance(s, UsageRollup)]
+        wait_until(lambda: rollup.stats()["minutes_rolled"] == 1)
         # The collector announces its endpoint next to the store; a client reads through it.
         info = read_beside_store(parse_store_url(store_url).path)
         assert info is not None and info.query_url == collector.query_endpoint.url

@@ -706,7 +706,9 @@ TABLES: tuple[Table, ...] = (
                    "minute, mJ; NULL where the engine's GPUs were not sampled."),
             Column("gpus", "UInt16", "GPUs seen serving the engine in the minute; 0 where none was sampled."),
         ),
-        ("ts", "host", "engine", "line"),
+        # host first like every table (a cluster shards by host and engine); then engine and time: a read of a span of
+        # minutes takes each engine's run of them.
+        ("host", "engine", "ts", "line"),
         "Who used the GPUs, per minute: `stepline usage`'s numbers for each closed minute, rolled up by the "
         "collector of the engines' host a few minutes after it (USAGE_ROLLUP_LAG_S); one row per engine, line and "
         "group of requests (model, lane, adapter, key, team, user, end user). The Usage dashboard and `stepline "

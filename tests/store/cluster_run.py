@@ -74,11 +74,14 @@ def store_url(path: str, database: str, cluster: str = "") -> str:
 def fill(path: str) -> tuple[datetime, datetime]:
     """The single-node database filled by a replay, then each cluster's schema applied and the same rows inserted
     through its Distributed tables; the data's time range."""
+    from stepline.app.demo import roll_up_usage
     from stepline.drills.gateway import replay, seed_story
     from stepline.store.cluster import ClusterSchema
     from stepline.store.store import Store
 
     _, _, window = replay(seed_story(), store_url(path, SINGLE))
+    # The collector's usage rollup, as the demo makes it (every host's engines, the replay's whole minutes).
+    roll_up_usage(store_url(path, SINGLE), "", window.start.timestamp(), window.end.timestamp())
     store = Store.open(store_url(path, SINGLE))
     _gateway_samples(store)
     for cluster, database in CLUSTERS.items():
@@ -114,7 +117,7 @@ def reads(dashboards: Path) -> dict[str, Read]:
 
     found: dict[str, Read] = {}
     for name, raw in dashboard_queries(dashboards):
-        found[f"dashboard {name}"] = _dashboard(raw)
+        found[f"dashboard {name}"] = _dashboard(raw, chosen(dashboards / f"{name.split(' / ')[0]}.json"))
     for name, detector in DETECTORS:
         found[f"detector {name}"] = _detector(name, detector)
     found["cli timeline"] = lambda url, db, start, end: _cli(
@@ -156,6 +159,16 @@ def dashboard_queries(dashboards: Path) -> list[tuple[str, str]]:
     return found
 
 
+def chosen(dashboard: Path) -> dict[str, str]:
+    """What a dashboard's variables that are no query hold when it opens (a custom variable's current value, a
+    textbox's text): Grafana's default for them, as All is for the others."""
+    found = {}
+    for v in json.loads(dashboard.read_text())["templating"]["list"]:
+        if v["type"] in ("custom", "textbox", "constant"):
+            found[v["name"]] = str((v.get("current") or {}).get("value", v.get("query", "")) or "")
+    return found
+
+
 def _between(start: datetime, end: datetime) -> list[str]:
     return ["--from", start.isoformat(), "--to", end.isoformat()]
 
@@ -180,12 +193,12 @@ def _endpoint_client(url: str, database: str) -> Any:
     return _ENDPOINTS[database]
 
 
-def _dashboard(raw: str) -> Read:
+def _dashboard(raw: str, defaults: dict[str, str]) -> Read:
     def run(url: str, database: str, start: datetime, end: datetime) -> Any:
         from stepline.dashboards.macros import ALL, QueryContext, expand
 
         from_ms, to_ms = int(start.timestamp() * 1000), int(end.timestamp() * 1000) + 60_000
-        ctx = QueryContext(from_ms - 60_000, to_ms, 10_000, _AllVariables(ALL))
+        ctx = QueryContext(from_ms - 60_000, to_ms, 10_000, _AllVariables(ALL, defaults))
         rows = _endpoint_client(url, database).query(expand(raw, ctx)).result_rows
         limit = _SAMPLE.search(raw)
         if limit and "ORDER BY" not in raw and len(rows) == int(limit.group(1)):
@@ -198,10 +211,11 @@ _SAMPLE = re.compile(r"\bLIMIT (\d+)\s*$")
 
 
 class _AllVariables(dict[str, str]):
-    """Grafana's default selection, All, for any variable a dashboard names."""
+    """Grafana's default selection, All, for any variable a dashboard names, except those `defaults` holds (a
+    custom variable's or a textbox's value when the dashboard opens)."""
 
-    def __init__(self, value: str) -> None:
-        super().__init__()
+    def __init__(self, value: str, defaults: dict[str, str]) -> None:
+        super().__init__(defaults)
         self.value = value
 
     def __missing__(self, key: str) -> str:
@@ -211,7 +225,7 @@ class _AllVariables(dict[str, str]):
         return True
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.value
+        return self[key]
 
 
 def _detector(name: str, detector: Any) -> Read:

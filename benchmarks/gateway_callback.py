@@ -269,22 +269,35 @@ class Proxy:
         (self.dir / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
         (self.dir / "sitecustomize.py").write_text(PROBE)
         (self.dir / "noop_logger.py").write_text(NOOP)
+        self.env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
+                    "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": f"bench-{name}",
+                    "STEPLINE_BENCH_PROBE": str(self.dir),
+                    "PYTHONPATH": os.pathsep.join([str(self.dir), str(REPO / "collector")])}
+        self.log = self.dir / "proxy.log"
+        self._launch()
+
+    def _launch(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "true",
-               "STEPLINE_OTLP_URL": otlp_url, "STEPLINE_GATEWAY_NAME": f"bench-{name}",
-               "STEPLINE_BENCH_PROBE": str(self.dir),
-               "PYTHONPATH": os.pathsep.join([str(self.dir), str(REPO / "collector")])}
-        self.log = self.dir / "proxy.log"
         with self.log.open("wb") as log:
             self.process = subprocess.Popen([str(VENV / "bin" / "litellm"), "--config", str(self.dir / "config.yaml"),
                                              "--host", "127.0.0.1", "--port", str(self.port),
-                                             "--keepalive_timeout", str(KEEPALIVE_S)], env=env, stdout=log,
+                                             "--keepalive_timeout", str(KEEPALIVE_S)], env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, cwd=self.dir)
         self.ps = psutil.Process(self.process.pid)
 
-    def ready(self) -> None:
-        _wait(f"{self.url}/health/liveliness", self.process, self.log, f"the LiteLLM proxy ({self.name})")
+    def ready(self, attempts: int = 3) -> None:
+        """Until the proxy answers its liveness check. A proxy that exits while starting is started again on another
+        port (at most `attempts` times): on a busy machine another process can take the port free_port() found
+        before the proxy binds it, and the proxy then exits (code 3)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                _wait(f"{self.url}/health/liveliness", self.process, self.log, f"the LiteLLM proxy ({self.name})")
+                return
+            except SystemExit:
+                if self.process.poll() is None or attempt == attempts:
+                    raise
+                self._launch()
 
     def cpu_s(self) -> float:
         total = 0.0

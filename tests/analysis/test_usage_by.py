@@ -102,3 +102,12 @@ def test_a_bad_price_is_named(spec: str) -> None:
 def test_prices_are_read_per_gpu_model() -> None:
     assert usage_by.parse_prices(["NVIDIA H100 80GB HBM3=2.49", "NVIDIA A10G = 1"]) == {
         "NVIDIA H100 80GB HBM3": 2.49, "NVIDIA A10G": 1.0}
+
+
+def test_a_window_that_begins_between_a_decision_and_its_request_still_knows_who_sent_it(store: Store) -> None:
+    """alpha's decision is at 0.85 s, its request arrives at 0.9 s: a window (a rolled-up minute) that begins
+    between them reads the decision all the same."""
+    _store(store)
+    assert sorted(g.name for g in usage_by.report(store, window(0.87, 10), "team").groups) == ["alpha", "beta"]
+    # A request alive in the window that arrived long before it is still its sender's.
+    assert [g.name for g in usage_by.report(store, window(3.0, 4.0), "team").groups] == ["alpha"]

@@ -163,8 +163,8 @@ def test_a_long_window_reads_the_rollup_and_agrees_with_the_minutes_reports(stor
 
 def test_the_edges_outside_whole_minutes_come_from_the_steps(store: Store) -> None:
     _rolled(store)
-    window = _minute(FIRST + 30_000_000, LAST + MINUTE_US + 20_000_000)
-    # The rollup begins after the window's first whole minute: not covered, one exact pass.
+    window = _minute(LAST + 30_000_000, LAST + 2 * MINUTE_US + 20_000_000)
+    # The rollup ends before the window's first whole minute: not covered, one exact pass.
     assert usage_rollup.report(store, window, "team", from_s=0).source == "exact"
     start, end = FIRST - 30_000_000, LAST + MINUTE_US + 20_000_000
     r = usage_rollup.report(store, _minute(start, end), "team", from_s=0)

@@ -21,13 +21,14 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from stepline.analysis.usage import EngineUsage, usage
 from stepline.core.texttable import render_table
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
-from stepline.queries.gateway import joined
+from stepline.queries.gateway import MATCH_SKEW_S, joined
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
 from stepline.store.reads import Reads
@@ -109,9 +110,14 @@ def lines(reader: Reads, window: Window, host: str = "") -> Lines:
     used = usage(reader, window, host)
     bound = {"engine": window.engine, "host": host, "start": window.start, "end": window.end}
     gpu_of = {(str(h), str(e)): str(name) for h, e, name in Query(_GPU_MODELS, **bound).rows(reader)}
-    who = {(str(r[0]), str(r[1]), int(r[2])): r[3:] for r in Query(_WHO, **bound).rows(reader)}
     finished = {(str(r[1]), str(r[2]), int(r[3])): (str(r[0]), str(r[4]), int(r[5]), int(r[6]))
                 for r in Query(_FINISHED, **bound).rows(reader)}
+    # Who sent them: the decisions from the earliest arrival among them (a request alive in the window may have been
+    # sent long before it, a minute's first ones a moment before), less the join's clock skew.
+    earliest = min([round(window.start.timestamp() * 1e6), *(round(r.arrival.timestamp() * 1e6) for r in
+                                                             used.requests), *(k[2] for k in finished)])
+    since = datetime.fromtimestamp(earliest / 1e6 - MATCH_SKEW_S, UTC)
+    who = {(str(r[0]), str(r[1]), int(r[2])): r[3:] for r in Query(_WHO, **{**bound, "start": since}).rows(reader)}
     # A request that finished after the window is read for its model by its engine's.
     served = {key[0]: model for key, (_, model, _, _) in finished.items()}
     gpus = {(e.host, e.engine): e for e in used.engines}

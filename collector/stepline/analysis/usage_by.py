@@ -28,6 +28,7 @@ from stepline.analysis.usage import EngineUsage, usage
 from stepline.core.texttable import render_table
 from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
+from stepline.model.rows import micros
 from stepline.queries.gateway import MATCH_SKEW_S, joined
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
@@ -114,8 +115,8 @@ def lines(reader: Reads, window: Window, host: str = "") -> Lines:
                 for r in Query(_FINISHED, **bound).rows(reader)}
     # Who sent them: the decisions from the earliest arrival among them (a request alive in the window may have been
     # sent long before it, a minute's first ones a moment before), less the join's clock skew.
-    earliest = min([round(window.start.timestamp() * 1e6), *(round(r.arrival.timestamp() * 1e6) for r in
-                                                             used.requests), *(k[2] for k in finished)])
+    earliest = min([micros(window.start.timestamp()), *(micros(r.arrival.timestamp()) for r in used.requests),
+                    *(k[2] for k in finished)])
     since = datetime.fromtimestamp(earliest / 1e6 - MATCH_SKEW_S, UTC)
     who = {(str(r[0]), str(r[1]), int(r[2])): r[3:] for r in Query(_WHO, **{**bound, "start": since}).rows(reader)}
     # A request that finished after the window is read for its model by its engine's.
@@ -123,7 +124,7 @@ def lines(reader: Reads, window: Window, host: str = "") -> Lines:
     gpus = {(e.host, e.engine): e for e in used.engines}
     out: list[Line] = []
     for r in used.requests:
-        key = (r.engine, r.request_id, round(r.arrival.timestamp() * 1e6))
+        key = (r.engine, r.request_id, micros(r.arrival.timestamp()))
         done = finished.pop(key, None)
         _, model, prompt, generated = done or ("", served.get(r.engine, ""), 0, 0)
         out.append(Line(r.host, r.engine, "request", gpu_of.get((r.host, r.engine), ""), _who(model, who.get(key)),

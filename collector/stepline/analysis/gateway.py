@@ -20,9 +20,9 @@ GROUP BY gateway, lane, engine ORDER BY gateway, lane, engine
 
 # The size in the bar's unit (or characters where no bar was in force) of each decision, beside the engine's count.
 _SIZE = f"if(d.threshold_unit = '', d.size_chars, {size_in_unit('d')})"
-_LARGEST = joined(f"if(d.request_id = '', r.request_id, d.request_id), d.lane, {_SIZE} AS measured, "
-                  "if(d.threshold_unit = '', 'chars', d.threshold_unit), "
-                  "d.threshold, r.prompt_tokens", "1", ("ts", "prompt_tokens"),
+_LARGEST = joined(f"if(d.request_id = '', r.request_id, d.request_id) AS request_id, d.lane AS lane, "
+                  f"{_SIZE} AS measured, if(d.threshold_unit = '', 'chars', d.threshold_unit) AS unit, "
+                  "d.threshold AS threshold, r.prompt_tokens AS tokens", "1", ("ts", "prompt_tokens"),
                   "r.prompt_tokens >= {min_tokens:UInt64}")
 
 _SLOTS = f"""
@@ -52,7 +52,9 @@ def largest(reader: Reads, window: Window, min_tokens: int) -> list[str]:
     rows = Query(_LARGEST, engine=window.engine, start=window.start, end=window.end,
                  min_tokens=min_tokens).rows(reader)
     lines = []
-    for request_id, lane, measured, unit, threshold, tokens in rows:
+    for r in rows:
+        request_id, lane, measured, unit, threshold, tokens = (
+            r.request_id, r.lane, r.measured, r.unit, r.threshold, r.tokens)
         side = "" if threshold is None else (" (under the bar)" if measured is not None and measured < threshold
                                              else " (over the bar)")
         size = "no size measured" if measured is None else f"measured {measured:,} {unit}{side}"
@@ -64,4 +66,5 @@ def slots(reader: Reads, window: Window, backend: str) -> str:
     """The gateway's slots on `backend` per minute (the most any decision saw) beside the engine's running + waiting."""
     rows = Query(_SLOTS, engine="", backend=backend, start=window.start, end=window.end).rows(reader)
     return render_table(["minute (UTC)", "gateway in flight", "decisions", "engine running+waiting",
-                         "engine busy steps"], [(f"{r[0]:%H:%M}", *r[1:]) for r in rows])
+                         "engine busy steps"], [(f"{r.minute:%H:%M}", r.gateway_in_flight, r.decisions,
+                                                r.engine_running_waiting, r.busy_steps) for r in rows])

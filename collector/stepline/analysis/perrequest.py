@@ -9,7 +9,7 @@ its time went to someone else's prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +17,7 @@ from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, budgets
 from stepline.diagnosis.findings import Window
 from stepline.queries.requests import FIRST_TOKEN, MERGED, PROMPT_BAND, SCHEDULED
 from stepline.queries.window import EACH_ENGINE, ENGINE, SINCE
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, first_or_none, named
 
 ORDER_BY = {
     "e2e": "e2e_seconds",
@@ -46,8 +46,10 @@ near AS (
     WHERE (host, engine) GLOBAL IN (SELECT host, engine FROM slow)
       AND ts >= (SELECT min(arrival_ts) FROM slow) AND ts <= (SELECT max(ts) FROM slow)
 )
-SELECT slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_tokens, slow.cached_tokens,
-       slow.generation_tokens, slow.queue_seconds, slow.ttft_seconds, slow.mean_tpot_seconds, slow.e2e_seconds,
+SELECT slow.ts AS finished, slow.engine AS engine, slow.request_id AS request_id,
+       slow.finish_reason AS finish_reason, slow.prompt_tokens AS prompt_tokens, slow.cached_tokens AS cached_tokens,
+       slow.generation_tokens AS generation_tokens, slow.queue_seconds AS queue_s, slow.ttft_seconds AS ttft_s,
+       slow.mean_tpot_seconds AS mean_tpot_s, slow.e2e_seconds AS e2e_s,
        sumIf(near.elapsed_ms, near.num_ctx_tokens > 0 AND near.step_us > slow.arrival_us
              AND near.step_us <= slow.scheduled_us) / 1000 AS queued_during_prefill_s,
        countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {{budget_engines:Array(String)}},
@@ -107,11 +109,11 @@ def slowest(reader: Reads, *, since: float, limit: int = 20, by: str = "e2e", en
     parameters = {"since": round(since * 1e6), "engine": engine, "limit": limit,
                   "budget_engines": sorted(chunks), "long_chunk": [chunks[e][0] for e in sorted(chunks)],
                   "unknown": long_prefill_tokens if long_prefill_tokens is not None else 2**63}
-    rows = reader.query(sql, parameters=parameters).result_rows
+    rows = named(reader.query(sql, parameters=parameters))
     given = f">= {long_prefill_tokens} prefill tokens (as asked)"
-    return [replace(SlowRequest(*row), long_chunk=given if long_prefill_tokens is not None else
-                    (f">= {chunks[row[1]][0]} prefill tokens: {chunks[row[1]][1]}" if row[1] in chunks
-                     else "unknown (no token budget seen)")) for row in rows]
+    return [SlowRequest(**row.as_dict(), long_chunk=given if long_prefill_tokens is not None else
+                        (f">= {chunks[row.engine][0]} prefill tokens: {chunks[row.engine][1]}" if row.engine in chunks
+                         else "unknown (no token budget seen)")) for row in rows]
 
 
 def render(requests: Sequence[SlowRequest]) -> str:
@@ -179,25 +181,27 @@ GROUP BY t ORDER BY t
 
 def by_prompt_band(reader: Reads, engine: str, since: float) -> str:
     """TTFT tails and per-request decode rates (as ranges) for each prompt-size band."""
-    rows = reader.query(_BANDS, parameters={"engine": engine, "since": round(since * 1e6)}).result_rows
+    rows = named(reader.query(_BANDS, parameters={"engine": engine, "since": round(since * 1e6)}))
     if not rows:
         return "no finished requests on the timeline yet"
     lines = [f"{'prompt':<9} {'requests':>8} {'TTFT p50':>9} {'TTFT p99':>9}   decode tok/s per request (p1 .. p50)"]
-    for band, _lo, n, ttft50, ttft99, rate50, rate1 in rows:
-        lines.append(f"{band:<9} {n:>8} {_s(ttft50):>8}s {_s(ttft99):>8}s   {_rate(rate1):>6} .. {_rate(rate50)}")
+    for r in rows:
+        lines.append(f"{r.band:<9} {r.n:>8} {_s(r.ttft_p50):>8}s {_s(r.ttft_p99):>8}s   {_rate(r.rate_p1):>6} .. "
+                     f"{_rate(r.rate_p50)}")
     return "\n".join(lines)
 
 
 def around_largest_prefill(reader: Reads, engine: str, since: float) -> str:
     """Step times in 5-second buckets from 20 s before the largest prompt's prefill to 20 s after it."""
-    rows = reader.query(_AROUND, parameters={"engine": engine, "since": round(since * 1e6)}).result_rows
+    rows = named(reader.query(_AROUND, parameters={"engine": engine, "since": round(since * 1e6)}))
     if not rows:
         return "no steps around a prefill on the timeline yet"
-    request, prompt = rows[0][6], rows[0][7]
+    request, prompt = rows[0].request, rows[0].prompt
     lines = [f"steps around the largest prefill ({request}, {prompt} prompt tokens):",
              f"{'time':<8} {'steps':>5} {'prefill tok':>11} {'decoding':>8} {'step p50':>9} {'step max':>9}"
              f" {'decode tok/s':>12}"]
-    for t, steps, prefill, decoding, p50, step_max, _r, _p in rows:
+    for r in rows:
+        t, steps, prefill, decoding, p50, step_max = r.t, r.steps, r.prefill_tokens, r.decoding, r.step_p50, r.step_max
         lines.append(f"{t:%H:%M:%S} {steps:>5} {prefill:>11} {decoding:>8.0f} {p50:>7.0f}ms {step_max:>7.0f}ms"
                      f" {1000 / p50 if p50 else 0:>12.1f}")
     return "\n".join(lines)
@@ -209,11 +213,11 @@ def _rate(value: Any) -> str:
 
 def largest_prefill_start(reader: Reads, engine: str, since: float) -> datetime | None:
     """When the largest prompt since `since` began its prefill (UTC), if there is one."""
-    rows = reader.query(
-        f"SELECT {SCHEDULED} FROM {MERGED} WHERE {ENGINE} AND {SINCE} AND isFinite(queue_seconds) "
+    row = first_or_none(reader.query(
+        f"SELECT {SCHEDULED} AS scheduled FROM {MERGED} WHERE {ENGINE} AND {SINCE} AND isFinite(queue_seconds) "
         "ORDER BY prompt_tokens DESC LIMIT 1",
-        parameters={"engine": engine, "since": round(since * 1e6)}).result_rows
-    if not rows:
+        parameters={"engine": engine, "since": round(since * 1e6)}))
+    if row is None:
         return None
-    start: datetime = rows[0][0]
+    start: datetime = row.scheduled
     return start if start.tzinfo else start.replace(tzinfo=UTC)

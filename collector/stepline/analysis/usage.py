@@ -25,7 +25,7 @@ from stepline.analysis.energy import EnergyCurve, curve, method, used
 from stepline.analysis.placement import CostWeights, Phases, Rank, features, fit, pairs, place
 from stepline.diagnosis.findings import Window
 from stepline.queries import usage as q
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row, first_or_none, named
 
 MAX_LOOKBACK_S = 3600.0  # a request scheduled earlier still counts; its earlier prefill steps are not walked
 STEP_PAD_S = 30.0  # a step that began in the window and ended after it (a long prefill chunk takes seconds)
@@ -170,8 +170,8 @@ def usage(reader: Reads, window: Window, host: str = "") -> Usage:
     engines of `host` ('': every host)."""
     start, end = _micros(window.start), _micros(window.end)
     bound = {"engine": window.engine, "host": host}
-    earliest = reader.query(q.EARLIEST_SCHEDULED, parameters={**bound, "lo": start, "hi": end}).result_rows
-    lo = min(start, max(earliest[0][0] if earliest and earliest[0][0] is not None else start,
+    earliest = first_or_none(reader.query(q.EARLIEST_SCHEDULED, parameters={**bound, "lo": start, "hi": end}))
+    lo = min(start, max(earliest.earliest_us if earliest is not None and earliest.earliest_us is not None else start,
                         start - round(MAX_LOOKBACK_S * 1e6)))
     hi = end + round(STEP_PAD_S * 1e6)
     engines: dict[tuple[str, str], _Engine] = defaultdict(_Engine)
@@ -183,10 +183,10 @@ def usage(reader: Reads, window: Window, host: str = "") -> Usage:
     for r in _rows(reader, q.REQUESTS, RequestRow, {**bound, "lo": lo, "hi": hi}):
         engines[(r.host, r.engine)].requests.append(r)
     life = round(LIFE_PAD_S * 1e6)
-    for host, engine, first_us, last_us in _rows_raw(reader, q.LIFE, {**bound, "lo": start - life, "hi": end + life}):
-        engines[(host, engine)].scraped = (first_us, last_us)
+    for life_row in _named(reader, q.LIFE, {**bound, "lo": start - life, "hi": end + life}):
+        engines[(life_row.host, life_row.engine)].scraped = (life_row.first_us, life_row.last_us)
     pad = round(GPU_PAD_S * 1e6)
-    _add_gpus(engines, _rows_raw(reader, q.GPU_ENERGY, {**bound, "lo": start - pad, "hi": end + pad}))
+    _add_gpus(engines, _named(reader, q.GPU_ENERGY, {**bound, "lo": start - pad, "hi": end + pad}))
     results = [attribute(host, engine, e, start, end) for (host, engine), e in sorted(engines.items())]
     return Usage(window, [u for u, _ in results], [r for _, rs in results for r in rs])
 
@@ -202,8 +202,8 @@ def _rows(reader: Reads, sql: str, cls: Any, parameters: dict[str, Any]) -> list
     return [cls(**dict(zip(names, row, strict=True))) for row in result.result_rows]
 
 
-def _rows_raw(reader: Reads, sql: str, parameters: dict[str, Any]) -> list[tuple[Any, ...]]:
-    return [tuple(r) for r in reader.query(sql, parameters=parameters).result_rows]
+def _named(reader: Reads, sql: str, parameters: dict[str, Any]) -> list[Row]:
+    return named(reader.query(sql, parameters=parameters))
 
 
 def _add_step(e: _Engine, s: StepRow) -> None:
@@ -218,11 +218,11 @@ def _add_step(e: _Engine, s: StepRow) -> None:
     rank.decode_tokens.append(s.num_generation_tokens)
 
 
-def _add_gpus(engines: dict[tuple[str, str], _Engine], rows: Sequence[tuple[Any, ...]]) -> None:
-    """One energy curve per GPU of each engine (the rows come ordered by host, engine, GPU, time)."""
+def _add_gpus(engines: dict[tuple[str, str], _Engine], rows: Sequence[Row]) -> None:
+    """One energy curve per GPU of each engine (the rows of q.GPU_ENERGY, ordered by host, engine, GPU, time)."""
     groups: dict[tuple[str, str, str], list[tuple[int, int | None, float]]] = defaultdict(list)
-    for host, engine, gpu, at_us, energy_mj, power_w in rows:
-        groups[(host, engine, gpu)].append((at_us, energy_mj, power_w))
+    for r in rows:
+        groups[(r.host, r.engine, r.gpu_uuid)].append((r.at_us, r.energy_mj, r.power_w))
     for (host, engine, _), samples in groups.items():
         e = engines[(host, engine)]
         e.gpus += 1

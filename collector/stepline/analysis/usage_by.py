@@ -32,7 +32,7 @@ from stepline.model.rows import micros
 from stepline.queries.gateway import MATCH_SKEW_S, joined
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row
 
 DIMENSIONS = ("tenant", "team", "key", "user", "end_user", "model", "adapter", "lane", "engine")
 NONE = "(none)"
@@ -42,14 +42,15 @@ UNATTRIBUTED = "(unattributed)"
 # The requests that finished in the window, with what the engine counted of them.
 _FINISHED_IN = merged_matching(f"{EACH_ENGINE} AND {EACH_HOST} AND {IN_WINDOW}",
                                ("model_name", "prompt_tokens", "generation_tokens"))
-_FINISHED = ("SELECT host, engine, request_id, toUnixTimestamp64Micro(arrival_ts), model_name, prompt_tokens, "
-             f"generation_tokens FROM {_FINISHED_IN}")
+_FINISHED = ("SELECT host, engine, request_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, model_name, "
+             f"prompt_tokens, generation_tokens FROM {_FINISHED_IN}")
 # Who sent each engine request a gateway decision in the window joins (on whichever host the decision was written).
-_WHO = joined("r.engine, r.request_id, toUnixTimestamp64Micro(r.arrival_ts), d.lane, d.model, d.key, d.team, d.user, "
-              "d.end_user", "1", ("arrival_ts",))
+_WHO = joined("r.engine AS engine, r.request_id AS request_id, toUnixTimestamp64Micro(r.arrival_ts) AS arrival_us, "
+              "d.lane AS lane, d.model AS adapter, d.key AS api_key, d.team AS team, d.user AS `user`, "
+              "d.end_user AS end_user", "1", ("arrival_ts",))
 # The GPU model each engine ran on in the window (its commonest, where it had several).
-_GPU_MODELS = (f"SELECT host, engine, topK(1)(gpu_name)[1] FROM gpu_samples WHERE engine != '' AND {EACH_ENGINE} "
-               f"AND {EACH_HOST} AND {between()} GROUP BY host, engine")
+_GPU_MODELS = (f"SELECT host, engine, topK(1)(gpu_name)[1] AS gpu_model FROM gpu_samples WHERE engine != '' AND "
+               f"{EACH_ENGINE} AND {EACH_HOST} AND {between()} GROUP BY host, engine")
 
 Key = tuple[str, str, int]  # engine, request id, arrival (us)
 
@@ -110,15 +111,17 @@ def lines(reader: Reads, window: Window, host: str = "") -> Lines:
     """Every request's and engine's part of `window` (the engines of `host`; '': every host), with who sent it."""
     used = usage(reader, window, host)
     bound = {"engine": window.engine, "host": host, "start": window.start, "end": window.end}
-    gpu_of = {(str(h), str(e)): str(name) for h, e, name in Query(_GPU_MODELS, **bound).rows(reader)}
-    finished = {(str(r[1]), str(r[2]), int(r[3])): (str(r[0]), str(r[4]), int(r[5]), int(r[6]))
+    gpu_of = {(str(r.host), str(r.engine)): str(r.gpu_model) for r in Query(_GPU_MODELS, **bound).rows(reader)}
+    finished = {(str(r.engine), str(r.request_id), int(r.arrival_us)):
+                (str(r.host), str(r.model_name), int(r.prompt_tokens), int(r.generation_tokens))
                 for r in Query(_FINISHED, **bound).rows(reader)}
     # Who sent them: the decisions from the earliest arrival among them (a request alive in the window may have been
     # sent long before it, a minute's first ones a moment before), less the join's clock skew.
     earliest = min([micros(window.start.timestamp()), *(micros(r.arrival.timestamp()) for r in used.requests),
                     *(k[2] for k in finished)])
     since = datetime.fromtimestamp(earliest / 1e6 - MATCH_SKEW_S, UTC)
-    who = {(str(r[0]), str(r[1]), int(r[2])): r[3:] for r in Query(_WHO, **{**bound, "start": since}).rows(reader)}
+    who = {(str(r.engine), str(r.request_id), int(r.arrival_us)): r
+           for r in Query(_WHO, **{**bound, "start": since}).rows(reader)}
     # A request that finished after the window is read for its model by its engine's.
     served = {key[0]: model for key, (_, model, _, _) in finished.items()}
     gpus = {(e.host, e.engine): e for e in used.engines}
@@ -138,9 +141,12 @@ def lines(reader: Reads, window: Window, host: str = "") -> Lines:
     return Lines(out, used.engines)
 
 
-def _who(model: str, decision: Sequence[Any] | None) -> Who:
-    lane, adapter, api_key, team, user, end_user = (str(x) for x in (decision or ("",) * 6))
-    return Who(model, lane, adapter, api_key, team, user, end_user)
+def _who(model: str, decision: Row | None) -> Who:
+    """Who sent a request: its model, and what the gateway decision it joins (a row of _WHO) says."""
+    if decision is None:
+        return Who(model)
+    return Who(model=model, lane=str(decision.lane), adapter=str(decision.adapter), key=str(decision.api_key),
+               team=str(decision.team), user=str(decision.user), end_user=str(decision.end_user))
 
 
 def _engine_lines(e: EngineUsage, gpu_name: str) -> list[Line]:

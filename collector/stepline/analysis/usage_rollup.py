@@ -16,6 +16,7 @@ MAX_BACKFILL_S behind. `report` picks the rollup or the exact pass for a window.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ from stepline.diagnosis.findings import Window
 from stepline.model.rows import UsageMinute, micros
 from stepline.queries.window import EACH_ENGINE
 from stepline.sources.base import Emit, SourceError
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, first_or_none, named
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +44,25 @@ MAX_TAIL_S = 900.0  # ... where the rollup reaches this close to the window's en
 _FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
 _TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
 _DIMENSIONS = ("gpu_name", "model", "lane", "adapter", "`key`", "team", "`user`", "end_user")
+_WHO_FIELDS = tuple(f.name for f in dataclasses.fields(Who))  # the dimensions but the GPU's, as ROLLED names them
 # The rollup's lines over [lo, hi), whole minutes: one per engine, line and group.
 ROLLED = f"""
-SELECT host, engine, toString(line) AS kind, {', '.join(_DIMENSIONS)}, sum(requests), sum(prompt_tokens),
-       sum(generation_tokens), sum(engine_us), sum(gpu_seconds), sum(energy_mj), max(gpus)
+SELECT host, engine, toString(line) AS kind, {', '.join(_DIMENSIONS)}, sum(requests) AS requests_sum,
+       sum(prompt_tokens) AS prompt_tokens_sum, sum(generation_tokens) AS generation_tokens_sum,
+       sum(engine_us) AS engine_us_sum, sum(gpu_seconds) AS gpu_seconds_sum, sum(energy_mj) AS energy_mj_sum,
+       max(gpus) AS gpus_max
 FROM usage_minutes
 WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts < {_TO}
 GROUP BY host, engine, kind, {', '.join(_DIMENSIONS)}
 """
 # The first and last minute the rollup holds in [lo, hi).
 ROLLED_SPAN = f"""
-SELECT minOrNull(toUnixTimestamp64Micro(ts)), maxOrNull(toUnixTimestamp64Micro(ts))
+SELECT minOrNull(toUnixTimestamp64Micro(ts)) AS first_us, maxOrNull(toUnixTimestamp64Micro(ts)) AS last_us
 FROM usage_minutes
 WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts < {_TO}
 """
 # The last minute a host rolled up.
-LAST_ROLLED = "SELECT maxOrNull(toUnixTimestamp64Micro(ts)) FROM usage_minutes WHERE host = {host:String}"
+LAST_ROLLED = "SELECT maxOrNull(toUnixTimestamp64Micro(ts)) AS last_us FROM usage_minutes WHERE host = {host:String}"
 
 
 def minute_rows(reader: Reads, minute_us: int, host: str) -> list[UsageMinute]:
@@ -129,8 +133,8 @@ class UsageRollup:
             self._roll_one(reader, emit)
 
     def _resume(self, reader: Reads, due: int) -> int:
-        rows = reader.query(LAST_ROLLED, parameters={"host": self._host}).result_rows
-        last = rows[0][0] if rows else None
+        row = first_or_none(reader.query(LAST_ROLLED, parameters={"host": self._host}))
+        last = row.last_us if row is not None else None
         return due - MINUTE_US if last is None else int(last) + MINUTE_US
 
     def _roll_one(self, reader: Reads, emit: Emit) -> None:
@@ -159,9 +163,12 @@ class UsageRollup:
 
 def rolled_lines(reader: Reads, lo_us: int, hi_us: int, engine: str = "") -> list[Line]:
     """The rollup's lines over whole minutes [lo_us, hi_us)."""
-    rows = reader.query(ROLLED, parameters={"engine": engine, "lo": lo_us, "hi": hi_us}).result_rows
-    return [Line(str(r[0]), str(r[1]), str(r[2]), str(r[3]), Who(*(str(x) for x in r[4:11])), int(r[11]),
-                 int(r[12]), int(r[13]), int(r[14]), float(r[15]), None if r[16] is None else int(r[16]), int(r[17]))
+    rows = named(reader.query(ROLLED, parameters={"engine": engine, "lo": lo_us, "hi": hi_us}))
+    return [Line(host=str(r.host), engine=str(r.engine), kind=str(r.kind), gpu_name=str(r.gpu_name),
+                 who=Who(**{name: str(getattr(r, name)) for name in _WHO_FIELDS}), requests=int(r.requests_sum),
+                 prompt_tokens=int(r.prompt_tokens_sum), generation_tokens=int(r.generation_tokens_sum),
+                 engine_us=int(r.engine_us_sum), gpu_seconds=float(r.gpu_seconds_sum),
+                 energy_mj=None if r.energy_mj_sum is None else int(r.energy_mj_sum), gpus=int(r.gpus_max))
             for r in rows]
 
 
@@ -173,11 +180,12 @@ def rolled_span(reader: Reads, window: Window, from_s: float = ROLLUP_FROM_S) ->
     if end - start <= micros(from_s):
         return None
     lo, hi = -(-start // MINUTE_US) * MINUTE_US, end // MINUTE_US * MINUTE_US
-    rows = reader.query(ROLLED_SPAN, parameters={"engine": window.engine, "lo": lo, "hi": hi}).result_rows
-    first, last = rows[0] if rows else (None, None)
-    if first is None or last is None or int(first) != lo or int(last) + MINUTE_US < end - micros(MAX_TAIL_S):
+    row = first_or_none(reader.query(ROLLED_SPAN, parameters={"engine": window.engine, "lo": lo, "hi": hi}))
+    first_us, last_us = (None, None) if row is None else (row.first_us, row.last_us)
+    if (first_us is None or last_us is None or int(first_us) != lo
+            or int(last_us) + MINUTE_US < end - micros(MAX_TAIL_S)):
         return None
-    return lo, int(last) + MINUTE_US
+    return lo, int(last_us) + MINUTE_US
 
 
 def report(reader: Reads, window: Window, by: str, prices: Mapping[str, float] | None = None, *,

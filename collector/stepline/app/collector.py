@@ -29,6 +29,7 @@ from stepline.sources.base import EngineModels, Source, SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store import discovery
 from stepline.store.errors import StoreUnreachable
+from stepline.store.reads import scalar
 from stepline.store.store import LazyStore, Store
 from stepline.store.url import StoreUrl, parse_store_url
 from stepline.watchdog.tap import Watchdog
@@ -249,7 +250,7 @@ class Collector:
         deadline = time.monotonic() + timeout_s
         count = 0
         while time.monotonic() < deadline:
-            count = int(self.store.query(f"SELECT count() FROM `{table}`").result_rows[0][0])
+            count = int(scalar(self.store.query(f"SELECT count() FROM `{table}`")))
             if count >= at_least:
                 break
             time.sleep(0.2)

@@ -29,6 +29,7 @@ from stepline.sim.workloads import Workload, make_workload
 from stepline.sources.base import SourceContext
 from stepline.sources.otlp import OtlpReceiver
 from stepline.sources.vllm_metrics import VllmMetricsSource
+from stepline.store.reads import scalar
 from stepline.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -182,12 +183,12 @@ def _print_summary(store_url: str, engine: str, since: float) -> None:
         counts = store.query(f"SELECT kind, count() FROM events WHERE {window} GROUP BY kind ORDER BY kind",
                              parameters=params).result_rows
         # A request's reports merge into one row (the merged read): count requests, not reports.
-        tables = {table: store.query(f"SELECT count() FROM {merged(table) if table == 'requests' else table} "
-                                     f"WHERE {window}", parameters=params).result_rows[0][0]
+        tables = {table: scalar(store.query(f"SELECT count() FROM {merged(table) if table == 'requests' else table} "
+                                            f"WHERE {window}", parameters=params))
                   for table in ("engine_samples", "steps", "requests", "gpu_samples")}
         # The host is sampled in real time, also while a fast replay runs: its rows are the collector's own.
-        tables["host_samples"] = store.query(f"SELECT count() FROM host_samples WHERE {SINCE}",
-                                             parameters=params).result_rows[0][0]
+        tables["host_samples"] = scalar(store.query(f"SELECT count() FROM host_samples WHERE {SINCE}",
+                                                    parameters=params))
         print(f"\n{engine} on the timeline: " + ", ".join(f"{n} rows in {t}" for t, n in tables.items())
               + "; events: " + ", ".join(f"{k} {n}" for k, n in counts))
         print(f"\nwhat stepline diagnose says about {engine}:")

@@ -59,6 +59,7 @@ from stepline.store.discovery import (
 )
 from stepline.store.errors import StoreError, one_line
 from stepline.store.reader import TimelineReader, open_reader
+from stepline.store.reads import only
 from stepline.store.url import StoreUrlError, parse_store_url
 from stepline.watchdog.budget import PROGRESS_COUNTERS
 
@@ -388,14 +389,14 @@ class Doctor:
 
     def _read_steps(self, ev: Evidence, reader: TimelineReader, host: str, since: float) -> None:
         try:
-            count, detailed, model = reader.client.query(
-                f"SELECT count(), countIf(NOT isNaN(elapsed_ms)), argMax(model_name, ts) FROM "
-                f"`{reader.database}`.steps WHERE host = {{host:String}} AND {ENGINE} AND {SINCE}",
-                parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}).result_rows[0]
+            steps = only(reader.client.query(
+                f"SELECT count() AS steps, countIf(NOT isNaN(elapsed_ms)) AS detailed, argMax(model_name, ts) AS "
+                f"model FROM `{reader.database}`.steps WHERE host = {{host:String}} AND {ENGINE} AND {SINCE}",
+                parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}))
         except Exception as exc:  # as in _find_collector
             ev.sql_error = one_line(exc)
             return
-        ev.steps, ev.detailed_steps, ev.steps_model = int(count), int(detailed), str(model)
+        ev.steps, ev.detailed_steps, ev.steps_model = int(steps.steps), int(steps.detailed), str(steps.model)
 
     def _read_store(self, ev: Evidence, reader: TimelineReader, host: str, since: float) -> None:
         """Other engines' steps and spans since `since` (a name mismatch), and the GPUs of the last minute."""
@@ -422,7 +423,9 @@ def prometheus_check(get: Callable[[str], Reply], base: str, selector: str, coll
     base, query = base.rstrip("/"), f"up{{{selector}}}"
     try:
         answer = json.loads(get(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': query})}").body)
-        series = [(r["metric"].get("instance", ""), float(r["value"][1])) for r in answer["data"]["result"]]
+        # A vector's sample is [time, "value"] (https://prometheus.io/docs/prometheus/latest/querying/api/).
+        series = [(r["metric"].get("instance", ""), float(value)) for r in answer["data"]["result"]
+                  for _time, value in (r["value"],)]
     except OSError as exc:
         return Check("prometheus", FAIL, f"{base} unreachable: {why(exc)} — check --prometheus")
     except (ValueError, KeyError, TypeError, IndexError):

@@ -31,7 +31,7 @@ from stepline.diagnosis.common import (
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span
 from stepline.queries.baselines import DECODE_APPROXIMATE, DECODE_EXACT
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row
 
 # prefill_interference and head_of_line_blocking
 # An uncached prompt of at least this many token budgets (chunks) is a long prefill: four steps that each hold the
@@ -152,31 +152,29 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
                                        span is not None)
     figures: dict[str, tuple[float, Any, str]] = {}
     if small:
-        for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, small, start=window.start,
-                                                   end=window.end).values():
-            figures[str(engine)] = (number(step_ms), itl, "")
+        for r in rows_by_engine(reader, DECODE_EXACT, small, start=window.start, end=window.end).values():
+            figures[str(r.engine)] = (number(r.step_ms), r.itl, "")
 
-    def read_span(over: Span, engines: list[str]) -> Iterable[tuple[Any, ...]]:
+    def read_span(over: Span, engines: list[str]) -> Iterable[Row]:
         return rows_by_engine(reader, over.reads(DECODE_APPROXIMATE), engines, lo=over.lo, hi=over.hi).values()
 
-    for engine, ((_, step_ms, itl), over) in approximate_rows(read_span, big, window.start, window.end).items():
-        figures[engine] = (number(step_ms), itl, over.says)
+    for engine, (r, over) in approximate_rows(read_span, big, window.start, window.end).items():
+        figures[engine] = (number(r.step_ms), r.itl, over.says)
     # A window inside a long prefill has no decode-only step: the engine's figures from just before it.
-    missing = sorted(e for e in names if figures.get(e, (0.0,))[0] <= 0)
+    missing = sorted(e for e in names if e not in figures or figures[e][0] <= 0)
     earlier: set[str] = set()
     if missing:
         before = window.start - BASELINE_LOOKBACK
-        for engine, step_ms, itl in rows_by_engine(reader, DECODE_EXACT, missing, start=before,
-                                                   end=window.start).values():
-            if number(step_ms) > 0:
-                figures[str(engine)] = (number(step_ms), itl, "")
-                earlier.add(str(engine))
+        for r in rows_by_engine(reader, DECODE_EXACT, missing, start=before, end=window.start).values():
+            if number(r.step_ms) > 0:
+                figures[str(r.engine)] = (number(r.step_ms), r.itl, "")
+                earlier.add(str(r.engine))
     known = budgets(reader, window)
     out = {}
     for engine in names:
         step_ms, itl, approximate = figures.get(engine, (0.0, [], ""))
         budget, source = known.get(engine, (0, "unknown"))
-        itl50, itl99 = (number(itl[0]), number(itl[1])) if itl else (0.0, 0.0)
+        itl50, itl99 = (number(q) for q in itl) if itl else (0.0, 0.0)  # [ITL p50, ITL p99]
         out[engine] = Baseline(step_ms, itl50, itl99, budget, source, approximate, engine in earlier)
     return out
 

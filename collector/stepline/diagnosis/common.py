@@ -12,7 +12,7 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.queries.baselines import ALONE
 from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row, named
 
 Detector = Callable[[Reads, Window], list[Finding]]
 
@@ -26,14 +26,14 @@ class Query:
         self.sql = sql.strip()
         self.parameters = parameters
 
-    def rows(self, reader: Reads) -> list[tuple[Any, ...]]:
+    def rows(self, reader: Reads) -> list[Row]:
         # Moments travel as integer microseconds: a bound DateTime64 string would depend on the session's zone.
         sql = _PLACEHOLDER.sub(lambda m: (f"fromUnixTimestamp64Micro({{{m.group(1)}:Int64}}, 'UTC')"
                                           if isinstance(self.parameters[m.group(1)], datetime) else m.group(0)),
                                self.sql)
         bound = {k: round(v.timestamp() * 1_000_000) if isinstance(v, datetime) else v
                  for k, v in self.parameters.items()}
-        return [tuple(r) for r in reader.query(sql, parameters=bound).result_rows]
+        return named(reader.query(sql, parameters=bound))
 
     def literal(self) -> str:
         """The same query with every placeholder replaced by its value, quoted for ClickHouse."""
@@ -153,7 +153,7 @@ class Memo:
     def __init__(self, reader: Reads) -> None:
         self._reader = reader
         self._results: dict[str, Any] = {}
-        self.by_engine: dict[str, dict[str, tuple[Any, ...] | None]] = {}  # see `rows_by_engine`
+        self.by_engine: dict[str, dict[str, Row | None]] = {}  # see `rows_by_engine`
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
         key = sql + "\0" + repr(sorted((parameters or {}).items()))
@@ -162,9 +162,9 @@ class Memo:
         return self._results[key]
 
 
-def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: Any) -> dict[str, tuple[Any, ...]]:
-    """engine -> its row of `sql` (bound to `engines` = some of `names`, and `parameters`; one row per engine, the
-    engine first), for those of `names` it has a row for. Within one diagnosis (a Memo) each engine is read once:
+def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: Any) -> dict[str, Row]:
+    """engine -> its row of `sql` (bound to `engines` = some of `names`, and `parameters`; one row per engine, with
+    a column `engine`), for those of `names` it has a row for. Within one diagnosis (a Memo) each engine is read once:
     the detectors ask the same query of overlapping sets of engines (the baselines of the engines each one
     suspects), and only the engines not read yet are asked for (over a day of 64 engines, two queries of 0.1 s
     fewer)."""
@@ -173,7 +173,7 @@ def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: 
     missing = sorted({name for name in names if name not in known})
     if missing:
         known.update(dict.fromkeys(missing))
-        known.update((str(row[0]), row) for row in Query(sql, engines=missing, **parameters).rows(reader))
+        known.update((str(row.engine), row) for row in Query(sql, engines=missing, **parameters).rows(reader))
     return {name: row for name in names if (row := known[name]) is not None}
 
 
@@ -190,16 +190,16 @@ def engines(reader: Reads, window: Window) -> list[str]:
         return [window.engine]
     # Steps from their projections, exactly (0.06 s over a day of 64 engines).
     steps, bounds = rolled([], "1", window.start, window.end)
-    seen = {str(r[0]) for r in Query(steps, **bounds).rows(reader)}
+    seen = {str(r.engine) for r in Query(steps, **bounds).rows(reader)}
     # Requests and scraped samples are not sorted by time within an engine, and have no per-second projection: the
     # window's edges would read a day's times (0.1 s each over 64 engines). The engines of the minutes the window
     # touches come from their per-minute projections (a few ms); one found there and not among the steps (spans
     # alone, or scraped while idle) is looked up in the window itself.
     lo, hi = (datetime.fromtimestamp(t.timestamp() // 60 * 60, UTC) for t in (window.start, window.end))
     for table in ("requests", "engine_samples"):
-        touched = {str(r[0]) for r in Query(_TOUCHED.replace("TABLE", table), lo=lo, hi=hi).rows(reader)} - seen
+        touched = {str(r.engine) for r in Query(_TOUCHED.replace("TABLE", table), lo=lo, hi=hi).rows(reader)} - seen
         if touched:
-            seen.update(str(r[0]) for r in Query(_IN_WINDOW.replace("TABLE", table), engines=sorted(touched),
+            seen.update(str(r.engine) for r in Query(_IN_WINDOW.replace("TABLE", table), engines=sorted(touched),
                                                  start=window.start, end=window.end).rows(reader))
     return sorted(seen - {""})
 
@@ -223,8 +223,7 @@ def window_summary(reader: Reads, window: Window) -> dict[str, dict[str, Any]]:
     """engine -> counts and extremes of its steps in the window (the names in _SUMMARY), for every engine that
     stepped in it: exact, and read from the projections when the window is long."""
     sql, bounds = rolled(_SUMMARY, EACH_ENGINE, window.start, window.end)
-    names = [a.alias for a in _SUMMARY]
-    return {str(r[0]): dict(zip(names, r[1:], strict=True))
+    return {str(r.engine): {a.alias: getattr(r, a.alias) for a in _SUMMARY}
             for r in Query(sql, engine=window.engine, **bounds).rows(reader)}
 
 
@@ -232,10 +231,10 @@ def engine_configs(reader: Reads, window: Window) -> dict[str, dict[str, str]]:
     """Each engine's newest engine_config event up to the window's end; the plugin reports it once at start-up,
     so it may predate the window (or, for a replay, follow it): the newest one wins."""
     rows = Query(
-        "SELECT engine, argMax(attributes, (ts <= {end:DateTime64(6)}, ts)) FROM events "
+        "SELECT engine, argMax(attributes, (ts <= {end:DateTime64(6)}, ts)) AS config FROM events "
         f"WHERE kind = 'engine_config' AND {EACH_ENGINE} GROUP BY engine",
         engine=window.engine, end=window.end).rows(reader)
-    return {str(engine): {str(k): str(v) for k, v in attributes.items()} for engine, attributes in rows}
+    return {str(r.engine): {str(k): str(v) for k, v in r.config.items()} for r in rows}
 
 
 def config_int(config: dict[str, str], key: str) -> int | None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepline.diagnosis.common import Query, clip, hms, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined, size_in_unit
 from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW, between
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row
 
 MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings they explain (diagnosis/causes.py)
 
@@ -25,21 +25,34 @@ MAX_REQUEST_IDS = 50  # engine request ids a finding lists, for the findings the
 # Every decision with the engine's count of the request it became (on the engine it ran on: one of several behind a
 # backend that stands for more than one); each is judged against the bar it recorded (those that recorded none are
 # counted as such).
-_JOINED = joined("d.gateway, d.lane, r.engine, d.request_id, d.size_chars, d.size_bytes, d.size_tokens, "
-                 "d.threshold, d.threshold_unit, r.prompt_tokens, d.ts, r.request_id, r.ts, m.matched_by",
+_JOINED = joined("d.gateway AS gateway, d.lane AS lane, r.engine AS engine, d.request_id AS request_id, "
+                 "d.size_chars AS size_chars, d.size_bytes AS size_bytes, d.size_tokens AS size_tokens, "
+                 "d.threshold AS threshold, d.threshold_unit AS threshold_unit, r.prompt_tokens AS prompt_tokens, "
+                 "d.ts AS decided, r.request_id AS engine_request_id, r.ts AS finished, m.matched_by AS matched_by",
                  "1", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
 _JOIN_OUTCOMES = join_outcomes("1")  # how _JOINED's decisions joined, refusals included
-_UNIT_COLUMN = {"chars": 4, "bytes": 5, "tokens": 6}  # the row's index of the size in each unit
+_UNIT_COLUMN = {"chars": "size_chars", "bytes": "size_bytes", "tokens": "size_tokens"}  # the size in each unit
+
+
+def _size(row: Row, unit: str) -> Any:
+    """A joined decision's size in one of the units of _UNIT_COLUMN (None where it measured none in it)."""
+    return getattr(row, _UNIT_COLUMN[unit])
+
+
+def _first(values: Any, default: Any = "") -> Any:
+    """The first of an array a query answered (a topK's most frequent value), or `default` when it is empty."""
+    return next(iter(values or ()), default)
 
 
 # Whether any gateway reported in the window: the joins read the engine's requests, and a fleet with no gateway in
 # front must not pay for them (0.6 s each over 64 engines x 24 h).
-_ANY_DECISION = f"SELECT count() FROM (SELECT 1 FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} LIMIT 1)"
+_ANY_DECISION = (f"SELECT count() AS decisions FROM (SELECT 1 FROM gateway_decisions WHERE {IN_WINDOW} AND "
+                 f"{EACH_ENGINE} LIMIT 1)")
 
 
 def _decided(reader: Reads, window: Window) -> bool:
     rows = Query(_ANY_DECISION, engine=window.engine, start=window.start, end=window.end).rows(reader)
-    return bool(rows and int(rows[0][0]))
+    return any(int(r.decisions) for r in rows)
 
 
 def lane_leak(reader: Reads, window: Window) -> list[Finding]:
@@ -49,12 +62,12 @@ def lane_leak(reader: Reads, window: Window) -> list[Finding]:
         return []
     declared = declared_bars(reader, window)
     found = [(gateway, finding) for gateway, rows in
-             _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end), reader, 0)
+             _grouped(Query(_JOINED, engine=window.engine, start=window.start, end=window.end), reader, "gateway")
              for finding in (_leaks(gateway, rows, window), _declared_leaks(gateway, rows, declared, window))
              if finding is not None]
     if found:
         # A time match the rules refused is a request the finding could not count: say how many.
-        outcomes = {str(r[0]): dict(zip(JOIN_OUTCOMES, r[1:], strict=True)) for r in
+        outcomes = {str(r.gateway): {o: getattr(r, o) for o in JOIN_OUTCOMES} for r in
                     Query(_JOIN_OUTCOMES, engine=window.engine, start=window.start, end=window.end).rows(reader)}
         shared = shared_backends(reader, window)
         for gateway, finding in found:
@@ -68,7 +81,7 @@ def lane_leak(reader: Reads, window: Window) -> list[Finding]:
 
 # Decisions to a backend that stands for several engines (sources/addresses.py): the join looked across them.
 _SHARED = f"""
-SELECT gateway, engine, any(backend_engines), count() FROM gateway_decisions
+SELECT gateway, engine, any(backend_engines) AS engines, count() AS decisions FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE} AND notEmpty(backend_engines) GROUP BY gateway, engine ORDER BY gateway, engine
 """
 
@@ -76,10 +89,9 @@ WHERE {IN_WINDOW} AND {EACH_ENGINE} AND notEmpty(backend_engines) GROUP BY gatew
 def shared_backends(reader: Reads, window: Window) -> dict[str, dict[str, str]]:
     """gateway -> each backend of its decisions that stands for several engines, and how the join read it."""
     out: dict[str, dict[str, str]] = {}
-    for gateway, backend, engines, decisions in Query(_SHARED, engine=window.engine, start=window.start,
-                                                      end=window.end).rows(reader):
-        out.setdefault(str(gateway), {})[str(backend)] = (
-            f"{int(decisions)} decisions; the engines behind it: {', '.join(map(str, engines))} (each decision "
+    for r in Query(_SHARED, engine=window.engine, start=window.start, end=window.end).rows(reader):
+        out.setdefault(str(r.gateway), {})[str(r.engine)] = (
+            f"{int(r.decisions)} decisions; the engines behind it: {', '.join(map(str, r.engines))} (each decision "
             "matched by time and size across them, or by the id it forwarded)")
     return out
 
@@ -92,53 +104,61 @@ def _matched_by(methods: list[Any]) -> dict[str, int]:
     return counts if counts["joined_by_time"] else {k: v for k, v in counts.items() if k != "joined_by_time"}
 
 
-def _bar(row: tuple[Any, ...]) -> tuple[str, float] | None:
-    """A decision's own bar (unit, threshold), or None where it recorded none that can be read."""
-    unit, threshold = str(row[8]), number(row[7])
-    return (unit, threshold) if unit in _UNIT_COLUMN and threshold > 0 else None
+class _Bar(NamedTuple):
+    """The bar a decision recorded: a size in a unit of _UNIT_COLUMN."""
+
+    unit: str
+    threshold: float
 
 
-def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding | None:
+def _bar(row: Row) -> _Bar | None:
+    """A decision's own bar, or None where it recorded none that can be read."""
+    unit, threshold = str(row.threshold_unit), number(row.threshold)
+    return _Bar(unit, threshold) if unit in _UNIT_COLUMN and threshold > 0 else None
+
+
+def _leaks(gateway: str, rows: list[Row], window: Window) -> Finding | None:
     """Each decision judged against the bar it recorded itself: a router may change its bar mid-window, or record
     none for some decisions (a hook that failed open); those are counted, never allowed to hide the others."""
-    judged = [(r, bar, int(r[_UNIT_COLUMN[bar[0]]])) for r in rows
-              if (bar := _bar(r)) is not None and r[_UNIT_COLUMN[bar[0]]] is not None]
+    judged = [(r, bar, int(_size(r, bar.unit))) for r in rows
+              if (bar := _bar(r)) is not None and _size(r, bar.unit) is not None]
     if len(judged) < MIN_JOINED:
         return None
     # The bar in tokens: at the router's own traffic's median units per token in that unit (the baseline), or as it
     # is when the router counts tokens. A request under its bar whose engine count is at or over this was sent the
     # wrong way.
-    typical = {unit: 1.0 if unit == "tokens" else _median([size / int(r[9]) for r, bar, size in judged
-                                                           if bar[0] == unit])
-               for unit in {bar[0] for _, bar, _ in judged}}
-    below = [(r, bar, size) for r, bar, size in judged if size < bar[1]]
-    leaked = [(r, bar, size) for r, bar, size in below if int(r[9]) >= bar[1] / typical[bar[0]]]
+    typical = {unit: 1.0 if unit == "tokens" else _median([size / int(r.prompt_tokens) for r, bar, size in judged
+                                                           if bar.unit == unit])
+               for unit in {bar.unit for _, bar, _ in judged}}
+    below = [(r, bar, size) for r, bar, size in judged if size < bar.threshold]
+    leaked = [(r, bar, size) for r, bar, size in below if int(r.prompt_tokens) >= bar.threshold / typical[bar.unit]]
     if not leaked:
         return None
-    worst, (unit, threshold), _ = max(leaked, key=lambda x: int(x[0][9]))
+    worst, (unit, threshold), _ = max(leaked, key=lambda x: int(x[0].prompt_tokens))
     bar_tokens = threshold / typical[unit]
-    of_unit = [(r, size) for r, bar, size in judged if bar[0] == unit]
-    leaked_of_unit = [(r, size) for r, bar, size in leaked if bar[0] == unit]
-    lanes = sorted({str(r[1]) for r, _, _ in below})
-    leaked_per_token = sorted(size / int(r[9]) for r, size in leaked_of_unit)
+    of_unit = [(r, size) for r, bar, size in judged if bar.unit == unit]
+    leaked_of_unit = [(r, size) for r, bar, size in leaked if bar.unit == unit]
+    lanes = sorted({str(r.lane) for r, _, _ in below})
+    leaked_per_token = sorted(size / int(r.prompt_tokens) for r, size in leaked_of_unit)
     # The bar that would have sent every leaked request of the worst one's unit over it (rounded down).
     would_hold = math.floor(min(size for _, size in leaked_of_unit) / 1000) * 1000 if unit != "tokens" else None
     bars = _bars(judged, leaked)
     evidence: dict[str, Any] = {
         "leaked_requests": len(leaked),
-        "monsters": len(leaked) + sum(1 for r, bar, size in judged
-                                      if size >= bar[1] and int(r[9]) >= bar[1] / typical[bar[0]]),
+        "monsters": len(leaked) + sum(1 for r, bar, size in judged if size >= bar.threshold
+                                      and int(r.prompt_tokens) >= bar.threshold / typical[bar.unit]),
         "lanes_leaked_onto": lanes,
         "threshold": f"{threshold:g} {unit}",
         "threshold_in_tokens": f"{bar_tokens:,.0f} (at the median {typical[unit]:.2f} {unit}/token of "
                                f"{len(of_unit)} requests joined to their engine's count)"
                                if unit != "tokens" else f"{threshold:g}",
         f"leaked_{unit}_per_token": f"{leaked_per_token[0]:.2f}..{leaked_per_token[-1]:.2f}",
-        "largest_leak": f"{worst[11]}: {int(worst[_UNIT_COLUMN[unit]]):,} {unit} measured, "
-                        f"{int(worst[9]):,} tokens counted",
-        f"{unit}_per_token_by_lane": {lane: round(_median([size / int(r[9]) for r, size in of_unit if r[1] == lane]),
-                                                  2) for lane in sorted({str(r[1]) for r, _ in of_unit})},
-        "joined_requests": len(judged), **_matched_by([r[13] for r, _, _ in judged]),
+        "largest_leak": f"{worst.engine_request_id}: {int(_size(worst, unit)):,} {unit} measured, "
+                        f"{int(worst.prompt_tokens):,} tokens counted",
+        f"{unit}_per_token_by_lane": {
+            lane: round(_median([size / int(r.prompt_tokens) for r, size in of_unit if r.lane == lane]), 2)
+            for lane in sorted({str(r.lane) for r, _ in of_unit})},
+        "joined_requests": len(judged), **_matched_by([r.matched_by for r, _, _ in judged]),
         "joined_without_a_bar": len(rows) - len(judged),
     }
     if len(bars) > 1:  # the router changed its bar in the window: each decision was judged against its own
@@ -146,32 +166,32 @@ def _leaks(gateway: str, rows: list[tuple[Any, ...]], window: Window) -> Finding
     if would_hold is not None:
         evidence["threshold_that_would_have_held"] = f"{would_hold:,} {unit}"
     # The engine's ids of what leaked: the prefills they caused on the fast lane are this finding's symptoms.
-    evidence["request_ids"] = sorted(str(r[11]) for r, _, _ in leaked)[:MAX_REQUEST_IDS]
-    first, last = min(utc(r[10]) for r, _, _ in leaked), max(utc(r[12]) for r, _, _ in leaked)
+    evidence["request_ids"] = sorted(str(r.engine_request_id) for r, _, _ in leaked)[:MAX_REQUEST_IDS]
+    first, last = min(utc(r.decided) for r, _, _ in leaked), max(utc(r.finished) for r, _, _ in leaked)
     lever = (f"measure requests in tokens at the gateway, or lower the bar to {would_hold:,} {unit} (what would have "
              f"sent all {len(leaked_of_unit)} over it); dense code/JSON runs ~3 {unit} per token, prose ~4"
              if would_hold is not None else "the router's token estimate undercounts: count with the model's "
              "tokenizer before routing")
     return Finding(
-        "lane_leak", "warning", str(worst[2]), first, last,
+        "lane_leak", "warning", str(worst.engine), first, last,
         clip(f"{len(leaked)} monsters under the {threshold:g}-{unit} bar of {gateway} went to {', '.join(lanes)}"),
         evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(), lever,
-        float(sum(int(r[9]) for r, _, _ in leaked)))
+        float(sum(int(r.prompt_tokens) for r, _, _ in leaked)))
 
 
 # The bars operators declared for routers that do not say theirs (`stepline collect --lane-bar LANE=TOKENS`): each
 # collector puts them on the timeline as `lane_bar` events when it starts; the newest up to the window's end holds.
-_DECLARED = ("SELECT attributes['lane'], argMax(attributes['threshold'], ts) FROM events "
+_DECLARED = ("SELECT attributes['lane'] AS lane, argMax(attributes['threshold'], ts) AS tokens FROM events "
              "WHERE kind = 'lane_bar' AND ts <= {end:DateTime64(6)} GROUP BY attributes['lane']")
 
 
 def declared_bars(reader: Reads, window: Window) -> dict[str, int]:
     """lane -> the least prompt, in the engine's tokens, that belongs on it, as its operator declared."""
-    return {str(lane): int(tokens) for lane, tokens in Query(_DECLARED, end=window.end).rows(reader)
-            if str(tokens).isdigit() and int(tokens) > 0}
+    return {str(r.lane): int(r.tokens) for r in Query(_DECLARED, end=window.end).rows(reader)
+            if str(r.tokens).isdigit() and int(r.tokens) > 0}
 
 
-def _declared_leaks(gateway: str, rows: list[tuple[Any, ...]], declared: dict[str, int],
+def _declared_leaks(gateway: str, rows: list[Row], declared: dict[str, int],
                     window: Window) -> Finding | None:
     """Decisions that carry no bar of their own, judged by the engine's count against the bars declared per lane: a
     prompt belongs on the lane with the largest declared bar it reaches; sent to a lane whose bar is lower, it
@@ -181,51 +201,51 @@ def _declared_leaks(gateway: str, rows: list[tuple[Any, ...]], declared: dict[st
     unjudged = [r for r in rows if _bar(r) is None]
     leaked = []
     for r in unjudged:
-        tokens, lane = int(r[9]), str(r[1])
+        tokens, lane = int(r.prompt_tokens), str(r.lane)
         belongs = max(((bar, name) for name, bar in declared.items() if tokens >= bar), default=None)
         if belongs is not None and lane != belongs[1] and declared.get(lane, 0) < belongs[0]:
             leaked.append((r, belongs))
     if not leaked:
         return None
-    worst, (bar, home) = max(leaked, key=lambda x: int(x[0][9]))
-    lanes = sorted({str(r[1]) for r, _ in leaked})
+    worst, (bar, home) = max(leaked, key=lambda x: int(x[0].prompt_tokens))
+    lanes = sorted({str(r.lane) for r, _ in leaked})
     evidence: dict[str, Any] = {
         "gateway": gateway, "leaked_requests": len(leaked), "lanes_leaked_onto": lanes,
         "declared_bars": {lane: f"{tokens:,} tokens" for lane, tokens in sorted(declared.items())},
         "threshold_from": "declared by the operator (--lane-bar): the router recorded no bar",
-        "largest_leak": f"{worst[11]}: {int(worst[9]):,} tokens counted, sent to {worst[1]} (belongs on {home}, "
-                        f"{bar:,} tokens and over)",
-        "judged_requests": len(unjudged), **_matched_by([r[13] for r in unjudged]),
-        "request_ids": sorted(str(r[11]) for r, _ in leaked)[:MAX_REQUEST_IDS],
+        "largest_leak": f"{worst.engine_request_id}: {int(worst.prompt_tokens):,} tokens counted, sent to "
+                        f"{worst.lane} (belongs on {home}, {bar:,} tokens and over)",
+        "judged_requests": len(unjudged), **_matched_by([r.matched_by for r in unjudged]),
+        "request_ids": sorted(str(r.engine_request_id) for r, _ in leaked)[:MAX_REQUEST_IDS],
     }
-    first, last = min(utc(r[10]) for r, _ in leaked), max(utc(r[12]) for r, _ in leaked)
+    first, last = min(utc(r.decided) for r, _ in leaked), max(utc(r.finished) for r, _ in leaked)
     return Finding(
-        "lane_leak", "warning", str(worst[2]), first, last,
+        "lane_leak", "warning", str(worst.engine), first, last,
         clip(f"{len(leaked)} prompts over {home}'s declared {bar:,}-token bar went to {', '.join(lanes)}"),
         evidence, Query(_JOINED, engine=window.engine, start=window.start, end=window.end).literal(),
         f"make {gateway} count the prompt in the model's tokens before routing (its own measure sends them "
         f"below {home}'s bar), or record the bar it routes by (docs/gateway.md)",
-        float(sum(int(r[9]) for r, _ in leaked)))
+        float(sum(int(r.prompt_tokens) for r, _ in leaked)))
 
 
-def _bars(judged: list[tuple[tuple[Any, ...], tuple[str, float], int]],
-          leaked: list[tuple[tuple[Any, ...], tuple[str, float], int]]) -> dict[str, str]:
+def _bars(judged: list[tuple[Row, _Bar, int]],
+          leaked: list[tuple[Row, _Bar, int]]) -> dict[str, str]:
     """Each bar the router decided against in the window: when, how many decisions, how many of them leaked."""
     out: dict[str, str] = {}
-    for unit, threshold in sorted({bar for _, bar, _ in judged}, key=lambda b: min(utc(r[10]) for r, bar, _ in judged
-                                                                                if bar == b)):
-        times = [utc(r[10]) for r, bar, _ in judged if bar == (unit, threshold)]
+    for unit, threshold in sorted({bar for _, bar, _ in judged},
+                                  key=lambda b: min(utc(r.decided) for r, bar, _ in judged if bar == b)):
+        times = [utc(r.decided) for r, bar, _ in judged if bar == (unit, threshold)]
         n_leaked = sum(1 for _, bar, _ in leaked if bar == (unit, threshold))
         out[f"{threshold:g} {unit}"] = (f"{len(times)} decisions {hms(min(times))}..{hms(max(times))}, "
                                         f"{n_leaked} leaked")
     return out
 
 
-def _grouped(query: Query, reader: Reads, column: int) -> list[tuple[str, list[tuple[Any, ...]]]]:
+def _grouped(query: Query, reader: Reads, column: str) -> list[tuple[str, list[Row]]]:
     """The query's rows grouped by one column's text, in that text's order."""
-    groups: dict[str, list[tuple[Any, ...]]] = {}
+    groups: dict[str, list[Row]] = {}
     for row in query.rows(reader):
-        groups.setdefault(str(row[column]), []).append(row)
+        groups.setdefault(str(getattr(row, column)), []).append(row)
     return sorted(groups.items())
 
 
@@ -263,7 +283,8 @@ WHERE {IN_WINDOW} AND {EACH_ENGINE}
 GROUP BY gateway, lane ORDER BY gateway, lane
 """
 # The engine requests that failed-open decisions became: the prefills they caused are the finding's symptoms.
-_FAILED_REQUESTS = joined("r.request_id, m.matched_by", f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
+_FAILED_REQUESTS = joined("r.request_id AS request_id, m.matched_by AS matched_by",
+                          f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
 
 # A hook that fails open and records nothing at all (no bar, no exception: the seed's bare `except: return data`
 # before it logged anything) leaves decisions that say only where each request went and, where the gateway measures
@@ -286,13 +307,14 @@ SHIFTED_SHARE = 0.5
 _SIZE = "coalesce(size_chars, size_bytes, size_tokens)"  # a gateway measures in one unit; it is compared with itself
 _ROUTED = f"attempt <= 1 AND {_SIZE} IS NOT NULL"  # routing decisions (a retry or fallback goes where it must)
 _HALVES = f"""
-SELECT gateway, min(ts), max(ts) FROM gateway_decisions
+SELECT gateway, min(ts) AS first, max(ts) AS last FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED}
 GROUP BY gateway HAVING uniqExact(lane) >= 2 ORDER BY gateway
 """
 _MID = "fromUnixTimestamp64Micro({mids:Array(Int64)}[indexOf({gateways:Array(String)}, gateway)], 'UTC')"
 _EARLIER_LANES = f"""
-SELECT gateway, lane, count(), quantileExact(0.5)({_SIZE}), min({_SIZE})
+SELECT gateway, lane, count() AS decisions, quantileExact(0.5)({_SIZE}) AS median_size,
+       min({_SIZE}) AS least_size
 FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway) AND ts < {_MID}
 GROUP BY gateway, lane ORDER BY gateway, lane
@@ -314,7 +336,7 @@ FROM gateway_decisions
 WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway)
 GROUP BY gateway ORDER BY gateway
 """
-_SHIFTED_REQUESTS = joined("r.request_id, m.matched_by",
+_SHIFTED_REQUESTS = joined("r.request_id AS request_id, m.matched_by AS matched_by",
                            f"gateway = {{gateway:String}} AND {_ROUTED} AND {_AT_THE_BAR} AND {_SHIFTED_NOW}", ("ts",))
 
 
@@ -340,30 +362,32 @@ def _shifts(reader: Reads, window: Window) -> dict[str, _Shift]:
     halves = Query(_HALVES, engine=window.engine, start=window.start, end=window.end).rows(reader)
     if not halves:
         return {}
-    mids = {str(g): utc(first) + (utc(last) - utc(first)) / 2 for g, first, last in halves}
+    mids = {str(r.gateway): utc(r.first) + (utc(r.last) - utc(r.first)) / 2 for r in halves}
     base: dict[str, Any] = {"engine": window.engine, "start": window.start, "end": window.end,
                             "gateways": sorted(mids), "mids": [round(mids[g].timestamp() * 1e6) for g in sorted(mids)]}
     rules: dict[str, tuple[str, float]] = {}
-    for gateway, lanes in _grouped(Query(_EARLIER_LANES, **base), reader, 0):
+    for gateway, lanes in _grouped(Query(_EARLIER_LANES, **base), reader, "gateway"):
         if len(lanes) >= 2:
-            largest = max(lanes, key=lambda r: number(r[3]))  # the lane whose median size is the largest
-            rules[gateway] = (str(largest[1]), number(largest[4]))
+            largest = max(lanes, key=lambda r: number(r.median_size))  # the lane whose median size is the largest
+            rules[gateway] = (str(largest.lane), number(largest.least_size))
     if not rules:
         return {}
     names = sorted(rules)
     params = {**base, "gateways": names, "mids": [round(mids[g].timestamp() * 1e6) for g in names],
               "uppers": [rules[g][0] for g in names], "bars": [rules[g][1] for g in names]}
     out = {}
-    for gateway, earlier, at_bar, elsewhere, later, later_at_bar, shifted, first, last, backend, lanes in Query(
-            _SHIFT, **params).rows(reader):
-        if (int(shifted) < MIN_FAILED_OPEN or int(elsewhere) > ROUTED_BAR_NOISE * int(at_bar)
-                or int(shifted) < SHIFTED_SHARE * int(later_at_bar)):
+    for r in Query(_SHIFT, **params).rows(reader):
+        if (int(r.shifted) < MIN_FAILED_OPEN or int(r.earlier_elsewhere) > ROUTED_BAR_NOISE * int(r.earlier_at_bar)
+                or int(r.shifted) < SHIFTED_SHARE * int(r.later_at_bar)):
             continue
-        upper, bar = rules[str(gateway)]
-        out[str(gateway)] = _Shift(upper, bar, mids[str(gateway)], (int(earlier), int(at_bar), int(elsewhere)),
-                                   (int(later), int(later_at_bar)), int(shifted), utc(first), utc(last),
-                                   str((backend or [""])[0]), {str(k): int(v) for k, v in zip(*lanes, strict=True)},
-                                   {**params, "gateway": str(gateway)})
+        gateway = str(r.gateway)
+        upper, bar = rules[gateway]
+        lanes, counts = r.lanes  # sumMap's (keys, values)
+        out[gateway] = _Shift(upper, bar, mids[gateway],
+                              (int(r.earlier), int(r.earlier_at_bar), int(r.earlier_elsewhere)),
+                              (int(r.later), int(r.later_at_bar)), int(r.shifted), utc(r.first), utc(r.last),
+                              str(_first(r.backend)), {str(k): int(v) for k, v in zip(lanes, counts, strict=True)},
+                              {**params, "gateway": gateway})
     return out
 
 
@@ -373,10 +397,10 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
     query = Query(_FAILED_OPEN, engine=window.engine, start=window.start, end=window.end)
     shifts = _shifts(reader, window)
     findings = []
-    for gateway, lanes in _grouped(query, reader, 0):
-        total = sum(int(r[2]) for r in lanes)
-        swallowed = sum(int(r[3]) for r in lanes)
-        unmeasured = sum(int(r[4]) for r in lanes)
+    for gateway, lanes in _grouped(query, reader, "gateway"):
+        total = sum(int(r.decisions) for r in lanes)
+        swallowed = sum(int(r.swallowed) for r in lanes)
+        unmeasured = sum(int(r.unmeasured) for r in lanes)
         misrouted, below = _misrouted(lanes)
         shift = shifts.get(gateway)
         shifted = shift.shifted if shift is not None else 0
@@ -384,13 +408,13 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
         failed = max(swallowed, unmeasured) + misrouted + shifted
         if failed < MIN_FAILED_OPEN and not swallowed:
             continue
-        hit = [r for r in lanes if int(r[3]) or int(r[4]) or (misrouted and r is below)]
-        exceptions = sorted({str(e) for r in hit for e in r[5]})
-        went: dict[str, int] = {str(r[1]): max(int(r[3]), int(r[4])) + (misrouted if r is below else 0)
-                                for r in hit}
+        hit = [r for r in lanes if int(r.swallowed) or int(r.unmeasured) or (misrouted and r is below)]
+        exceptions = sorted({str(e) for r in hit for e in r.exceptions})
+        went: dict[str, int] = {
+            str(r.lane): max(int(r.swallowed), int(r.unmeasured)) + (misrouted if r is below else 0) for r in hit}
         # Named after the backend most of them went to (the default lane's, as a rule).
-        top = max(hit, key=lambda r: went[str(r[1])], default=None)
-        busiest = str((top[8] or top[13] or [""])[0]) if top is not None else ""
+        top = max(hit, key=lambda r: went[str(r.lane)], default=None)
+        busiest = str(_first(top.backend or top.over_backend)) if top is not None else ""
         if shift is not None and shifted >= max(went.values(), default=0):
             busiest = shift.backend
         requests = Query(_FAILED_REQUESTS, engine=window.engine, start=window.start, end=window.end,
@@ -407,12 +431,12 @@ def gateway_fail_open(reader: Reads, window: Window) -> list[Finding]:
             "lanes_they_went_to": went,
             "counted_from": f"a warning from {MIN_FAILED_OPEN} decisions in the window; a swallowed exception "
                             "the hook recorded is named from the first, at info",
-            "request_ids": sorted({str(r[0]) for r in requests})[:MAX_REQUEST_IDS],
-            **_matched_by([r[1] for r in requests]),
+            "request_ids": sorted({str(r.request_id) for r in requests})[:MAX_REQUEST_IDS],
+            **_matched_by([r.matched_by for r in requests]),
         }
-        moments = [(utc(r[6]), utc(r[7])) for r in hit if int(r[3]) or int(r[4])]
+        moments = [(utc(r.first), utc(r.last)) for r in hit if int(r.swallowed) or int(r.unmeasured)]
         if misrouted and below is not None:
-            moments.append((utc(below[11]), utc(below[12])))
+            moments.append((utc(below.first_over), utc(below.last_over)))
         if shift is not None:
             evidence.update(_shift_evidence(shift))
             moments.append((shift.first, shift.last))
@@ -445,13 +469,13 @@ def _shift_evidence(shift: _Shift) -> dict[str, Any]:
     }
 
 
-def _misrouted(lanes: list[tuple[Any, ...]]) -> tuple[int, tuple[Any, ...] | None]:
+def _misrouted(lanes: list[Row]) -> tuple[int, Row | None]:
     """Decisions at or over the bar, nothing swallowed, sent to the lane that takes what is under it (the lane with
     the most under the bar), where another lane takes what is over it; and that lane's row."""
-    below = max(lanes, key=lambda r: int(r[9]), default=None)
-    if below is None or not int(below[9]) or not any(int(r[10]) for r in lanes if r is not below):
+    below = max(lanes, key=lambda r: int(r.under_bar), default=None)
+    if below is None or not int(below.under_bar) or not any(int(r.over_bar) for r in lanes if r is not below):
         return 0, None
-    return int(below[10]), below
+    return int(below.over_bar), below
 
 
 # The gateway's own count of requests in flight to one backend, as each gateway exports it: vllm-router's running
@@ -481,7 +505,8 @@ def _held_in_gauges(lo: str, hi: str, engines: str) -> str:
 # Per backend over the window's tail: the gateway's in-flight count (its least and last value per metric), and
 # what the engine held meanwhile: the most requests running or waiting in any step, and how many steps did work.
 _SLOTS = f"""
-SELECT g.engine, g.gateway, g.metric, g.least, g.latest, g.samples,
+SELECT g.engine AS engine, g.gateway AS gateway, g.metric AS metric, g.least AS least, g.latest AS latest,
+       g.samples AS samples,
        ifNull(s.held, 0) AS engine_held, ifNull(s.steps, 0) AS busy_steps, ifNull(m.held, -1) AS scraped_held
 FROM (SELECT engine, gateway, metric, min(value) AS least, argMax(value, ts) AS latest, count() AS samples
       FROM gateway_samples
@@ -498,7 +523,7 @@ LEFT JOIN ({_held_in_gauges("tail", "end", EACH_ENGINE)}) AS m ON m.engine = g.e
 ORDER BY g.engine, g.gateway, g.metric
 """
 _GATEWAY_SPAN = f"""
-SELECT engine, min(ts), max(ts) FROM (
+SELECT engine, min(ts) AS first, max(ts) AS last FROM (
     SELECT engine, ts FROM gateway_decisions
     WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
     UNION ALL
@@ -511,7 +536,8 @@ SELECT engine, countIf(client_disconnected) AS disconnects, count() AS decisions
 FROM gateway_decisions WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' GROUP BY engine
 """
 _GPU_UTIL = f"""
-SELECT engine, avg(util_gpu_pct) FROM gpu_samples WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != ''
+SELECT engine, avg(util_gpu_pct) AS util_pct FROM gpu_samples
+WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != ''
 GROUP BY engine
 """
 
@@ -537,7 +563,7 @@ FROM (SELECT *, max(if(status > 0 AND status < 400, ts, toDateTime64(0, 6, 'UTC'
 GROUP BY gateway, lane HAVING refused >= {MIN_REFUSED} ORDER BY gateway, lane
 """
 _HELD = f"""
-SELECT max(held), sum(steps) FROM (
+SELECT max(held) AS most_held, sum(steps) AS busy_steps FROM (
     SELECT toFloat64(held) AS held, steps FROM ({_held_in_steps("first", "last", ENGINES)})
     UNION ALL
     SELECT held, toUInt64(0) AS steps FROM ({_held_in_gauges("first", "last", ENGINES)}))
@@ -548,13 +574,16 @@ def _refusing(reader: Reads, window: Window) -> list[Finding]:
     """Lanes that refused all they were asked for REFUSAL_PATIENCE_S while their engines held nothing."""
     findings = []
     query = Query(_REFUSALS, start=window.start, end=window.end)
-    for gateway, lane, refused, first, last, engines, statuses, gone in query.rows(reader):
-        behind = sorted(str(e) for e in engines if not window.engine or e == window.engine)
+    for r in query.rows(reader):
+        gateway, lane, refused, first, last, statuses, gone = (
+            r.gateway, r.lane, r.refused, r.first, r.last, r.statuses, r.disconnects)
+        behind = sorted(str(e) for e in r.engines if not window.engine or e == window.engine)
         span = (utc(last) - utc(first)).total_seconds()
         if not behind or span < REFUSAL_PATIENCE_S:
             continue
         params = {"first": utc(first), "last": utc(last), "engines": behind}
-        held, busy = (int(number(v)) for v in Query(_HELD, **params).rows(reader)[0])
+        (engines_held,) = Query(_HELD, **params).rows(reader)
+        held, busy = int(number(engines_held.most_held)), int(number(engines_held.busy_steps))
         if held > 0:
             continue
         evidence: dict[str, Any] = {
@@ -582,10 +611,10 @@ def gateway_slot_leak(reader: Reads, window: Window) -> list[Finding]:
                   metrics=list(IN_FLIGHT_METRICS)).rows(reader)
     if not spans:
         return refusing
-    disconnects = {str(r[0]): (int(r[1]), int(r[2])) for r in
+    disconnects = {str(r.engine): (int(r.disconnects), int(r.decisions)) for r in
                    Query(_DISCONNECTS, engine=window.engine, start=window.start, end=window.end).rows(reader)}
     findings = []
-    for engine, first, last in spans:
+    for engine, first, last in ((r.engine, r.first, r.last) for r in spans):
         # The tail of what the gateway reported about this backend (a window may reach well past it, e.g. --since
         # 1h over a 10-minute story). The gateway's count is from its /metrics or from its decisions: each decision
         # made in the tail says what the gateway held then, and a lane whose slots leaked refuses with all held.
@@ -601,7 +630,9 @@ def _leak(reader: Reads, window: Window, engine: str, tail: datetime, disconnect
           ) -> Finding | None:
     params: dict[str, Any] = {"engine": engine, "tail": tail, "end": window.end, "metrics": list(IN_FLIGHT_METRICS)}
     query = Query(_SLOTS, **params)
-    for _, gateway, metric, least, latest, samples, held, busy, scraped in query.rows(reader):
+    for r in query.rows(reader):
+        gateway, metric, least, latest, samples, held, busy, scraped = (
+            r.gateway, r.metric, r.least, r.latest, r.samples, r.engine_held, r.busy_steps, r.scraped_held)
         # What the engine holds: its steps' running + waiting, or its own gauges where it did not step.
         holds = max(int(held), int(number(scraped, 0.0)))
         leaked = number(least) - holds
@@ -617,7 +648,7 @@ def _leak(reader: Reads, window: Window, engine: str, tail: datetime, disconnect
                          f"{int(samples)} {'decisions' if metric == DECISIONS_IN_FLIGHT else 'scrapes'} of the "
                          f"gateway's last {LEAK_TAIL_SHARE:.0%} in the window",
         }
-        gpu = [number(r[1], math.nan) for r in Query(_GPU_UTIL, **params).rows(reader)]
+        gpu = [number(g.util_pct, math.nan) for g in Query(_GPU_UTIL, **params).rows(reader)]
         if gpu and math.isfinite(gpu[0]):
             evidence["gpu_util_pct"] = round(gpu[0], 1)
         idle = int(busy) == 0
@@ -635,8 +666,10 @@ ORPHAN_SLACK_S = 1.0  # an engine request that finished this long after its clie
 # Decisions whose client left, beside the engine request that then ran on to its end: the engine's finish, its
 # tokens generated, its time decoding. A request the engine aborted has no row (vLLM 0.32 reports no finished
 # stats and no span for an abort: shared/DESIGN.md), so what joins ran to the end.
-_ORPHANS = joined("d.gateway, d.engine, if(d.request_id = '', r.request_id, d.request_id), d.end_ts, r.ts, "
-                  "r.generation_tokens, r.decode_seconds, m.matched_by",
+_ORPHANS = joined("d.gateway AS gateway, d.engine AS engine, "
+                  "if(d.request_id = '', r.request_id, d.request_id) AS request_id, d.end_ts AS left_at, "
+                  "r.ts AS finished, r.generation_tokens AS generation_tokens, r.decode_seconds AS decode_seconds, "
+                  "m.matched_by AS matched_by",
                   "client_disconnected", ("ts", "generation_tokens", "decode_seconds"),
                   f"r.ts > d.end_ts + toIntervalMillisecond({round(ORPHAN_SLACK_S * 1000)})")
 
@@ -647,19 +680,20 @@ def orphaned_engine_work(reader: Reads, window: Window) -> list[Finding]:
         return []
     query = Query(_ORPHANS, engine=window.engine, start=window.start, end=window.end)
     findings = []
-    for engine, orphans in _grouped(query, reader, 1):
-        after = [(utc(r[4]) - utc(r[3])).total_seconds() for r in orphans]
-        gateways = sorted({str(r[0]) for r in orphans})
-        worst = max(orphans, key=lambda r: utc(r[4]) - utc(r[3]))
+    for engine, orphans in _grouped(query, reader, "engine"):
+        after = [(utc(r.finished) - utc(r.left_at)).total_seconds() for r in orphans]
+        gateways = sorted({str(r.gateway) for r in orphans})
+        worst = max(orphans, key=lambda r: utc(r.finished) - utc(r.left_at))
         findings.append(Finding(
-            "orphaned_engine_work", "warning", engine, min(utc(r[3]) for r in orphans),
-            max(utc(r[4]) for r in orphans),
+            "orphaned_engine_work", "warning", engine, min(utc(r.left_at) for r in orphans),
+            max(utc(r.finished) for r in orphans),
             clip(f"{len(orphans)} requests ran on {engine} {sum(after):.0f}s after their clients left"),
             {"orphaned_requests": len(orphans), "engine_s_after_disconnect": round(sum(after), 1),
-             "tokens_generated": sum(int(r[5]) for r in orphans), "gateways": gateways,
-             "longest": f"{worst[2]}: {(utc(worst[4]) - utc(worst[3])).total_seconds():.1f}s after the client left",
+             "tokens_generated": sum(int(r.generation_tokens) for r in orphans), "gateways": gateways,
+             "longest": f"{worst.request_id}: {(utc(worst.finished) - utc(worst.left_at)).total_seconds():.1f}s "
+                        "after the client left",
              "counted_from": f"a finish {ORPHAN_SLACK_S:g}s or more after the gateway saw the client go",
-             **_matched_by([r[7] for r in orphans])},
+             **_matched_by([r.matched_by for r in orphans])},
             query.literal(),
             "cancel the upstream request when the client disconnects: close the connection to the engine on the "
             "gateway's disconnect path, so that vLLM aborts the request and frees its slot and KV cache",

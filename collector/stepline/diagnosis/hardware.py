@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
@@ -23,7 +23,7 @@ from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT, ALONE_TOK
 from stepline.queries.requests import MERGED, PROMPT_BAND
 from stepline.queries.steps import OF_ENGINE, OF_ENGINES
 from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, IN_WINDOW, between
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row, rows_of
 
 LOAD_SLOWDOWN = 5.0  # alone rate over loaded rate before decode is called starved
 
@@ -55,6 +55,16 @@ FROM requests
 WHERE {EACH_ENGINE} AND bucket >= {{m0:DateTime64(6)}} AND bucket < {{m1:DateTime64(6)}}
 GROUP BY engine, source, band ORDER BY engine, source, lo
 """
+class _Band(NamedTuple):
+    """An engine's requests of one prompt band under load: decode rates (tokens/s) p1 and p50."""
+
+    name: str
+    least_prompt: int
+    requests: int
+    rate_p1: Any
+    rate_p50: Any
+
+
 RATES_APPROXIMATE = ("per-minute projection of the requests, bfloat16 (within ~1%), whole minutes; the plugin's "
                      "reports (vLLM's own TPOT) where it reports the engine, else the spans'")
 
@@ -69,51 +79,60 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
     small, big = exact_and_approximate({e: steps for e, (steps, _) in counts.items()}, span is not None)
     out: dict[str, tuple[int, tuple[float, float, float], float, str]] = {}
     if small:
-        for engine, rate, step_ms in Query(ALONE_EXACT, engines=small, start=window.start,
-                                           end=window.end).rows(reader):
-            out[str(engine)] = (counts[engine][1], (number(rate[0]), number(rate[1]), number(rate[2])),
-                                number(step_ms), "")
+        for r in Query(ALONE_EXACT, engines=small, start=window.start, end=window.end).rows(reader):
+            rate_p10, rate_p50, rate_p90 = (number(v) for v in r.rates)
+            out[str(r.engine)] = (counts[r.engine][1], (rate_p10, rate_p50, rate_p90), number(r.step_ms), "")
 
-    def read_span(over: Span, engines: list[str]) -> list[tuple[Any, ...]]:
+    def read_span(over: Span, engines: list[str]) -> list[Row]:
         # The hours' projection keeps no sums: tokens a step come from the minutes of the same span.
-        tokens = dict(Query(ALONE_TOKENS_PER_STEP, engines=engines, lo=over.lo, hi=over.hi).rows(reader))
-        return [(*row, number(tokens.get(row[0]), 1.0))
-                for row in Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)]
+        tokens = {r.engine: r.tokens for r in
+                  Query(ALONE_TOKENS_PER_STEP, engines=engines, lo=over.lo, hi=over.hi).rows(reader)}
+        return rows_of(("engine", "step_ms", "tokens"), [
+            (r.engine, r.step_ms, number(tokens.get(r.engine), 1.0))
+            for r in Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)])
 
-    for engine, ((_, ms, tokens), over) in approximate_rows(read_span, big, window.start, window.end).items():
-        p10, p50, p90 = (number(v) for v in ms)
+    for engine, (r, over) in approximate_rows(read_span, big, window.start, window.end).items():
+        tokens = r.tokens
+        p10, p50, p90 = (number(v) for v in r.step_ms)
         rates = tuple(tokens * 1000 / v if v > 0 else 0.0 for v in (p90, p50, p10))
         says = over.says if tokens == 1 else f"{over.says}; x{tokens:.2f} tokens a decoding request gets a step"
-        out[engine] = (counts[engine][1], (rates[0], rates[1], rates[2]), p50, says)
+        rate_p10, rate_p50, rate_p90 = rates
+        out[engine] = (counts[engine][1], (rate_p10, rate_p50, rate_p90), p50, says)
     return out
 
 
-def _bands(reader: Reads, window: Window) -> dict[str, tuple[list[tuple[Any, ...]], bool]]:
+def _bands(reader: Reads, window: Window) -> dict[str, tuple[list[_Band], bool]]:
     """engine -> its bands under load (name, least prompt, requests, rate p1, rate p50), and whether approximate:
     exact (merged requests) up to the exact budget (common.exact_and_approximate, requests for steps), from the
     requests' per-minute projection beyond it. There, each engine's rates are one source's reports: the plugin's
     where it reports the engine (it reports every request once), else the spans', never both (a request both
     report would count twice until merged)."""
     minutes = whole_minutes(window.start, window.end)
-    approximate: dict[str, dict[str, list[tuple[Any, ...]]]] = {}
+    approximate: dict[str, dict[str, list[_Band]]] = {}
     if minutes is not None:
-        for engine, source, band, lo, n, rates in Query(_BANDS_APPROXIMATE, engine=window.engine, m0=minutes[0],
-                                                         m1=minutes[1]).rows(reader):
-            if int(n):
-                approximate.setdefault(str(engine), {}).setdefault(str(source), []).append(
-                    (PROMPT_BANDS[int(band)][0], lo, int(n), rates[0], rates[1]))
+        m0, m1 = minutes
+        for r in Query(_BANDS_APPROXIMATE, engine=window.engine, m0=m0, m1=m1).rows(reader):
+            if int(r.n):
+                approximate.setdefault(str(r.engine), {}).setdefault(str(r.source), []).append(_band(r, int(r.n)))
     chosen = {engine: by_source.get("plugin") or by_source.get("otlp") or [] for engine, by_source in
               approximate.items()}
-    small, big = exact_and_approximate({e: sum(b[2] for b in bands) for e, bands in chosen.items()}, True)
+    small, big = exact_and_approximate({e: sum(b.requests for b in bands) for e, bands in chosen.items()}, True)
     # Engines whose requests all finished in the window's partial minutes are not in the projection's answer.
     exact = sorted(set(small) | (set(engines(reader, window)) - set(chosen)))
-    out: dict[str, tuple[list[tuple[Any, ...]], bool]] = {e: (sorted(chosen[e], key=lambda b: int(b[1])), True)
-                                                           for e in big}
+    out: dict[str, tuple[list[_Band], bool]] = {e: (sorted(chosen[e], key=lambda b: int(b.least_prompt)), True)
+                                                for e in big}
     if exact:
-        for engine, band, lo, n, rates in Query(_BANDS_BY_ENGINE, engines=exact, start=window.start,
-                                                end=window.end).rows(reader):
-            out.setdefault(str(engine), ([], False))[0].append((PROMPT_BANDS[int(band)][0], lo, n, rates[0], rates[1]))
+        for r in Query(_BANDS_BY_ENGINE, engines=exact, start=window.start, end=window.end).rows(reader):
+            bands, _ = out.setdefault(str(r.engine), ([], False))
+            bands.append(_band(r, r.n))
     return out
+
+
+def _band(row: Row, requests: Any) -> _Band:
+    """A band of _BANDS_BY_ENGINE or _BANDS_APPROXIMATE: its index named, its rates [p1, p50] apart."""
+    name, _least = PROMPT_BANDS[int(row.band)]
+    rate_p1, rate_p50 = row.rates
+    return _Band(name, row.lo, requests, rate_p1, rate_p50)
 
 
 def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
@@ -129,10 +148,11 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
         bands, rates_approximate = bands_by_engine.get(engine, ([], False))
         if not bands:
             continue
-        worst = min(bands, key=lambda b: number(b[4], 1e9))
-        if number(worst[4], 1e9) * LOAD_SLOWDOWN > alone_mid:
+        worst = min(bands, key=lambda b: number(b.rate_p50, 1e9))
+        if number(worst.rate_p50, 1e9) * LOAD_SLOWDOWN > alone_mid:
             continue
-        by_band = {str(b[0]): f"{number(b[3]):.1f}..{number(b[4]):.1f} tok/s (p1..p50, {b[2]} req)" for b in bands}
+        by_band = {str(b.name): f"{number(b.rate_p1):.1f}..{number(b.rate_p50):.1f} tok/s (p1..p50, "
+                                f"{b.requests} req)" for b in bands}
         evidence: dict[str, object] = {
             "alone_tok_s": f"{alone_lo:.1f}..{alone_hi:.1f} (p50 {alone_mid:.1f})", "under_load_by_band": by_band,
             "alone_from": "steps without prefill and 1-4 decoding requests: tokens generated per decoding request "
@@ -142,12 +162,12 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
             evidence["alone_quantiles"] = approximate
         if rates_approximate:
             evidence["under_load_quantiles"] = RATES_APPROXIMATE
-        rate = f"{number(worst[3]):.1f}..{number(worst[4]):.1f}"
+        rate = f"{number(worst.rate_p1):.1f}..{number(worst.rate_p50):.1f}"
         # What every cause looks like from the requests' side (or plain batching): information, folded into the
         # cause it overlaps (causes.EXPLAINED_BY); the GPU's side is gpu_throttling's.
         findings.append(Finding(
             "scheduler_vs_hardware", "info", engine, window.start, window.end,
-            clip(f"{rate} tok/s under load ({worst[0]}) vs {alone_mid:.0f} alone"),
+            clip(f"{rate} tok/s under load ({worst.name}) vs {alone_mid:.0f} alone"),
             evidence, bands_q.literal(),
             "the GPU can decode faster than requests get: the scheduler shares steps with prefill or too many "
             "sequences; see the other findings for why", 0.0))
@@ -173,6 +193,7 @@ ORDER BY ts
 _SLOW_STEPS = f"""
 SELECT engine,
        countIf(elapsed_ms > transform(toString(engine), {{engines:Array(String)}}, {{slow_ms:Array(Float64)}}, inf))
+           AS slow_steps
 FROM steps
 WHERE {OF_ENGINES}
 GROUP BY engine
@@ -186,21 +207,23 @@ def gpu_xid(reader: Reads, window: Window) -> list[Finding]:
     if not events:
         return findings
     # An XID of a GPU no engine was seen on (engine '') concerns every engine.
-    by_engine = {engine: [r[1:] for r in events if r[0] in (engine, "")] for engine in engines(reader, window)}
+    by_engine = {engine: [r for r in events if r.engine in (engine, "")] for engine in engines(reader, window)}
     affected = sorted(engine for engine, rows in by_engine.items() if rows)
     # Slow for each engine: SLOW_STEP of its own decode-only step p50 (none counted without one).
     base = baselines(reader, window, affected) if affected else {}
     slow_ms = {e: SLOW_STEP * base.get(e, NO_BASELINE).decode_step_ms or math.inf for e in affected}
-    slow = {str(r[0]): int(r[1]) for r in Query(_SLOW_STEPS, engines=affected, slow_ms=[slow_ms[e] for e in affected],
-                                                 start=window.start, end=window.end).rows(reader)} if affected else {}
+    slow = {str(r.engine): int(r.slow_steps) for r in Query(
+        _SLOW_STEPS, engines=affected, slow_ms=[slow_ms[e] for e in affected], start=window.start,
+        end=window.end).rows(reader)} if affected else {}
     for engine in affected:
         rows = by_engine[engine]
         query = Query(_XID, engine=engine, start=window.start, end=window.end, slow_ms=slow_ms[engine])
-        xids = sorted({str(r[2]) for r in rows if r[2]})
+        xids = sorted({str(r.xid) for r in rows if r.xid})
+        first, last = rows[0], rows[-1]  # ordered by time
         findings.append(Finding(
-            "gpu_xid", "critical", engine, utc(rows[0][0]), utc(rows[-1][0]),
-            clip(f"{len(rows)} GPU XID error(s) {', '.join(xids)} from {hms(rows[0][0])}"),
-            {"xid_events": len(rows), "xids": xids, "first_message": str(rows[0][1])[:200],
+            "gpu_xid", "critical", engine, utc(first.ts), utc(last.ts),
+            clip(f"{len(rows)} GPU XID error(s) {', '.join(xids)} from {hms(first.ts)}"),
+            {"xid_events": len(rows), "xids": xids, "first_message": str(first.message)[:200],
              "slow_steps_in_window": slow.get(engine, 0),
              "slow_step_from_ms": round(slow_ms[engine], 1) if math.isfinite(slow_ms[engine]) else None,
              "baseline_decode_step_p50_ms": round(base.get(engine, NO_BASELINE).decode_step_ms, 1)},

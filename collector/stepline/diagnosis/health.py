@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepline.diagnosis.baseline import (
     COLLAPSE_SHARE,
@@ -25,7 +25,7 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import MINUTE, Agg, parts, rolled
 from stepline.queries.steps import OF_ENGINE
 from stepline.queries.window import EACH_ENGINE, ENGINE, IN_WINDOW
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row
 
 GPU_IDLE_PCT = 5.0  # a share of the GPU's time, the same on every GPU
 
@@ -48,15 +48,15 @@ def _bucket_s(window: Window) -> int:
     return max(10, round((window.end - window.start).total_seconds() / 60))
 
 
-def _buckets(reader: Reads, window: Window) -> dict[str, list[tuple[Any, ...]]]:
+def _buckets(reader: Reads, window: Window) -> dict[str, list[Row]]:
     """_BUCKETS for every engine at once (from the steps projections): engine -> rows in time order."""
     bucket_s = _bucket_s(window)
     per_bucket = "toStartOfInterval(bucket, toIntervalSecond({bucket_s:UInt32}))"
     sql, bounds = rolled(_BUCKET_AGGS, EACH_ENGINE, window.start, window.end, minutes=bucket_s % 60 == 0,
                          keys=(("engine", "engine"), ("t", per_bucket)))
-    by_engine: dict[str, list[tuple[Any, ...]]] = {}
-    for engine, *row in Query(sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
-        by_engine.setdefault(str(engine), []).append(tuple(row))
+    by_engine: dict[str, list[Row]] = {}
+    for row in Query(sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
+        by_engine.setdefault(str(row.engine), []).append(row)
     return by_engine
 
 
@@ -85,7 +85,8 @@ def _request_hits(window: Window, bucket_s: int, engine: str) -> tuple[Query, bo
                          seconds=False, edges=False)
     query = Query(f"SELECT engine, t, requests, hit_sum / requests AS hit_share, prompt_sum\nFROM (\n{sql}\n)\n"
                   "WHERE requests > 0 ORDER BY engine, t", engine=engine, bucket_s=bucket_s, **bounds)
-    return query, parts(window.start, window.end, minutes=by_minute, seconds=False, edges=False)[0].bucket == MINUTE
+    first_part, *_ = parts(window.start, window.end, minutes=by_minute, seconds=False, edges=False)
+    return query, first_part.bucket == MINUTE
 
 
 def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
@@ -93,30 +94,31 @@ def prefix_cache_collapse(reader: Reads, window: Window) -> list[Finding]:
     its earliest buckets in the window."""
     findings = []
     bucket_s = _bucket_s(window)
-    by_engine: dict[str, list[tuple[Any, ...]]] = {}
+    by_engine: dict[str, list[Row]] = {}
     every, whole_minutes_only = _request_hits(window, bucket_s, window.engine)
-    for engine, *row in every.rows(reader):
-        by_engine.setdefault(str(engine), []).append(tuple(row))
+    for row in every.rows(reader):
+        by_engine.setdefault(str(row.engine), []).append(row)
     hit_rate_from = "each request's cached share of its prompt, averaged per bucket (plugin reports)" + (
         f", over the {WHOLE_MINUTES}" if whole_minutes_only else "")
     for engine in engines(reader, window):
         query, _ = _request_hits(window, bucket_s, engine)
-        rows = [r for r in by_engine.get(engine, []) if int(r[1]) >= MIN_BUCKET_REQUESTS]
+        rows = [r for r in by_engine.get(engine, []) if int(r.requests) >= MIN_BUCKET_REQUESTS]
         if len(rows) < 3:
             continue
         # The usual rate is the earliest fifth of the buckets, unweighted: a burst's many requests must not define it.
         first = rows[: max(1, len(rows) // 5)]
-        usual = sum(number(r[2]) for r in first) / len(first)
-        low = [r for r in rows[len(first):] if number(r[2]) < usual * COLLAPSE_SHARE]
+        usual = sum(number(r.hit_share) for r in first) / len(first)
+        low = [r for r in rows[len(first):] if number(r.hit_share) < usual * COLLAPSE_SHARE]
         if usual < MIN_USUAL_HIT_RATE or len(low) < MIN_LOW_BUCKETS:
             continue
-        low_rate = sum(number(r[2]) * int(r[1]) for r in low) / sum(int(r[1]) for r in low)
-        missed = sum(int(r[3]) * (usual - number(r[2])) for r in low)
+        low_rate = sum(number(r.hit_share) * int(r.requests) for r in low) / sum(int(r.requests) for r in low)
+        missed = sum(int(r.prompt_sum) * (usual - number(r.hit_share)) for r in low)
         findings.append(Finding(
-            "prefix_cache_collapse", "warning", engine, utc(low[0][0]), utc(low[-1][0]) + timedelta(seconds=bucket_s),
+            "prefix_cache_collapse", "warning", engine, utc(low[0].t), utc(low[-1].t) + timedelta(seconds=bucket_s),
             clip(f"prefix-cache hit rate {low_rate:.1%} vs {usual:.1%} earlier (per request)"),
             {"hit_rate_usual": round(usual, 3), "hit_rate_low": round(low_rate, 3),
-             "low_buckets": len(low), "requests_in_low_buckets": sum(int(r[1]) for r in low), "bucket_s": bucket_s,
+             "low_buckets": len(low), "requests_in_low_buckets": sum(int(r.requests) for r in low),
+             "bucket_s": bucket_s,
              "tokens_recomputed_beyond_usual": round(missed),
              "low_from": f"below {COLLAPSE_SHARE:.0%} of the usual rate, in {MIN_LOW_BUCKETS}+ buckets of "
                          f"{MIN_BUCKET_REQUESTS}+ requests",
@@ -134,16 +136,16 @@ def spec_decode_acceptance_shift(reader: Reads, window: Window) -> list[Finding]
     buckets = _buckets(reader, window)
     for engine in engines(reader, window):
         query = Query(_BUCKETS, engine=engine, start=window.start, end=window.end, bucket_s=_bucket_s(window))
-        rows = [r for r in buckets.get(engine, []) if int(r[5]) > 0 and int(r[4]) >= 100]
+        rows = [r for r in buckets.get(engine, []) if int(r.drafts) > 0 and int(r.drafted) >= 100]
         if len(rows) < 2:
             continue
-        rates = [int(r[3]) / int(r[4]) for r in rows]
+        rates = [int(r.accepted) / int(r.drafted) for r in rows]
         lo, hi = min(rates), max(rates)
         if hi - lo < 0.15:
             continue
         findings.append(Finding(
             "spec_decode_acceptance_shift", "warning" if hi >= 2 * lo else "info", engine,
-            utc(rows[0][0]), utc(rows[-1][0]),
+            utc(rows[0].t), utc(rows[-1].t),
             clip(f"speculative acceptance ranged {lo:.0%}..{hi:.0%} across the window"),
             {"acceptance_min": round(lo, 3), "acceptance_max": round(hi, 3), "buckets": len(rows),
              "bucket_s": _bucket_s(window)},
@@ -208,38 +210,53 @@ SELECT (SELECT max(ts) FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}
 _LAST_STEP_AGGS = (Agg("last_step", "max(ts)", "max({})"), Agg("waiting_step", "argMax(waiting, ts)",
                                                                 "argMax({}, p_last_step)"))
 _RECENT = f"""
-SELECT engine, {_SLOWEST_LAST},
-       quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE)
+SELECT engine, {_SLOWEST_LAST} AS slowest_last_steps_ms,
+       quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE) AS recent_p50_ms
 FROM steps
 WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE
 GROUP BY engine
 """
 _SCRAPED_WAITING = f"""
-SELECT engine, argMax(value, ts), {_SCRAPE_INTERVAL}
+SELECT engine, argMax(value, ts) AS waiting_scraped, {_SCRAPE_INTERVAL} AS scrape_interval_s
 FROM engine_samples
 WHERE {EACH_ENGINE} AND metric = 'vllm:num_requests_waiting' AND {IN_WINDOW}
 GROUP BY engine
 """
 _GPU_UTIL = f"""
-SELECT engine, avg(util_gpu_pct) FROM gpu_samples
+SELECT engine, avg(util_gpu_pct) AS gpu_util_pct FROM gpu_samples
 WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND
 GROUP BY engine
 """
 
 
-def _progress(reader: Reads, window: Window) -> dict[str, tuple[Any, ...]]:
+class _Progress(NamedTuple):
+    """What _PROGRESS answers for one engine (its columns' names)."""
+
+    last_step: Any
+    waiting_step: Any
+    waiting_scraped: Any
+    slowest_last_steps_ms: Any
+    recent_p50_ms: Any
+    gpu_util_pct: Any
+    scrape_interval_s: Any
+
+
+def _progress(reader: Reads, window: Window) -> dict[str, _Progress]:
     """engine -> the row _PROGRESS gives for it, for every engine that ever stepped before the window's end."""
     sql, bounds = rolled(_LAST_STEP_AGGS, EACH_ENGINE, None, window.end)
     last = Query(sql, engine=window.engine, **bounds).rows(reader)
     params = {"engine": window.engine, "start": window.start, "end": window.end}
-    recent = {r[0]: r[1:] for r in Query(_RECENT, **params, last_steps=WEDGE_LAST_STEPS).rows(reader)}
-    scraped = {r[0]: r[1:] for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
-    util = {r[0]: r[1] for r in Query(_GPU_UTIL, **params).rows(reader)}
+    recent = {r.engine: r for r in Query(_RECENT, **params, last_steps=WEDGE_LAST_STEPS).rows(reader)}
+    scraped = {r.engine: r for r in Query(_SCRAPED_WAITING, **params).rows(reader)}
+    util = {r.engine: r.gpu_util_pct for r in Query(_GPU_UTIL, **params).rows(reader)}
     out = {}
-    for engine, last_step, waiting_step in last:
-        waiting_scraped, scrape_interval = scraped.get(engine, (0.0, math.nan))
-        out[str(engine)] = (last_step, waiting_step, waiting_scraped, *recent.get(engine, (0.0, None)),
-                            util.get(engine), scrape_interval)
+    for r in last:
+        engine = r.engine
+        s, steps = scraped.get(engine), recent.get(engine)
+        out[str(engine)] = _Progress(
+            r.last_step, r.waiting_step, 0.0 if s is None else s.waiting_scraped,
+            0.0 if steps is None else steps.slowest_last_steps_ms, None if steps is None else steps.recent_p50_ms,
+            util.get(engine), math.nan if s is None else s.scrape_interval_s)
     return out
 
 

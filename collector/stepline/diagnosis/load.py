@@ -9,7 +9,7 @@ head-of-line blocking). The evidence sets the arrival rate against the rate the 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepline.diagnosis.baseline import (
     BUSY_SHARE,
@@ -54,14 +54,24 @@ WHERE {ENGINE} AND ts >= {{lo:DateTime64(6)}} AND arrival_ts < {{hi:DateTime64(6
 """
 
 
-def _span(rows: list[tuple[Any, ...]], bucket_s: float) -> list[tuple[Any, ...]]:
+class _Bucket(NamedTuple):
+    """An engine's steps in one bucket of the window."""
+
+    t: Any
+    steps: Any
+    busy_s: float
+    waiting_max: Any
+    waiting_last: Any
+
+
+def _span(rows: list[_Bucket], bucket_s: float) -> list[_Bucket]:
     """The longest run of consecutive buckets in which the engine was busy with MIN_QUEUED or more waiting."""
-    best: list[tuple[Any, ...]] = []
-    run: list[tuple[Any, ...]] = []
+    best: list[_Bucket] = []
+    run: list[_Bucket] = []
     for row in rows:
-        t, steps, busy, waiting_max = row[0], int(row[1]), number(row[2], bucket_s), int(row[3])
+        t, steps, busy, waiting_max = row.t, int(row.steps), number(row.busy_s, bucket_s), int(row.waiting_max)
         loaded = steps > 0 and waiting_max >= MIN_QUEUED and busy >= BUSY_SHARE * bucket_s
-        adjacent = bool(run) and utc(t) - utc(run[-1][0]) <= timedelta(seconds=bucket_s * 1.5)
+        adjacent = bool(run) and utc(t) - utc(run[-1].t) <= timedelta(seconds=bucket_s * 1.5)
         if loaded and (adjacent or not run):
             run.append(row)
         elif loaded:
@@ -87,29 +97,30 @@ def overload(reader: Reads, window: Window) -> list[Finding]:
     per_bucket = "toStartOfInterval(bucket, toIntervalSecond({bucket_s:UInt32}))"
     sql, bounds = rolled(_BUCKET_AGGS, EACH_ENGINE, window.start, window.end, minutes=bucket_s % 60 == 0,
                          keys=(("engine", "engine"), ("t", per_bucket)))
-    by_engine: dict[str, list[tuple[Any, ...]]] = {}
-    for engine, t, steps, busy_ms, waiting_max, _last, waiting_last in Query(
-            sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
-        by_engine.setdefault(str(engine), []).append((t, steps, number(busy_ms) / 1000, waiting_max, waiting_last))
+    by_engine: dict[str, list[_Bucket]] = {}
+    for r in Query(sql, engine=window.engine, bucket_s=bucket_s, **bounds).rows(reader):
+        by_engine.setdefault(str(r.engine), []).append(
+            _Bucket(r.t, r.steps, number(r.busy_ms) / 1000, r.waiting_max, r.waiting_last))
     base = baselines(reader, window, queued)
     for engine in engines(reader, window):
         span = _span(by_engine.get(engine, []), bucket_s)
         if len(span) < OVERLOAD_MIN_BUCKETS:
             continue
-        lo: datetime = max(window.start, utc(span[0][0]))
-        hi: datetime = min(window.end, utc(span[-1][0]) + timedelta(seconds=bucket_s))
+        lo: datetime = max(window.start, utc(span[0].t))
+        hi: datetime = min(window.end, utc(span[-1].t) + timedelta(seconds=bucket_s))
         # A long chunk is LONG_CHUNK_SHARE of the engine's budget (none counts on an engine of unknown budget).
-        ((queued_s, long_prefill),) = Query(_SPAN, engine=engine, lo=lo, hi=hi,
-                                            long_chunk=long_chunk.get(engine, 2**63)).rows(reader)
-        queued_s, long_prefill = number(queued_s), number(long_prefill)
-        busy = sum(number(r[2]) for r in span)
+        (spent,) = Query(_SPAN, engine=engine, lo=lo, hi=hi, long_chunk=long_chunk.get(engine, 2**63)).rows(reader)
+        queued_s, long_prefill = number(spent.queued_request_s), number(spent.long_prefill_s)
+        busy = sum(number(r.busy_s) for r in span)
         if busy > 0 and long_prefill / busy > OWN_STEPS_SHARE:
             continue
         rates_q = Query(_RATES, engine=engine, lo=lo, hi=hi)
-        arrived, finished, queue_p50, queue_max, _queue_total = rates_q.rows(reader)[0]
+        (rates,) = rates_q.rows(reader)
+        arrived, finished, queue_p50, queue_max = (
+            rates.requests_arrived, rates.finished, rates.queue_p50_s, rates.queue_max_s)
         b = base.get(engine, NO_BASELINE)
         long_wait_s = OVERLOAD_QUEUE_STEPS * b.decode_step_ms / 1000
-        waiting_end = int(span[-1][4])
+        waiting_end = int(span[-1].waiting_last)
         if b.decode_step_ms <= 0 or number(queue_p50) < long_wait_s:
             continue
         span_s = (hi - lo).total_seconds()
@@ -117,7 +128,8 @@ def overload(reader: Reads, window: Window) -> list[Finding]:
         served_rate = int(finished) / span_s
         evidence: dict[str, Any] = {
             "arrival_rate_per_s": round(arrival_rate, 2), "served_rate_per_s": round(served_rate, 2),
-            "waiting_start": int(span[0][4]), "waiting_max": max(int(r[3]) for r in span), "waiting_end": waiting_end,
+            "waiting_start": int(span[0].waiting_last), "waiting_max": max(int(r.waiting_max) for r in span),
+            "waiting_end": waiting_end,
             "queue_p50_s": round(number(queue_p50), 2), "queue_max_s": round(number(queue_max), 1),
             "queued_request_s": round(queued_s, 1), "requests_arrived": int(arrived),
             "loaded_s": round(span_s, 1),

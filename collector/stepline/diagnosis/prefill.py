@@ -39,7 +39,7 @@ from stepline.queries.baselines import DECODE_STEP_P50, ITL_P50_P99
 from stepline.queries.requests import FIRST_TOKEN, MERGED, SCHEDULED, merged_matching
 from stepline.queries.steps import OF_ENGINE, of_engine
 from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, between
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, Row
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
 # when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).
@@ -61,7 +61,7 @@ LIMIT 5 BY engine
 # ends (0.13 s on a CPU engine): the span starts at the first chunk, not at the queue's end, and so holds no
 # decode-only step of before the prefill.
 _CARRIED = """
-SELECT k, min(ts), max(ts), argMin(elapsed_ms, ts)
+SELECT k, min(ts) AS first, max(ts) AS last, argMin(elapsed_ms, ts) AS first_ms
 FROM (SELECT ts, elapsed_ms, EVERY_SPAN AS spans FROM steps PREWHERE num_ctx_tokens > 0 AND INSIDE_ANY)
 ARRAY JOIN spans AS k
 GROUP BY k
@@ -97,9 +97,11 @@ WHERE {ENGINE} AND request_id != {{request_id:String}} AND queue_seconds > 0
 # _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
 # (baseline.baselines). INSIDE_ANY and WHICH are the prefills' (engine, interval) spans (common.which_span).
 _INSIDE = """
-SELECT k, count(), quantileExact(0.5)(elapsed_ms), max(num_ctx_tokens), sum(length(itl_seconds)),
-       quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * num_generation_requests) / 1000,
-       max(waiting), countIf(num_ctx_requests = 1) / count()
+SELECT k, count() AS steps_inside, quantileExact(0.5)(elapsed_ms) AS step_p50_inside_ms,
+       max(num_ctx_tokens) AS chunk_tokens, sum(length(itl_seconds)) AS itl_samples_inside,
+       quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl_inside_s,
+       sum(elapsed_ms * num_generation_requests) / 1000 AS delayed_request_s, max(waiting) AS waiting_max_inside,
+       countIf(num_ctx_requests = 1) / count() AS own_steps_share
 FROM (SELECT *, WHICH AS k FROM steps PREWHERE INSIDE_ANY)
 GROUP BY k
 """
@@ -107,8 +109,8 @@ GROUP BY k
 # (HOL_QUEUE_STEPS of its engine's decode-only steps), once per prefill (k, 1-based): a request already waiting
 # when the prefill started was queued for another reason.
 _QUEUED_BEHIND_EACH = f"""
-SELECT k, count(), sum(queue_seconds), max(queue_seconds),
-       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
+SELECT k, count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
+       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS longest_queued
 FROM {merged_matching(ENGINES + " AND queue_seconds >= {least_queue_s:Float64} AND queue_seconds > 0"
                       " AND arrival_ts < {hi:DateTime64(6)} AND ts > {lo:DateTime64(6)}",
                       ("ts", "arrival_ts", "queue_seconds"))}
@@ -123,7 +125,7 @@ GROUP BY k
 # run's engine, arrived before its first chunk, first token at or after its last, with at least the run's tokens
 # uncached; the largest such. A run no finished request explains is a prefill still running (or never finished).
 _RUN_REQUESTS = f"""
-SELECT k, argMax((request_id, prompt_tokens, cached_tokens, {SCHEDULED}), prompt_tokens)
+SELECT k, argMax((request_id, prompt_tokens, cached_tokens, {SCHEDULED}), prompt_tokens) AS request
 FROM {merged_matching(ENGINES + " AND prompt_tokens >= {least_tokens:UInt64}"
                       " AND ts >= {lo:DateTime64(6)} AND arrival_ts <= {hi:DateTime64(6)}", _REQUEST_FIELDS)}
 ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i]
@@ -213,7 +215,7 @@ def _run_requests(reader: Reads, runs: list[tuple[str, PrefillRun]]) -> list[tup
                  ends=[round((r.end - ROUNDING).timestamp() * 1e6) for _, r in runs],
                  tokens=[r.tokens for _, r in runs], least_tokens=min(r.tokens for _, r in runs),
                  lo=min(r.end for _, r in runs) - ROUNDING, hi=max(r.start for _, r in runs)).rows(reader)
-    found = {int(k) - 1: tuple(request) for k, request in rows}
+    found = {int(r.k) - 1: tuple(r.request) for r in rows}
     return [found.get(i) for i in range(len(runs))]
 
 
@@ -223,22 +225,23 @@ def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[t
         return candidates
     sql, params = which_span(_CARRIED, [(e, b.start, b.end + ROUNDING) for e, b in candidates])
     rows = Query(sql, **params).rows(reader)
-    spans = {int(k): (utc(first), utc(last), timedelta(milliseconds=number(first_ms)))
-             for k, first, last, first_ms in rows}
-    return [(engine, replace(big, start=spans[i][0], end=spans[i][1], first_chunk_ran=spans[i][2])
-             if i in spans else big) for i, (engine, big) in enumerate(candidates)]
+    spans = {int(r.k): r for r in rows}
+    return [(engine, replace(big, start=utc(span.first), end=utc(span.last),
+                             first_chunk_ran=timedelta(milliseconds=number(span.first_ms)))
+             if (span := spans.get(i)) is not None else big) for i, (engine, big) in enumerate(candidates)]
 
 
 def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]]
-            ) -> dict[tuple[str, int], tuple[Any, ...]]:
-    """(engine, k) -> the inside columns of _INTERFERENCE for prefills[engine][k], when it has steps in the window."""
-    spans = [(engine, k, max(window.start, big.start), min(window.end, big.end))
-             for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
-    spans = [span for span in spans if span[2] <= span[3]]
+            ) -> dict[tuple[str, int], Row]:
+    """(engine, k) -> the inside columns of _INTERFERENCE for prefills[engine][k] (_INSIDE's row), when it has steps
+    in the window."""
+    spans = [(engine, k, lo, hi) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)
+             if (lo := max(window.start, big.start)) <= (hi := min(window.end, big.end))]
     if not spans:
         return {}
     sql, params = which_span(_INSIDE, [(engine, lo, hi) for engine, _k, lo, hi in spans])
-    return {(spans[int(r[0])][0], spans[int(r[0])][1]): tuple(r[1:]) for r in Query(sql, **params).rows(reader)}
+    owners = [(engine, k) for engine, k, _lo, _hi in spans]
+    return {owners[int(r.k)]: r for r in Query(sql, **params).rows(reader)}
 
 
 def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
@@ -254,16 +257,19 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
         for k, big in enumerate(prefills.get(engine, [])):
             query = Query(_INTERFERENCE, engine=engine, start=window.start, end=window.end,
                           prefill_start=big.start, prefill_end=big.end)
-            if (engine, k) not in inside or not inside[engine, k][0]:
+            row = inside.get((engine, k))
+            if row is None or not row.steps_inside:
                 continue
-            _n, step_in, chunk, itl_n, itl_in, delayed, waiting, own = inside[engine, k]
+            step_in, chunk, itl_n, itl_in, delayed, waiting, own = (
+                row.step_p50_inside_ms, row.chunk_tokens, row.itl_samples_inside, row.itl_inside_s,
+                row.delayed_request_s, row.waiting_max_inside, row.own_steps_share)
             step_in = number(step_in)
             # Relative to this engine's own decode-only steps; without any there is nothing to compare with. Its
             # own steps: where most steps of the span carry other prefills too, the span is slow for their sake.
             if (itl_n == 0 or b.decode_step_ms <= 0 or step_in < SLOWDOWN * b.decode_step_ms
                     or number(own) < OWN_STEPS_SHARE):
                 continue
-            itl50_in, itl99_in = number(itl_in[0]), number(itl_in[1])
+            itl50_in, itl99_in = (number(q) for q in itl_in)  # [p50, p99]
             itl99_out = b.itl_p99_s
             critical = _critical(itl99_in, itl99_out)
             uncached = big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens)
@@ -322,8 +328,9 @@ def _chunk_lever(config: dict[str, str], chunk: int) -> str:
 
 
 def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_queue_s: dict[str, float]
-                   ) -> dict[tuple[str, int], tuple[Any, ...]]:
-    """(engine, k) -> the row _QUEUED_BEHIND gives for prefills[engine][k], when any request queued behind it."""
+                   ) -> dict[tuple[str, int], Row]:
+    """(engine, k) -> the row _QUEUED_BEHIND_EACH gives for prefills[engine][k], when any request queued behind
+    it."""
     flat = [(engine, k, big) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
     if not flat:
         return {}
@@ -334,7 +341,8 @@ def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_qu
                  lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat),
                  # The row's own filter first: the per-prefill test runs on the few that queued that long.
                  least_queue_s=min(min_queue_s.get(e, 0.0) for e, _, _ in flat)).rows(reader)
-    return {flat[int(r[0]) - 1][:2]: tuple(r[1:]) for r in rows}
+    owners = [(engine, k) for engine, k, _ in flat]
+    return {owners[int(r.k) - 1]: r for r in rows}
 
 
 def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
@@ -350,13 +358,14 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
             query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.began,
                           prefill_end=big.end, min_queue_s=min_queue_s.get(engine, 0.0))
             row = queued_behind.get((engine, k))
-            if row is None or int(row[0]) < MIN_QUEUED:
+            if row is None or int(row.queued_requests) < MIN_QUEUED:
                 continue
             # The queue formed because of it: it grew while the prefill ran and drained after.
             shape = _queue_shape(reader, engine, big)
             if shape is None:
                 continue
-            queued, total, worst_s, worst = int(row[0]), number(row[1]), number(row[2]), row[3]
+            queued, total, worst_s, worst = (int(row.queued_requests), number(row.queue_total_s),
+                                             number(row.queue_max_s), row.longest_queued)
             findings.append(Finding(
                 "head_of_line_blocking", "warning", engine, big.start, big.end,
                 clip(f"{queued} requests queued behind {big.name}, up to {worst_s:.0f}s"),
@@ -391,9 +400,10 @@ def _queue_shape(reader: Reads, engine: str, big: LongPrefill) -> dict[str, Any]
     """The queue's figures around the prefill when it grew by MIN_QUEUED while the prefill ran and drained by
     HOL_DRAINED of that after it; None otherwise (an overload's queue grows before and stays after)."""
     span = big.end - big.began
-    row = Query(_QUEUE_SHAPE, engine=engine, began=big.began, end=big.end, lo=big.began - span,
-                hi=big.end + span).rows(reader)[0]
-    before, peak, after, steps_after = (int(number(v)) for v in row)
+    (row,) = Query(_QUEUE_SHAPE, engine=engine, began=big.began, end=big.end, lo=big.began - span,
+                   hi=big.end + span).rows(reader)
+    before, peak, after, steps_after = (int(number(v)) for v in (
+        row.waiting_before, row.waiting_peak_inside, row.waiting_min_after, row.steps_after))
     grew = peak - before
     if grew < MIN_QUEUED or steps_after == 0 or after > before + (1 - HOL_DRAINED) * grew:
         return None
@@ -433,8 +443,9 @@ def config_not_in_effect(reader: Reads, window: Window) -> list[Finding]:
         over = over_budget = 0
         # A step over a limit exists exactly when the maximum is over it: only then count them, step by step.
         if (threshold and max_single > threshold) or (budget and max_step > budget):
-            over, max_single, over_budget, max_step, waiting, _prefill_steps = (int(v or 0) for v in
-                                                                                query.rows(reader)[0])
+            (row,) = query.rows(reader)
+            over, max_single, over_budget, max_step, waiting = (int(v or 0) for v in (
+                row.over_threshold, row.max_single_prefill, row.over_budget, row.max_step_tokens, row.waiting_max))
         if threshold and over:
             findings.append(Finding(
                 "config_not_in_effect", "warning", engine, window.start, window.end,

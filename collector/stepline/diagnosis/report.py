@@ -12,7 +12,7 @@ from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.window import EACH_ENGINE
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, named, only
 
 WIDTH = 1200
 HEIGHT = 170
@@ -246,15 +246,17 @@ _BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
            f" AND {EACH_ENGINE}")
 _BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
 # Per bucket over every engine in the window: the worst step, the prefill it carried, the ITL tails.
-_STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms), sum(num_ctx_tokens),"
-          " quantilesExactArray(0.5, 0.99)(itl_seconds), sum(length(itl_seconds)),"
-          " max(running), max(waiting), max(kv_cache_usage), sum(prefix_cache_hits), sum(prefix_cache_queries)"
+_STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms) AS step_ms, sum(num_ctx_tokens) AS prefill_tokens,"
+          " quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl, sum(length(itl_seconds)) AS itl_samples,"
+          " max(running) AS running_max, max(waiting) AS waiting_max, max(kv_cache_usage) AS kv_max,"
+          " sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries"
           " FROM {steps}" + _BOUNDS + " AND NOT is_dummy GROUP BY b ORDER BY b")
 # NaN means a GPU does not support the reading: averaged over the finite samples only.
 _GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
          " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
          " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
-_SPAN = "SELECT count(), toUnixTimestamp64Micro(min(ts)), toUnixTimestamp64Micro(max(ts)) FROM {table}" + _BOUNDS
+_SPAN = ("SELECT count() AS samples, toUnixTimestamp64Micro(min(ts)) AS first_us, toUnixTimestamp64Micro(max(ts)) AS "
+         "last_us FROM {table}" + _BOUNDS)
 _MAX_GPU_LINES = 8  # more GPUs than this are drawn as their average
 
 _STYLE = """
@@ -361,9 +363,9 @@ def _data_span(reader: Reads, window: Window, database: str) -> tuple[float, flo
     edges = []
     for table in ("steps", "gpu_samples"):
         sql = _SPAN.replace("{table}", _table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
-        rows, first, last = reader.query(sql, parameters=params).result_rows[0]
-        if rows:
-            edges += [first / 1e6, last / 1e6]
+        span = only(reader.query(sql, parameters=params))
+        if span.samples:
+            edges += [span.first_us / 1e6, span.last_us / 1e6]
     return (min(edges), max(edges)) if edges else None
 
 
@@ -375,18 +377,20 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
     def at(b: int) -> float:  # a bucket is drawn at its middle
         return t0 + (b + 0.5) * bucket
 
-    steps = reader.query(_STEPS.replace("{steps}", _table(database, "steps")), parameters=params).result_rows
+    steps = named(reader.query(_STEPS.replace("{steps}", _table(database, "steps")), parameters=params))
     cols: dict[str, list[Point]] = {k: [] for k in ("step", "prefill", "p50", "p99", "run", "wait", "kv", "hit")}
-    for b, step_ms, prefill, itl, itl_n, running, waiting, kv, hits, queries in steps:
-        t = at(b)
-        cols["step"].append((t, _f(step_ms)))
-        cols["prefill"].append((t, _f(prefill)))
-        cols["p50"].append((t, _scaled(itl[0], 1000) if itl_n else None))  # an empty bucket says 0, not NaN
-        cols["p99"].append((t, _scaled(itl[1], 1000) if itl_n else None))
-        cols["run"].append((t, _f(running)))
-        cols["wait"].append((t, _f(waiting)))
-        cols["kv"].append((t, _scaled(kv, 100)))
-        cols["hit"].append((t, 100 * hits / queries if queries else None))
+    for r in steps:
+        t = at(r.b)
+        cols["step"].append((t, _f(r.step_ms)))
+        cols["prefill"].append((t, _f(r.prefill_tokens)))
+        # An empty bucket says 0, not NaN.
+        p50, p99 = (_scaled(q, 1000) for q in r.itl) if r.itl_samples else (None, None)
+        cols["p50"].append((t, p50))
+        cols["p99"].append((t, p99))
+        cols["run"].append((t, _f(r.running_max)))
+        cols["wait"].append((t, _f(r.waiting_max)))
+        cols["kv"].append((t, _scaled(r.kv_max, 100)))
+        cols["hit"].append((t, 100 * r.hits / r.queries if r.queries else None))
     gpu_rows = reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params).result_rows
     sm, power, dram = _gpu_series(gpu_rows, at)
     return [

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+
+from stepline.store.reads import Row
 
 MINUTE, SECOND, ROW = "toStartOfMinute(ts)", "toStartOfSecond(ts)", "ts"
 HOUR = "toStartOfHour(ts)"
@@ -155,19 +156,21 @@ def minute_span(start: datetime, end: datetime) -> Span | None:
     minutes = whole_minutes(start, end)
     if minutes is None:
         return None
-    return Span(MINUTE, minutes[0], minutes[1], "per-minute projection, bfloat16 (within ~1%)")
+    lo, hi = minutes
+    return Span(MINUTE, lo, hi, "per-minute projection, bfloat16 (within ~1%)")
 
 
-def approximate_rows(read: Callable[[Span, list[str]], Iterable[tuple[Any, ...]]], engines: Sequence[str],
-                     start: datetime, end: datetime) -> dict[str, tuple[tuple[Any, ...], Span]]:
-    """engine -> (its row of `read(span, engines)`, the span it came from) for `engines`: over the window's
-    approximate_span, then over its whole minutes for the engines the hours held nothing of."""
-    out: dict[str, tuple[tuple[Any, ...], Span]] = {}
+def approximate_rows(read: Callable[[Span, list[str]], Iterable[Row]], engines: Sequence[str],
+                     start: datetime, end: datetime) -> dict[str, tuple[Row, Span]]:
+    """engine -> (its row of `read(span, engines)`, which has a column `engine`, the span it came from) for
+    `engines`: over the window's approximate_span, then over its whole minutes for the engines the hours held
+    nothing of."""
+    out: dict[str, tuple[Row, Span]] = {}
     span = approximate_span(start, end)
     if span is None or not engines:
         return out
-    out.update((str(row[0]), (tuple(row), span)) for row in read(span, list(engines)))
+    out.update((str(row.engine), (row, span)) for row in read(span, list(engines)))
     rest = [e for e in engines if e not in out]
     if rest and span.bucket == HOUR and (minutes := minute_span(start, end)) is not None:
-        out.update((str(row[0]), (tuple(row), minutes)) for row in read(minutes, rest))
+        out.update((str(row.engine), (row, minutes)) for row in read(minutes, rest))
     return out

@@ -44,16 +44,20 @@ def leaked_slots(reader: Reads, window: Window) -> list[Finding]:
     recent = window.end - (window.end - window.start) * LEAK_RECENT_SHARE
     # Only an engine that left running requests unscheduled while others waited can have an idle slot in such a step.
     sql, bounds = rolled([Agg("unscheduled", UNSCHEDULED_WHILE_WAITING, "sum({})")], EACH_ENGINE, recent, window.end)
-    suspects = sorted(str(e) for e, n in Query(sql, engine=window.engine, **bounds).rows(reader) if int(n) > 0)
+    suspects = sorted(str(r.engine) for r in Query(sql, engine=window.engine, **bounds).rows(reader)
+                      if int(r.unscheduled) > 0)
     if not suspects:
         return findings
     params: dict[str, Any] = {"recent": recent, "end": window.end, "budget_engines": names,
                               "half_budget": [known[e][0] // 2 for e in names]}
-    rows = {str(r[0]): r[1:] for r in Query(_IDLE_SLOTS, engines=suspects, **params).rows(reader)}
+    rows = {str(r.engine): r for r in Query(_IDLE_SLOTS, engines=suspects, **params).rows(reader)}
     for engine in engines(reader, window):
         if engine not in rows:
             continue
-        steps, idle, running, waiting, idle_first, idle_last, first, last = rows[engine]
+        r = rows[engine]
+        steps, idle, running, waiting, idle_first, idle_last, first, last = (
+            r.steps, r.idle_slots_p50, r.running_max, r.waiting_last, r.idle_slots_first, r.idle_slots_last, r.first,
+            r.last)
         idle = number(idle)
         if int(steps) < MIN_LEAK_STEPS or idle < max(1.0, IDLE_SLOT_SHARE * int(running)):
             continue

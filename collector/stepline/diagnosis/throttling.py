@@ -101,12 +101,15 @@ def gpu_throttling(reader: Reads, window: Window) -> list[Finding]:
     """GPUs serving the engine ran throttled, clocks well below their maximum, for a share of the window."""
     findings: list[Finding] = []
     sql, bounds = rolled(_GPU_AGGS, EACH_ENGINE, window.start, window.end, table="gpu_samples")
-    gpus = {str(r[0]): r[1:] for r in Query(sql, engine=window.engine, **bounds).rows(reader)}
+    gpus = {str(r.engine): r for r in Query(sql, engine=window.engine, **bounds).rows(reader)}
     summary = window_summary(reader, window)
     for engine in engines(reader, window):
         if engine not in gpus:
             continue
-        name, seen, busy, throttled, throttled_sum, free_sum, bits, first, last = gpus[engine]
+        g = gpus[engine]
+        name, seen, busy, throttled, throttled_sum, free_sum, bits, first, last = (
+            g.gpu_name, g.sm_mhz_max_seen, g.busy_samples, g.throttled_samples, g.sm_mhz_throttled_sum,
+            g.sm_mhz_unthrottled_sum, g.reason_bits, g.first_throttled, g.last_throttled)
         if not throttled or not busy:
             continue
         mhz_throttled = number(throttled_sum) / int(throttled)

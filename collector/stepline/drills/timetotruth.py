@@ -32,6 +32,7 @@ from stepline.diagnosis.findings import Window
 from stepline.drills.generator import live_case
 from stepline.drills.live import LiveEngine
 from stepline.queries.window import ENGINE
+from stepline.store.reads import scalar
 from stepline.testing.alertstack import AlertStack, Webhook
 
 POLL_WINDOW = timedelta(minutes=3)
@@ -193,12 +194,12 @@ def run_live(cause: str, *, seed: int = 0, duration_s: float = 75.0, poll_s: flo
             result.pages = hook.snapshot()
             store = collector.store
             # The earliest report's ts is the merged one (requests merge ts by min): no merged read needed.
-            (finished,), = store.query(f"SELECT toFloat64(min(ts)) FROM requests WHERE {ENGINE} AND "
-                                       "(request_id LIKE '%-monster-%' OR request_id LIKE '%-long-%')",
-                                       parameters={"engine": name}).result_rows
+            finished = scalar(store.query(f"SELECT toFloat64(min(ts)) FROM requests WHERE {ENGINE} AND "
+                                          "(request_id LIKE '%-monster-%' OR request_id LIKE '%-long-%')",
+                                          parameters={"engine": name}))
             result.request_finished = float(finished) if finished else None
-            (last,), = store.query(f"SELECT toFloat64(max(ts)) FROM steps WHERE {ENGINE}",
-                                   parameters={"engine": name}).result_rows
+            last = scalar(store.query(f"SELECT toFloat64(max(ts)) FROM steps WHERE {ENGINE}",
+                                      parameters={"engine": name}))
             result.last_step = float(last) if last else None
             if cause == "wedge" and result.last_step is not None:
                 result.onset = result.last_step  # the wedge begins when progress stops: the engine's last step

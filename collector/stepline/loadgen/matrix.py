@@ -43,6 +43,7 @@ from stepline.loadgen.client import (
 from stepline.model.rows import Event, micros
 from stepline.store.discovery import collector_for, locate_store, store_without_password
 from stepline.store.errors import StoreError
+from stepline.store.reads import scalar
 from stepline.store.store import Store
 from stepline.store.url import parse_store_url
 
@@ -300,9 +301,9 @@ def store_results(store_url: str, rows: Sequence[Event]) -> str:
     """Insert the events into the store; the returned line says where they went. Raises StoreError."""
     store = Store.open(store_url)
     try:
-        exists = store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'events'",
-                             parameters={"db": store.database}).result_rows
-        if not exists or not exists[0][0]:
+        exists = scalar(store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND "
+                                    "name = 'events'", parameters={"db": store.database}))
+        if not exists:
             store.ensure_schema(NEW_STORE_RETENTION_DAYS)
         store.insert("events", rows, Event._fields)
     except ClickHouseError as exc:

@@ -21,37 +21,37 @@ DECODE_STEP_P50 = f"quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY})"
 ITL_P50_P99 = "quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)"
 _WHOLE_MINUTES = f"{ENGINES} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}"
 
-# engine, decode-only step p50, [ITL p50, ITL p99]
+# engine, decode-only step p50 (step_ms), [ITL p50, ITL p99] (itl)
 DECODE_EXACT = f"""
-SELECT engine, {DECODE_STEP_P50},
-       {ITL_P50_P99}
+SELECT engine, {DECODE_STEP_P50} AS step_ms,
+       {ITL_P50_P99} AS itl
 FROM steps
 WHERE {OF_ENGINES}
 GROUP BY engine
 """
 DECODE_APPROXIMATE = f"""
 WITH toStartOfMinute(ts) AS bucket
-SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1],
-       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)
+SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1] AS step_ms,
+       quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0) AS itl
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
-# engine, [rate p10, p50, p90] of its steps alone (tokens generated/s per decoding request: with speculative decoding
-# a request gets 1 + its accepted drafts a step), their step p50 (ms)
+# engine, [rate p10, p50, p90] (rates) of its steps alone (tokens generated/s per decoding request: with speculative
+# decoding a request gets 1 + its accepted drafts a step), their step p50 (step_ms)
 ALONE_EXACT = f"""
-SELECT engine, quantilesExact(0.1, 0.5, 0.9)({GENERATED} / num_generation_requests * 1000 / elapsed_ms),
-       quantileExact(0.5)(elapsed_ms)
+SELECT engine, quantilesExact(0.1, 0.5, 0.9)({GENERATED} / num_generation_requests * 1000 / elapsed_ms) AS rates,
+       quantileExact(0.5)(elapsed_ms) AS step_ms
 FROM steps
 WHERE {OF_ENGINES}
   AND {ALONE}
 GROUP BY engine
 """
-# engine, [step time p10, p50, p90] (ms) of its steps alone: the caller inverts them into rates (p10 of rate = p90
-# of time), times ALONE_TOKENS_PER_STEP
+# engine, [step time p10, p50, p90] (step_ms) of its steps alone: the caller inverts them into rates (p10 of rate =
+# p90 of time), times ALONE_TOKENS_PER_STEP
 ALONE_APPROXIMATE = f"""
 WITH toStartOfMinute(ts) AS bucket
-SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE})
+SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE}) AS step_ms
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine
@@ -63,7 +63,7 @@ GROUP BY engine
 ALONE_TOKENS_PER_STEP = f"""
 WITH toStartOfMinute(ts) AS bucket
 SELECT engine, 1 + sum(spec_num_accepted_tokens)
-                   / greatest(toInt64(sum(num_generation_tokens)) - sum(spec_num_draft_tokens), 1)
+                   / greatest(toInt64(sum(num_generation_tokens)) - sum(spec_num_draft_tokens), 1) AS tokens
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine

@@ -29,7 +29,7 @@ ORDER BY host, engine, engine_index, ts, step
 # The earliest moment a request alive in [lo, hi] was scheduled (us; NULL when none is known): where its prefill
 # began, so the walk over the steps starts there.
 EARLIEST_SCHEDULED = f"""
-SELECT minOrNull(toUnixTimestamp64Micro({SCHEDULED}))
+SELECT minOrNull(toUnixTimestamp64Micro({SCHEDULED})) AS earliest_us
 FROM {MERGED}
 WHERE {_ALIVE} AND isFinite(queue_seconds)
 """

@@ -21,6 +21,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 from stepline.model import schema
 from stepline.store.errors import StoreError, one_line
 from stepline.store.migrations import Migration
+from stepline.store.reads import scalar
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,8 @@ class ClusterSchema:
 
     def servers(self) -> int:
         """How many servers the cluster has (replicas of all shards); StoreError if the server knows no such cluster."""
-        rows = self.client.query("SELECT count() FROM system.clusters WHERE cluster = {c:String}",
-                                 parameters={"c": self.cluster}).result_rows
-        count = int(rows[0][0])
+        count = int(scalar(self.client.query("SELECT count() FROM system.clusters WHERE cluster = {c:String}",
+                                             parameters={"c": self.cluster})))
         if not count:
             raise StoreError(f"the server knows no cluster {self.cluster!r} (system.clusters): name one of its "
                              "remote_servers in the store URL's ?cluster=")

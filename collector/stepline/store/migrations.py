@@ -15,6 +15,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.model import schema
 from stepline.store.errors import StoreError, one_line
+from stepline.store.reads import scalar
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,13 @@ class Migration:
 
     def version(self) -> int:
         """The newest schema version recorded in the store (0 for a new store)."""
-        rows = self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`").result_rows
-        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+        newest = scalar(self.client.query(f"SELECT max(version) FROM `{self.database}`.`schema_version`"))
+        return int(newest) if newest is not None else 0
 
     def on_cluster(self) -> bool:
         """Whether the timeline tables are Distributed tables over a cluster."""
-        rows = self.client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
-                                 "AND engine = 'Distributed'", parameters={"db": self.database}).result_rows
-        return bool(rows[0][0])
+        return bool(scalar(self.client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
+                                             "AND engine = 'Distributed'", parameters={"db": self.database})))
 
     def _missing_columns(self) -> list[str]:
         """`table.column` for each column this stepline has and the store's tables lack, in schema order."""
@@ -163,7 +163,7 @@ class Migration:
         layouts = self.layouts()
         for table in self.outdated_engines():
             spare = f"`{self.database}`.`{table.name}_rebuild`"
-            rows = self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`").result_rows[0][0]
+            rows = scalar(self.client.query(f"SELECT count() FROM `{self.database}`.`{table.name}`"))
             log.info("rebuilding %s as %s ordered by (%s): %d rows", table.name, table.engine,
                      ", ".join(table.order_by), rows)
             columns = ", ".join(f"`{name}`" for name in table.column_names)

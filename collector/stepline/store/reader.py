@@ -17,6 +17,7 @@ from stepline.model import schema
 from stepline.store.discovery import LocatedStore, RunningCollector, locate_store, read_beside_store
 from stepline.store.errors import StoreError, StoreLocked
 from stepline.store.locking import embedded_store_locked
+from stepline.store.reads import scalar
 from stepline.store.store import Store
 from stepline.store.url import StoreUrl, parse_store_url
 
@@ -76,9 +77,8 @@ def open_located(store: str | None) -> tuple[TimelineReader, LocatedStore]:
         raise StoreError(f"{exc} (and no running collector announced itself in {located.searched})") from None
 
 def _has_timeline(store: Store) -> bool:
-    rows = store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'events'",
-                       parameters={"db": store.database}).result_rows
-    return bool(rows[0][0])
+    return bool(scalar(store.query("SELECT count() FROM system.tables WHERE database = {db:String} AND "
+                                   "name = 'events'", parameters={"db": store.database})))
 
 
 def _endpoint_client(holder: RunningCollector, url: StoreUrl) -> Client:

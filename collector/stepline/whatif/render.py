@@ -26,8 +26,11 @@ def seconds(x: float) -> str:
 
 
 def rate_range(figures: Figures, name: str) -> str:
-    r = figures.decode_rates.get(name)
-    return f"{r[0]:.1f}-{r[2]:.1f}" if r else "-"
+    rates = figures.decode_rates.get(name)
+    if not rates:
+        return "-"
+    low, _mid, high = rates
+    return f"{low:.1f}-{high:.1f}"
 
 
 def _row(label: str, f: Figures, delta: str, b: dict[str, Band] | None = None) -> list[str]:

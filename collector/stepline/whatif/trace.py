@@ -70,14 +70,15 @@ class EngineTrace:
 
 
 _REQUESTS = (
-    "SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), toUnixTimestamp64Micro(ts), queue_seconds, "
-    "ttft_seconds, decode_seconds, prompt_tokens, cached_tokens, generation_tokens, finish_reason, max_tokens "
+    "SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, toUnixTimestamp64Micro(ts) AS "
+    "finished_us, queue_seconds, ttft_seconds, decode_seconds, prompt_tokens, cached_tokens, generation_tokens, "
+    "finish_reason, max_tokens "
     f"FROM {MERGED} WHERE {between(column='arrival_ts')} AND {EACH_ENGINE} ORDER BY engine, arrival_ts, request_id"
 )
 _STEPS = (
-    "SELECT engine, toUnixTimestamp64Micro(ts), elapsed_ms, num_ctx_tokens, num_generation_requests, "
-    f"num_generation_tokens, running + waiting, itl_seconds FROM steps WHERE {OF_EACH_ENGINE} AND NOT is_dummy "
-    "ORDER BY engine, ts, step"
+    "SELECT engine, toUnixTimestamp64Micro(ts) AS ts_us, elapsed_ms, num_ctx_tokens, num_generation_requests, "
+    f"num_generation_tokens, running + waiting AS in_flight_after, itl_seconds FROM steps WHERE {OF_EACH_ENGINE} "
+    "AND NOT is_dummy ORDER BY engine, ts, step"
 )
 
 
@@ -86,24 +87,26 @@ def load(reader: Reads, window: Window) -> list[EngineTrace]:
     requests' finish, so the replay and the recording cover the same work."""
     requests: dict[str, list[TracedRequest]] = {}
     for row in Query(_REQUESTS, start=window.start, end=window.end, engine=window.engine).rows(reader):
-        engine = str(row[0])
-        requests.setdefault(engine, []).append(TracedRequest(
-            str(row[1]), int(row[2]) / 1e6, int(row[3]) / 1e6, number(row[4]), number(row[5]), number(row[6]),
-            int(row[7]), int(row[8]), int(row[9]), str(row[10]), int(row[11])))
+        requests.setdefault(str(row.engine), []).append(TracedRequest(
+            request_id=str(row.request_id), arrival=int(row.arrival_us) / 1e6, finished=int(row.finished_us) / 1e6,
+            queue_s=number(row.queue_seconds), ttft_s=number(row.ttft_seconds), decode_s=number(row.decode_seconds),
+            prompt_tokens=int(row.prompt_tokens), cached_tokens=int(row.cached_tokens),
+            generation_tokens=int(row.generation_tokens), finish_reason=str(row.finish_reason),
+            max_tokens=int(row.max_tokens)))
     if not requests:
         return []
     last = max(r.finished for rs in requests.values() for r in rs)
     steps: dict[str, Steps] = {}
     end = max(window.end, datetime.fromtimestamp(last, UTC))
     for row in Query(_STEPS, start=window.start, end=end, engine=window.engine).rows(reader):
-        s = steps.setdefault(str(row[0]), Steps())
-        s.ts.append(int(row[1]) / 1e6)
-        s.elapsed_s.append(float(row[2]) / 1e3)
-        s.ctx_tokens.append(int(row[3]))
-        s.gen_requests.append(int(row[4]))
-        s.gen_tokens.append(int(row[5]))
-        s.in_flight_after.append(int(row[6]))
-        s.itls.append(tuple(float(v) for v in row[7]))
+        s = steps.setdefault(str(row.engine), Steps())
+        s.ts.append(int(row.ts_us) / 1e6)
+        s.elapsed_s.append(float(row.elapsed_ms) / 1e3)
+        s.ctx_tokens.append(int(row.num_ctx_tokens))
+        s.gen_requests.append(int(row.num_generation_requests))
+        s.gen_tokens.append(int(row.num_generation_tokens))
+        s.in_flight_after.append(int(row.in_flight_after))
+        s.itls.append(tuple(float(v) for v in row.itl_seconds))
     configs = engine_configs(reader, window)
     return [EngineTrace(engine, configs.get(engine, {}), rs, steps.get(engine, Steps()))
             for engine, rs in sorted(requests.items())]

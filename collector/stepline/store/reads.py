@@ -42,8 +42,11 @@ class Row(tuple[Any, ...]):
                              "name it with AS in the SELECT")
 
     def as_dict(self) -> dict[str, Any]:
-        """Column name -> value, in the SELECT's order."""
-        return dict(zip(self.columns, self, strict=True))
+        """Column name -> value, in the SELECT's order (the first of two equal names, as its attribute)."""
+        out: dict[str, Any] = {}
+        for name, value in zip(self.columns, self, strict=True):
+            out.setdefault(name, value)
+        return out
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _rebuilt, (self.columns, tuple(self))

@@ -4,7 +4,6 @@ size on the backend chosen, one request to one decision, refused where nothing t
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import pytest
 
@@ -13,6 +12,7 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.gateway import gateway_fail_open, lane_leak, orphaned_engine_work
 from stepline.model.rows import GatewayDecision, Request
 from stepline.queries.gateway import JOIN_OUTCOMES, join_outcomes, joined
+from stepline.store.reads import Row
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW
 from tests.diagnosis.test_gateway import LANES, _traffic
@@ -56,7 +56,7 @@ def _insert(store: Store, decisions: list[GatewayDecision], requests: list[Reque
     store.insert("requests", requests, Request._fields)
 
 
-def _rows(store: Store, sql: str) -> list[tuple[Any, ...]]:
+def _rows(store: Store, sql: str) -> list[Row]:
     return Query(sql, engine="", start=ALL.start, end=ALL.end).rows(store)
 
 

@@ -187,7 +187,7 @@ class GpuReader:
                 self._events.failed(gpu.index, reading, NvmlError(f"field {fid}: NVML error {got.code}", got.code))
         if refused:
             gone = {reading for reading, _ in refused}
-            gpu.fields = [(reading, fid) for reading, fid in gpu.fields if reading not in gone]
+            gpu.fields = [(reading, fid, scope) for reading, fid, scope in gpu.fields if reading not in gone]
             for reading, fid in refused:
                 if reading not in _FIELD_FALLBACKS:  # else its own call takes over, and says so if it fails too
                     self._unsupported(gpu, reading, f"field {fid} is not supported")
@@ -278,7 +278,7 @@ class GpuReader:
         return default if call is None else self._attempt(gpu, reading, call, default)
 
     def _asked(self, gpu: Gpu, reading: str) -> bool:
-        return any(asked == reading for asked, _fid in gpu.fields)
+        return any(asked == reading for asked, _fid, _scope in gpu.fields)
 
     def _pcie_from_gpm(self, gpu: Gpu) -> bool:
         return gpu.pcie_via_gpm and not (self._asked(gpu, "pcie_tx") or self._asked(gpu, "pcie_rx"))

@@ -52,7 +52,7 @@ STEP_TIME_SAYS = {  # in the order they are said
     "wait": "vLLM's elapsed_ms of a batch-queued core, where no earlier step end bounds the step (after idle)",
     "": "vLLM's elapsed_ms (stored before stepline recorded the reading)",
 }
-_STEP_TIMES = (f"SELECT engine, groupUniqArray(step_time) FROM steps WHERE {ENGINES} AND {IN_WINDOW} "
+_STEP_TIMES = (f"SELECT engine, groupUniqArray(step_time) AS readings FROM steps WHERE {ENGINES} AND {IN_WINDOW} "
                "AND NOT isNaN(elapsed_ms) GROUP BY engine")
 
 
@@ -62,9 +62,9 @@ def step_time_used(reader: Reads, window: Window, engines: Sequence[str]) -> dic
         return {}
     rows = Query(_STEP_TIMES, engines=sorted(engines), start=window.start, end=window.end).rows(reader)
     order = list(STEP_TIME_SAYS)
-    return {str(engine): "; ".join(STEP_TIME_SAYS.get(str(how), str(how))
-                                   for how in sorted(hows, key=lambda h: order.index(h) if h in order else 9))
-            for engine, hows in rows}
+    return {str(r.engine): "; ".join(STEP_TIME_SAYS.get(str(how), str(how))
+                                   for how in sorted(r.readings, key=lambda h: order.index(h) if h in order else 9))
+            for r in rows}
 
 
 def _say_step_time(reader: Reads, window: Window, found: list[Finding]) -> list[Finding]:

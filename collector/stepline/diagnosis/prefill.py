@@ -177,12 +177,12 @@ def long_prefills(reader: Reads, window: Window) -> dict[str, list[LongPrefill]]
     known = budgets(reader, window)
     names = sorted(known)
     minimums = {e: round(LONG_PROMPT_CHUNKS * known[e][0]) for e in names}
-    candidates = [(str(engine), LongPrefill(str(rid), int(prompt), int(cached), utc(start), utc(end), utc(start),
-                                            minimums.get(str(engine), 0)))
-                  for engine, rid, prompt, cached, start, end in Query(
-                      _LONG_PREFILLS, engine=window.engine, start=window.start, end=window.end,
-                      budget_engines=names, min_uncached=[minimums[e] for e in names], unknown=2**63,
-                      least_uncached=min(minimums.values(), default=2**63)).rows(reader)]
+    candidates = [(str(r.engine), LongPrefill(str(r.request_id), int(r.prompt_tokens), int(r.cached_tokens),
+                                              utc(r.prefill_start), utc(r.prefill_end), utc(r.prefill_start),
+                                              minimums.get(str(r.engine), 0)))
+                  for r in Query(_LONG_PREFILLS, engine=window.engine, start=window.start, end=window.end,
+                                 budget_engines=names, min_uncached=[minimums[e] for e in names], unknown=2**63,
+                                 least_uncached=min(minimums.values(), default=2**63)).rows(reader)]
     found: dict[str, list[LongPrefill]] = {}
     for engine, big in _carried(reader, candidates):
         others = found.setdefault(engine, [])

@@ -20,7 +20,8 @@ from stepline.store.reads import Reads
 _SIZED = joined(f"d.gateway AS gateway, d.ts AS decided, d.threshold AS threshold, d.threshold_unit AS unit, "
                 f"{size_in_unit('d')} AS size, r.prompt_tokens AS prompt_tokens",
                 "threshold IS NOT NULL AND threshold_unit != ''", ("ts", "prompt_tokens"), "r.prompt_tokens > 0")
-_BARS = (f"SELECT gateway, argMax(threshold, decided), argMax(unit, decided), groupArray((size, prompt_tokens))\n"
+_BARS = (f"SELECT gateway, argMax(threshold, decided) AS bar, argMax(unit, decided) AS bar_unit, "
+         "groupArray((size, prompt_tokens)) AS pairs\n"
          f"FROM ({_SIZED})\nGROUP BY gateway ORDER BY gateway")
 
 
@@ -51,8 +52,8 @@ class RouterBar:
 def router_bars(reader: Reads, window: Window) -> list[RouterBar]:
     """Each gateway's bar over `window`, with its units per token from at least MIN_JOINED joined requests."""
     bars = []
-    for gateway, threshold, unit, pairs in Query(_BARS, engine=window.engine, start=window.start,
-                                                 end=window.end).rows(reader):
+    for r in Query(_BARS, engine=window.engine, start=window.start, end=window.end).rows(reader):
+        gateway, threshold, unit, pairs = r.gateway, r.bar, r.bar_unit, r.pairs
         ratios = sorted(size / tokens for size, tokens in pairs if size is not None and tokens)
         if len(ratios) < MIN_JOINED or not threshold:
             continue

@@ -74,18 +74,21 @@ def test_render_marks_a_coarse_bucket_and_a_bound() -> None:
 
 
 class _Rows:
-    def __init__(self, rows: list[tuple[Any, ...]]) -> None:
-        self.result_rows = rows
+    def __init__(self, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+        self.column_names, self.result_rows = columns, rows
 
 
 class _Reader:
-    """Answers the two summary queries with hand-made rows."""
+    """Answers the two summary queries with hand-made rows, under the columns' names the queries give them."""
 
     def __init__(self, buckets: list[tuple[Any, ...]], minutes: list[tuple[Any, ...]]) -> None:
         self._buckets, self._minutes = buckets, minutes
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> _Rows:
-        return _Rows(self._buckets if "labels['le']" in sql else self._minutes)
+        if "labels['le']" in sql:
+            return _Rows(("minute", "metric", "le", "n"), self._buckets)
+        return _Rows(("minute", "gen", "prompt", "finished", "waiting", "running", "kv", "preempted", "covered_s"),
+                     self._minutes)
 
 
 def test_per_minute_reads_the_quantiles_from_the_buckets() -> None:

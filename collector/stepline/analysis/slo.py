@@ -19,7 +19,7 @@ from stepline.core.texttable import render_table
 from stepline.model.rows import UNKNOWN_FINISH_REASON
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import SINCE
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, named
 
 _FAILED = ", ".join(f"'{r}'" for r in FAILED_FINISH_REASONS)
 # What each request SLI reads, and when a request counts and is good (as `judge_request`).
@@ -86,8 +86,8 @@ def statuses(reader: Reads, slo: Slo, *, since: float) -> list[SloStatus]:
     for o in slo.objectives:
         sql = _decision_sql(o) if o.sli == "gateway_availability" else _request_sql(o)
         parameters = {"since": round(since * 1e6), "threshold": slo.threshold(o)}
-        for scope, total, good in reader.query(sql, parameters=parameters).result_rows:
-            out.append(SloStatus(o.name, o.sli, f"{o.scope}={scope}", int(total), int(good), o.target))
+        for r in named(reader.query(sql, parameters=parameters)):
+            out.append(SloStatus(o.name, o.sli, f"{o.scope}={r.scope}", int(r.total), int(r.good), o.target))
     return out
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from stepline.model.rows import micros
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, named
 
 # A bucket whose upper bound is at least this many times its lower bound: a figure interpolated inside it may be
 # off by half of itself, so it is printed with its bucket (vLLM's TTFT buckets double from 10 s to 160 s).
@@ -145,19 +145,17 @@ def per_minute(reader: Reads, engine: str, since: float = 0.0) -> list[MinuteSum
     """Generation rate, latency tails and queue depth per minute for one engine, from `since` on."""
     params = {"engine": engine, "since": micros(since)}
     buckets: dict[tuple[datetime, str], list[tuple[float, float]]] = defaultdict(list)
-    for minute, metric, le, n in reader.query(_BUCKETS, parameters=params).result_rows:
-        buckets[(minute, metric)].append((le, n))
+    for b in named(reader.query(_BUCKETS, parameters=params)):
+        buckets[(b.minute, b.metric)].append((b.le, b.n))
     out = []
-    for minute, gen, prompt, finished, waiting, running, kv, preempted, covered_s in reader.query(
-        _PER_MINUTE, parameters=params
-    ).result_rows:
+    for r in named(reader.query(_PER_MINUTE, parameters=params)):
         # A partly covered minute (the first and last) is rated over the time it covers.
-        seconds = max(1.0, min(60.0, covered_s + 1.0))
+        seconds = max(1.0, min(60.0, r.covered_s + 1.0))
         out.append(MinuteSummary(
-            minute, gen / seconds, prompt / seconds, int(finished),
-            bucket_quantile(0.99, buckets.get((minute, "vllm:inter_token_latency_seconds_bucket"), [])),
-            bucket_quantile(0.99, buckets.get((minute, "vllm:time_to_first_token_seconds_bucket"), [])),
-            waiting, running, kv, int(preempted),
+            r.minute, r.gen / seconds, r.prompt / seconds, int(r.finished),
+            bucket_quantile(0.99, buckets.get((r.minute, "vllm:inter_token_latency_seconds_bucket"), [])),
+            bucket_quantile(0.99, buckets.get((r.minute, "vllm:time_to_first_token_seconds_bucket"), [])),
+            r.waiting, r.running, r.kv, int(r.preempted),
         ))
     return out
 

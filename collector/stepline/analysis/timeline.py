@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from stepline.core.usage import UsageError
 from stepline.model.schema import timeline_sql
-from stepline.store.reads import Reads
+from stepline.store.reads import Reads, named
 
 MAX_WINDOW_S = 7 * 86400.0  # a week each side: a larger window is a query, not a timeline
 # The GPU side is read from a little before the window so the first steps find their sample.
@@ -75,13 +75,16 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
                " tensor_active_pct AS tensor, arrayStringConcat(clock_event_flags, ',') AS flags"
                f" FROM ({inner}) ORDER BY t, engine, gpu_index")
     parameters = {"from_us": _us(lo), "to_us": _us(hi), "engine": engine, "bucket_ms": max(1, round(bucket_s * 1000))}
-    rows = reader.query(sql, parameters=parameters).result_rows
+    rows = named(reader.query(sql, parameters=parameters))
     if not rows:
         return (f"no engine steps between {lo:%H:%M:%S} and {hi:%H:%M:%S} UTC"
                 + (f" for engine {engine}" if engine else "") + " (steps come from the plugin)")
     lines = [f"{'time (UTC)':<12} {'engine':<12} {'gpu':>3} {'steps':>5} {'step max':>9} {'prefill':>8} "
              f"{'decoding':>8} {'SM MHz':>7} {'power W':>7} {'DRAM %':>6} {'tensor %':>8}  clock events"]
-    for t, eng, gpu, steps, step_max, prefill, decoding, sm, power, dram, tensor, flags in rows:
+    for r in rows:
+        t, eng, gpu, steps, step_max, prefill, decoding, sm, power, dram, tensor, flags = (
+            r.t, r.engine, r.gpu_index, r.steps, r.step_max_ms, r.prefill, r.decoding, r.sm_mhz, r.power, r.dram,
+            r.tensor, r.flags)
         lines.append(f"{t:%H:%M:%S.%f}"[:12] + f" {eng[:12]:<12} {_n(gpu):>3} {steps:>5} {step_max:>7.0f}ms"
                      f" {prefill:>8} {decoding:>8.0f} {_n(sm):>7} {_n(power):>7} {_n(dram):>6} {_n(tensor):>8}"
                      f"  {flags or '-'}")

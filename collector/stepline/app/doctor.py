@@ -59,7 +59,7 @@ from stepline.store.discovery import (
 )
 from stepline.store.errors import StoreError, one_line
 from stepline.store.reader import TimelineReader, open_reader
-from stepline.store.reads import only
+from stepline.store.reads import named, only
 from stepline.store.url import StoreUrlError, parse_store_url
 from stepline.watchdog.budget import PROGRESS_COUNTERS
 
@@ -286,16 +286,16 @@ class Doctor:
             ev.sql_error = str(exc)
             return None
         try:
-            rows = reader.client.query(
-                f"SELECT engine, argMax(attributes['url'], ts) FROM `{reader.database}`.events WHERE host = "
+            rows = named(reader.client.query(
+                f"SELECT engine, argMax(attributes['url'], ts) AS url FROM `{reader.database}`.events WHERE host = "
                 "{host:String} AND source = 'vllm_metrics' AND kind IN ('engine_up', 'engine_down') GROUP BY engine",
-                parameters={"host": host}).result_rows
+                parameters={"host": host}))
         except Exception as exc:  # a read refused or cut: the store check says so, the others go on
             ev.sql_error = one_line(exc)
             return reader
         scraping = {labels["source"].partition(":")[2] for labels, _ in ev.before.matching("stepline_source_up")
                     if labels["source"].startswith("vllm_metrics:")}
-        ev.scraped = {str(engine): str(u) for engine, u in rows if engine in scraping}
+        ev.scraped = {str(r.engine): str(r.url) for r in rows if r.engine in scraping}
         return reader
 
     def _look_at_engine(self, ev: Evidence, url: str) -> None:
@@ -402,20 +402,20 @@ class Doctor:
         """Other engines' steps and spans since `since` (a name mismatch), and the GPUs of the last minute."""
         window, db, query = {"host": host, "since": round(since * 1e6)}, reader.database, reader.client.query
         try:
-            steps = query(f"SELECT engine, count() FROM `{db}`.steps WHERE host = {{host:String}} AND {SINCE} "
-                          "GROUP BY engine ORDER BY count() DESC LIMIT 5", parameters=window).result_rows
-            spans = query(f"SELECT engine, count(), argMax(model_name, ts) FROM `{db}`.requests WHERE host = "
-                          f"{{host:String}} AND {SINCE} AND source = 'otlp' GROUP BY engine",
-                          parameters=window).result_rows
-            gpus = query(f"SELECT engine, uniqExact(gpu_uuid) FROM `{db}`.gpu_samples WHERE host = {{host:String}} "
-                         f"AND {SINCE} GROUP BY engine",
-                         parameters={**window, "since": round((self._clock() - GPU_WINDOW_S) * 1e6)}).result_rows
+            steps = named(query(f"SELECT engine, count() AS steps FROM `{db}`.steps WHERE host = {{host:String}} "
+                                f"AND {SINCE} GROUP BY engine ORDER BY count() DESC LIMIT 5", parameters=window))
+            spans = named(query(f"SELECT engine, count() AS requests, argMax(model_name, ts) AS model FROM "
+                                f"`{db}`.requests WHERE host = {{host:String}} AND {SINCE} AND source = 'otlp' "
+                                "GROUP BY engine", parameters=window))
+            gpus = named(query(f"SELECT engine, uniqExact(gpu_uuid) AS gpus FROM `{db}`.gpu_samples WHERE host = "
+                               f"{{host:String}} AND {SINCE} GROUP BY engine",
+                               parameters={**window, "since": round((self._clock() - GPU_WINDOW_S) * 1e6)}))
         except Exception as exc:  # as in _find_collector
             ev.sql_error = one_line(exc)
             return
-        ev.other_steps = {str(e): int(n) for e, n in steps if e != ev.name}
-        ev.span_requests = {str(e): (int(n), str(m)) for e, n, m in spans}
-        ev.gpus = {str(e): int(n) for e, n in gpus}
+        ev.other_steps = {str(r.engine): int(r.steps) for r in steps if r.engine != ev.name}
+        ev.span_requests = {str(r.engine): (int(r.requests), str(r.model)) for r in spans}
+        ev.gpus = {str(r.engine): int(r.gpus) for r in gpus}
 
 def prometheus_check(get: Callable[[str], Reply], base: str, selector: str, collector_metrics: str) -> Check:
     """Whether the Prometheus at `base` scrapes the collector whose /metrics is `collector_metrics` ("": any

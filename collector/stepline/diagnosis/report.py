@@ -12,7 +12,7 @@ from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.window import EACH_ENGINE
-from stepline.store.reads import Reads, named, only
+from stepline.store.reads import Reads, Row, named, only
 
 WIDTH = 1200
 HEIGHT = 170
@@ -252,8 +252,8 @@ _STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms) AS step_ms, sum(num_ctx_token
           " sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries"
           " FROM {steps}" + _BOUNDS + " AND NOT is_dummy GROUP BY b ORDER BY b")
 # NaN means a GPU does not support the reading: averaged over the finite samples only.
-_GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
-         " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
+_GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)) AS sm_mhz,"
+         " avgIf(power_w, isFinite(power_w)) AS power, avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct)) AS dram"
          " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
 _SPAN = ("SELECT count() AS samples, toUnixTimestamp64Micro(min(ts)) AS first_us, toUnixTimestamp64Micro(max(ts)) AS "
          "last_us FROM {table}" + _BOUNDS)
@@ -391,7 +391,7 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
         cols["wait"].append((t, _f(r.waiting_max)))
         cols["kv"].append((t, _scaled(r.kv_max, 100)))
         cols["hit"].append((t, 100 * r.hits / r.queries if r.queries else None))
-    gpu_rows = reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params).result_rows
+    gpu_rows = named(reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params))
     sm, power, dram = _gpu_series(gpu_rows, at)
     return [
         Plot("Step duration (max) and prefill tokens (sum) per bucket", "ms", (
@@ -408,12 +408,12 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
     ]
 
 
-def _gpu_series(rows: Sequence[Sequence[Any]], at: Callable[[int], float]
+def _gpu_series(rows: Sequence[Row], at: Callable[[int], float]
                 ) -> tuple[list[Series], list[Series], list[Series]]:
-    """One line per GPU (host:index when several hosts), or their average when there are many GPUs."""
+    """One line per GPU (host:index when several hosts), or their average when there are many GPUs: _GPUS's rows."""
     by_gpu: dict[tuple[str, int], list[tuple[float, float | None, float | None, float | None]]] = {}
-    for b, host, gpu, sm, power, dram in rows:
-        by_gpu.setdefault((host, gpu), []).append((at(b), _f(sm), _f(power), _f(dram)))
+    for r in rows:
+        by_gpu.setdefault((r.host, r.gpu_index), []).append((at(r.b), _f(r.sm_mhz), _f(r.power), _f(r.dram)))
     gpus = len(by_gpu)
     if gpus > _MAX_GPU_LINES:
         merged: dict[float, list[tuple[float | None, float | None, float | None]]] = {}

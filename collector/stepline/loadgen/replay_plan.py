@@ -15,6 +15,7 @@ from stepline.analysis.window import describe
 from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import MatrixError
 from stepline.queries.requests import merged
+from stepline.store.reads import named
 
 DEFAULT_MAX_REQUESTS = 2000
 DEFAULT_VOCAB = 1000
@@ -80,14 +81,15 @@ def read_window(client: Any, window: Window, database: str = "") -> list[Recorde
         engine_filter = " AND engine = {engine:String}"
         parameters["engine"] = window.engine
     table = f"`{database}`.requests" if database else "requests"
-    sql = ("SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts), prompt_tokens, cached_tokens, "
+    sql = ("SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, prompt_tokens, cached_tokens, "
            f"generation_tokens, finish_reason FROM {merged(table)} "
            "WHERE arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') "
            "AND arrival_ts <= fromUnixTimestamp64Micro({end:Int64}, 'UTC')"
            f"{engine_filter} ORDER BY arrival_ts, request_id")
-    rows = client.query(sql, parameters=parameters).result_rows
-    return [Recorded(str(e), str(rid), int(arrival) / 1e6, int(p), int(c), int(g), str(f))
-            for e, rid, arrival, p, c, g, f in rows]
+    return [Recorded(engine=str(r.engine), request_id=str(r.request_id), arrival_ts=int(r.arrival_us) / 1e6,
+                     prompt_tokens=int(r.prompt_tokens), cached_tokens=int(r.cached_tokens),
+                     generation_tokens=int(r.generation_tokens), finish_reason=str(r.finish_reason))
+            for r in named(client.query(sql, parameters=parameters))]
 
 
 def load_window(store: str | None, window: Window) -> list[Recorded]:

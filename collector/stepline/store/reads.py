@@ -14,12 +14,6 @@ from operator import itemgetter
 from typing import Any, ClassVar, Protocol
 
 
-class Reads(Protocol):
-    """Anything that answers a query with rows: a clickhouse-connect client or the Store."""
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any: ...
-
-
 class Result(Protocol):
     """What a query answers, as clickhouse-connect's QueryResult has it (the chDB store's client is one too)."""
 
@@ -28,6 +22,12 @@ class Result(Protocol):
 
     @property
     def result_rows(self) -> Sequence[Sequence[Any]]: ...
+
+
+class Reads(Protocol):
+    """Anything that answers a query with rows: a clickhouse-connect client or the Store."""
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Result: ...
 
 
 class Row(tuple[Any, ...]):

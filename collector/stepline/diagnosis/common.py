@@ -12,7 +12,7 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.queries.baselines import ALONE
 from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW
-from stepline.store.reads import Reads, Row, named
+from stepline.store.reads import Reads, Result, Row, named
 
 Detector = Callable[[Reads, Window], list[Finding]]
 
@@ -152,10 +152,10 @@ class Memo:
 
     def __init__(self, reader: Reads) -> None:
         self._reader = reader
-        self._results: dict[str, Any] = {}
+        self._results: dict[str, Result] = {}
         self.by_engine: dict[str, dict[str, Row | None]] = {}  # see `rows_by_engine`
 
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Result:
         key = sql + "\0" + repr(sorted((parameters or {}).items()))
         if key not in self._results:
             self._results[key] = self._reader.query(sql, parameters=parameters)

@@ -197,7 +197,9 @@ def _micros(moment: datetime) -> int:
 
 def _rows(reader: Reads, sql: str, cls: Any, parameters: dict[str, Any]) -> list[Any]:
     """The query's rows, each built by name as `cls` (a dataclass whose fields are the query's columns)."""
-    return [cls(**row.as_dict()) for row in named(reader.query(sql, parameters=parameters))]
+    result = reader.query(sql, parameters=parameters)
+    names = result.column_names
+    return [cls(**dict(zip(names, row, strict=True))) for row in result.result_rows]
 
 
 def _named(reader: Reads, sql: str, parameters: dict[str, Any]) -> list[Row]:

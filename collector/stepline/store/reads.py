@@ -35,6 +35,7 @@ class Row(tuple[Any, ...]):
 
     __slots__ = ()
     columns: ClassVar[tuple[str, ...]] = ()
+    _distinct: ClassVar[bool] = True  # no two columns share a name
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for a name that is no column's: the columns are properties of the row's class.
@@ -43,6 +44,8 @@ class Row(tuple[Any, ...]):
 
     def as_dict(self) -> dict[str, Any]:
         """Column name -> value, in the SELECT's order (the first of two equal names, as its attribute)."""
+        if self._distinct:
+            return dict(zip(self.columns, self, strict=True))
         out: dict[str, Any] = {}
         for name, value in zip(self.columns, self, strict=True):
             out.setdefault(name, value)
@@ -66,7 +69,8 @@ def row_type(columns: tuple[str, ...]) -> type[Row]:
     for i, name in enumerate(columns):
         if _attribute(name) and name not in properties:
             properties[name] = property(itemgetter(i), doc=f"column {i}: {name}")
-    return type("Row", (Row,), {"__slots__": (), "columns": columns, **properties})
+    return type("Row", (Row,), {"__slots__": (), "columns": columns, "_distinct": len(set(columns)) == len(columns),
+                                **properties})
 
 
 def _rebuilt(columns: tuple[str, ...], values: tuple[Any, ...]) -> Row:

@@ -168,11 +168,12 @@ class SelfMetrics:
     def _slo_metrics(self, r: CollectorRegistry) -> None:
         """The SLIs of the objectives (`stepline.config.objectives`) as good/total counters, what the burn-rate
         rules divide."""
-        labels = ["objective", "engine", "model", "lane"]
+        labels = ["objective", "engine", "model", "lane", "tenant"]
         self.slo_requests = Counter(
             "stepline_slo_requests", "Requests the objective's SLI judged (those whose reports tell it: a TTFT, a "
-            "mean TPOT, a finish reason, a gateway's status), each once; lane: the gateway lane of the engine's latest "
-            "decision ('' without a gateway); model '' for a gateway's decisions.", labels, registry=r)
+            "mean TPOT, a finish reason, a gateway's status or first byte), each once; lane: the gateway lane of the "
+            "engine's latest decision ('' without a gateway); model '' for a gateway's decisions; tenant: who sent "
+            "it as the gateway says, for a tenant's objective only ('' otherwise).", labels, registry=r)
         self.slo_good_requests = Counter(
             "stepline_slo_good_requests", "Of stepline_slo_requests_total, those good by the objective's SLI.", labels,
             registry=r)

@@ -108,7 +108,8 @@ def _local(page: str, path: str) -> bool:
     return any((base / first).exists() for base in (ROOT, (ROOT / page).parent, PACKAGE, ROOT / "collector"))
 
 
-FILES = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts and "node_modules" not in p.parts}
+FILES = {p.name for p in ROOT.rglob("*")
+         if not any(part.startswith(".") or part == "node_modules" for part in p.relative_to(ROOT).parts[:-1])}
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -190,12 +191,20 @@ def test_every_stepline_command_line_a_page_shows_is_a_real_one() -> None:
     assert not problems, "\n".join(problems)
 
 
+# Where the names a page may cite live: the package, the deploy files, the generated rules and dashboards, the
+# benchmarks, CI (not the tests: a name only a test spells is no name a user can meet; not caches).
+CODE_ROOTS = ("collector", "deploy", "alerts", "dashboards", "benchmarks", ".ci", "pyproject.toml")
+
+
 def _code_text() -> str:
-    """Everything but Markdown: the code, deploy files, generated rules and dashboards, the CI script."""
+    """Every file under CODE_ROOTS but Markdown and pictures, as one text."""
     parts = []
-    for path in ROOT.rglob("*"):
-        if (path.is_file() and path.suffix not in (".md", ".png", ".svg", ".pyc") and ".git" not in path.parts
-                and "node_modules" not in path.parts and "tests" not in path.parts[len(ROOT.parts):][:1]):
+    for root in CODE_ROOTS:
+        for path in [ROOT / root] if (ROOT / root).is_file() else sorted((ROOT / root).rglob("*")):
+            inside = path.relative_to(ROOT).parts
+            if (not path.is_file() or path.suffix in (".md", ".png", ".svg", ".pyc")
+                    or any(part.startswith(".") and part not in (".ci", ".env.example") for part in inside)):
+                continue
             try:
                 parts.append(path.read_text(encoding="utf-8"))
             except UnicodeDecodeError:

@@ -7,7 +7,6 @@ import math
 import pytest
 
 from stepline.config.objectives import DEFAULT_OBJECTIVES, Objective, judge_request
-from stepline.config.slo import Slo
 from stepline.model.rows import UNKNOWN_FINISH_REASON, Request
 
 
@@ -21,13 +20,6 @@ def test_the_defaults_are_99_percent_over_30_days_per_model_and_per_lane_at_the_
         ("ttft", 0.99, 30, "model"), ("tpot", 0.99, 30, "model"), ("availability", 0.99, 30, "model"),
         ("gateway_availability", 0.99, 30, "lane")}
     assert math.isclose(DEFAULT_OBJECTIVES[0].error_budget, 0.01)
-
-
-def test_latency_objectives_read_the_slo_thresholds_unless_they_name_their_own() -> None:
-    slo = Slo(ttft_p99_seconds=2.0, tpot_seconds=0.04,
-              objectives=(Objective("ttft", "ttft"), Objective("tight", "ttft", threshold_seconds=0.5),
-                          Objective("tpot", "tpot"), Objective("up", "availability")))
-    assert [slo.threshold(o) for o in slo.objectives] == [2.0, 0.5, 0.04, 0.0]
 
 
 @pytest.mark.parametrize(("sli", "report", "good"), [
@@ -50,8 +42,3 @@ def test_each_sli_judges_what_the_report_tells(sli: str, report: Request, good: 
 def test_a_bad_objective_is_refused_naming_the_problem(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Objective(**kwargs)  # type: ignore[arg-type]
-
-
-def test_objective_names_are_unique() -> None:
-    with pytest.raises(ValueError, match="repeat"):
-        Slo(objectives=(Objective("a", "ttft"), Objective("a", "tpot")))

@@ -38,7 +38,7 @@ def test_a_step_a_request_and_the_configuration_round_trip() -> None:
 
 
 def test_a_step_without_iteration_details_reads_back_nan() -> None:
-    bare = wire.StepRecord(1.0, 1, 0, math.nan, *([0] * 7), 0.0, 0, 0, 0, 0, 0, 0, True)
+    bare = wire.StepRecord(1.0, 1, 0, math.nan, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, True)
     (step,) = wire.decode(_datagram(wire.encode_step(bare))).records
     assert isinstance(step, wire.StepRecord) and math.isnan(step.elapsed_ms) and step.is_dummy
 

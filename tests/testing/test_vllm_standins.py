@@ -13,7 +13,7 @@ from stepline.testing import vllm_standins as standins
 
 def test_finish_reasons_are_an_int_enum_printing_lower_case_as_vllms() -> None:
     assert [int(r) for r in standins.FinishReason] == [0, 1, 2, 3, 4]
-    assert str(standins.FinishReason.LENGTH) == "length" and standins.FinishReason.STOP == 0
+    assert str(standins.FinishReason.LENGTH) == "length" and int(standins.FinishReason.STOP) == 0
 
 
 def test_the_stats_carry_the_attributes_the_plugin_reads_with_vllms_defaults() -> None:

@@ -2,9 +2,10 @@
 # Everything the test suite runs for real, installed where it is missing: the README's second command and `.ci/run`
 # both start here. Debian's chromium (the report drawn headless), promtool and amtool (the alert, dashboard and deploy
 # tests), Node.js with the pinned @clickhouse/client (the query endpoint's client tests), this checkout with its test
-# extras, vLLM's CPU build (tests/realvllm/install.sh) and LiteLLM's proxy with vllm-router (tests/gateway/
-# install.sh), each of the last two in an environment of its own under ~/.cache/stepline.
-# The first run downloads about 4 GB and takes minutes; a run with everything in place checks and returns.
+# extras, and in environments of their own under ~/.cache/stepline vLLM's CPU build (tests/realvllm/install.sh) and
+# LiteLLM's proxy with vllm-router (tests/gateway/install.sh).
+# The first run downloads about 4.5 GB and takes minutes; with everything in place it checks, puts this checkout's
+# wheel into the two environments again and returns, in about 20 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

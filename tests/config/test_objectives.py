@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from stepline.config.objectives import DEFAULT_OBJECTIVES, Objective, judge_decision, judge_request, load_objectives
-from stepline.config.slo import Slo
 from stepline.model.rows import UNKNOWN_FINISH_REASON, GatewayDecision, Request
 
 
@@ -22,14 +21,6 @@ def test_the_defaults_are_99_percent_over_30_days_per_model_and_per_lane_and_ten
         ("ttft", 0.99, 30, "model"), ("tpot", 0.99, 30, "model"), ("availability", 0.99, 30, "model"),
         ("gateway_availability", 0.99, 30, "lane"), ("tenant_availability", 0.99, 30, "tenant")}
     assert math.isclose(DEFAULT_OBJECTIVES[0].error_budget, 0.01)
-
-
-def test_latency_objectives_read_the_slo_thresholds_unless_they_name_their_own() -> None:
-    slo = Slo(ttft_p99_seconds=2.0, tpot_seconds=0.04,
-              objectives=(Objective("ttft", "ttft"), Objective("tight", "ttft", threshold_seconds=0.5),
-                          Objective("tpot", "tpot"), Objective("up", "availability"),
-                          Objective("first_byte", "gateway_first_byte", scope="tenant")))
-    assert [slo.threshold(o) for o in slo.objectives] == [2.0, 0.5, 0.04, 0.0, 2.0]
 
 
 @pytest.mark.parametrize(("sli", "report", "good"), [
@@ -54,11 +45,6 @@ def test_each_sli_judges_what_the_report_tells(sli: str, report: Request, good: 
 def test_a_bad_objective_is_refused_naming_the_problem(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Objective(**kwargs)  # type: ignore[arg-type]
-
-
-def test_objective_names_are_unique() -> None:
-    with pytest.raises(ValueError, match="repeat"):
-        Slo(objectives=(Objective("a", "ttft"), Objective("a", "tpot")))
 
 
 def _decision(status: int, first_byte_us: int | None, disconnected: bool = False) -> GatewayDecision:

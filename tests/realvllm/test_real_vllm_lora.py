@@ -210,5 +210,15 @@ def test_the_adapters_gpu_seconds_are_the_engines_busy_time(run: Run) -> None:
     # machine, all of it prefill steps placed on the wrong request or none: a request's first-token moment (its
     # arrival plus the plugin's ttft, e2e less decode, which mixes the front-end's clock with the engine core's)
     # fell 3.5 ms before the end of the step that computed its prompt, past placement's 1 ms snap (SNAP_US in
-    # stepline.analysis.placement), so that step counted as its decode and its chunk went to the other request.
+    # stepline.analysis.placement): that step counted as its decode, the other request's prompt was placed on it,
+    # and the step that computed that prompt went to nobody.
     assert rows["(unattributed)"]["gpu_seconds"] <= 0.35 * busy_s, rows
+
+
+def test_the_skip_names_the_engines_own_refusal() -> None:
+    # How vLLM 0.32 refuses LoRA for a model without it (vllm/v1/worker/lora_model_runner_mixin.py:48), as its log
+    # prints it; an engine that fails for another reason is a failure, not a skip.
+    log = ("(EngineCore pid=7) INFO 12-06 14:43:10 [cpu_model_runner.py:68] Starting to load model /m...\n"
+           "(EngineCore pid=7) ValueError: LlamaForCausalLM does not support LoRA yet.\n")
+    assert refusal(log) == "(EngineCore pid=7) ValueError: LlamaForCausalLM does not support LoRA yet."
+    assert refusal("(EngineCore pid=7) RuntimeError: out of memory\n(APIServer pid=6) Loaded new LoRA adapter") == ""

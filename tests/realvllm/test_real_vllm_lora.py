@@ -4,13 +4,13 @@ per model (the base's, the adapter's), watched as the README attaches one. `step
 exactly the requests and tokens sent to each (as the responses' usage says), and the groups' GPU-seconds with the
 unattributed line must be the engine's busy time.
 
-What happened on vLLM 0.32.0's CPU build: it serves the adapter (vllm/platforms/cpu.py: the Punica wrapper
-vllm/lora/punica_wrapper/punica_cpu.py; LoRA turns torch.compile off, `compilation_config.mode = NONE`), and the
+What happened on vLLM 0.32.0's CPU build: it serves the adapter (vllm/platforms/cpu.py:607, the Punica wrapper
+vllm/lora/punica_wrapper/punica_cpu.py; cpu.py:379, LoRA turns torch.compile off), and the
 adapter changes what the engine computes (its log-probabilities differ from the base's). The engine itself never
-says which adapter a request used: the finished request its stat loggers get (vllm/v1/metrics/stats.py,
-FinishedRequestStats) and its `llm_request` span (vllm/v1/engine/output_processor.py, do_tracing) carry no model
-and no LoRA name, though the request's state has it (output_processor.py, RequestState.lora_name); only per-step
-counts of running and waiting requests per adapter reach them (SchedulerStats.running_lora_adapters, the gauge
+says which adapter a request used: the finished request its stat loggers get (vllm/v1/metrics/stats.py:288,
+FinishedRequestStats) and its `llm_request` span (vllm/v1/engine/output_processor.py:877, do_tracing) carry no
+model and no LoRA name, though the request's state has it (output_processor.py:166, RequestState.lora_name); only
+per-step counts of running and waiting requests per adapter reach them (stats.py:250-251, SchedulerStats, the gauge
 vllm:lora_requests_info). So the adapter comes from the gateway's decision (the model it asked the engine for), and
 a request sent straight to the engine has no adapter (`(none)`): this test checks that too, with the two requests
 that compare the adapter's log-probabilities with the base's.

@@ -41,9 +41,10 @@ class TimelineReader:
 def open_reader(store_url: str) -> TimelineReader:
     """Connect for reading; raises StoreError with one clear line. A server URL without a password takes the store
     password the environment gives, as the collector does (url.reading_store_url)."""
+    url = parse_store_url(store_url)
     try:
         url = parse_store_url(reading_store_url(store_url))
-    except StoreUrlError as exc:
+    except StoreUrlError as exc:  # the URL parsed: what failed is the password the environment gives
         raise StoreError(f"cannot read the store password: {exc}") from None
     if not url.embedded:
         store = Store.open(url)

@@ -121,9 +121,8 @@ def with_password(text: str, password: str) -> str:
     return parts._replace(netloc=userinfo + host).geturl()
 
 
-# The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names
-# (what a Kubernetes Secret or a compose secret mounts: one secret serves ClickHouse and stepline, and the password
-# never sits in an environment or a process list).
+# The ClickHouse password apart from the store URL, merged into a server URL: from VAR or the file VAR_FILE names
+# (a mounted Kubernetes or compose secret), read by the collector and by every command that reads the store.
 STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
 
 

@@ -1,9 +1,10 @@
 """A finding's evidence in words, for the terminal (`diagnose`) and the incident report (`report`) alike.
 
-Each figure is a named line, rounded, with the unit its name ends in (`itl_p99_inside_s` 1.397 -> "1.4 s",
-`sm_mhz_max` -> "1980 MHz", `own_steps_share` 0.977 -> "97.7%"); a finding folded under its cause (causes.merge, the
-`symptoms` key) is a block of its own with its title and figures; what whatif would buy (whatif/offer.py, the `whatif`
-key) is its lever, then each figure as `value [low-high]` over the replays. The JSON (`--json`) keeps the raw values.
+Each figure is a named line, rounded, with the unit a word of its name says (`itl_p99_inside_s` 1.397 -> "1.4 s",
+`sm_mhz_max` 1980 -> "1,980 MHz", `own_steps_share` 0.977 -> "97.7%"); a finding folded under its cause
+(causes.merge, the `symptoms` key) is a block of its own with its title and figures; what whatif would buy
+(whatif/offer.py, the `whatif` key) is its lever, then each figure as `value [low-high]` over the replays. The JSON
+(`--json`) keeps the raw values.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 from stepline.config.objectives import load_objectives
 from stepline.config.slo import Slo
 from stepline.core.usage import UsageError
-from stepline.store.url import StoreUrlError, default_store_url, parse_store_url, with_password
+from stepline.store import url as url_module
+from stepline.store.url import StoreUrlError, default_store_url, parse_store_url
 
 ROLES = ("sidecar", "node")
 
@@ -330,25 +331,16 @@ def _read_secret(var: str, path: str) -> str:
         raise SettingsError(f"{var}={path!r}: {exc.strerror}") from None
 
 
-# The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names.
-STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
+STORE_PASSWORD_VARS = url_module.STORE_PASSWORD_VARS
 
 
 def store_url_with_password(url: str, env: Mapping[str, str] | None = None) -> str:
     """`url` given the ClickHouse password alone, from STEPLINE_STORE_PASSWORD or the file STEPLINE_STORE_PASSWORD_FILE
-    names (what a Kubernetes Secret mounts: one secret key serves ClickHouse and the collector, and the password never
-    sits in the collector's environment); `url` as it is when neither is set. SettingsError when they clash."""
-    env = os.environ if env is None else env
-    var, var_file = STORE_PASSWORD_VARS
-    password = env.get(var) or None
-    if password is None and env.get(var_file):
-        password = _read_secret(var_file, env[var_file])
-    if password is None:
-        return url
+    names (store.url.with_store_password); `url` as it is when neither is set. SettingsError when they clash."""
     try:
-        return with_password(url, password)
+        return url_module.with_store_password(url, env)
     except StoreUrlError as exc:
-        raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
+        raise SettingsError(str(exc)) from None
 
 # Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
 _SECRETS = (

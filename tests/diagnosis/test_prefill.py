@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from clickhouse_connect.driver.query import QueryResult
 
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.prefill import (
     _LONG_PREFILLS,
     LongPrefill,
@@ -20,6 +19,7 @@ from stepline.diagnosis.prefill import (
 )
 from stepline.model.rows import Event
 from stepline.model.schema import REQUESTS_BY_PROMPT
+from stepline.queries.query import Query
 from stepline.store.store import Store
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import T0, WINDOW, _monster, config, insert, request, steady, step

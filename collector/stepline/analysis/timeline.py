@@ -18,16 +18,19 @@ _BOUNDS_GPU = (" AND ts >= fromUnixTimestamp64Micro({from_us:Int64} - 10000000, 
                " AND ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')")
 # The view joins steps to their engine's GPUs, so an engine with no GPU sample (a CPU engine, a host without
 # NVML, samples not attributed to it) would vanish: its steps are added with empty GPU columns.
-_STEPS_WITHOUT_GPU = """
+def _steps_without_gpu(database: str) -> str:
+    db = f"`{database}`." if database else ""
+    return f"""
 SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
        s.elapsed_ms AS elapsed_ms, s.num_ctx_tokens AS prefill_tokens, s.num_generation_requests AS decoding,
        s.running AS running, s.waiting AS waiting, s.kv_cache_usage AS kv_cache_usage,
        CAST(NULL, 'Nullable(UInt8)') AS gpu_index, NULL AS gpu_ts, NULL AS sm_clock_mhz, NULL AS power_w,
        NULL AS dram_bw_util_pct, NULL AS tensor_active_pct, NULL AS util_gpu_pct, NULL AS nvlink_bytes_per_s,
        CAST([], 'Array(LowCardinality(String))') AS clock_event_flags
-FROM DB.steps AS s
-WHERE (s.host, s.engine) GLOBAL NOT IN (SELECT DISTINCT host, engine FROM DB.gpu_samples WHERE engine != '' GPU_FILTER)
-STEP_FILTER"""
+FROM {db}steps AS s
+WHERE (s.host, s.engine) GLOBAL NOT IN (SELECT DISTINCT host, engine FROM {db}gpu_samples WHERE engine != ''
+                                        {_BOUNDS_GPU})
+{_BOUNDS_STEPS}"""
 
 
 def parse_moment(text: str, now: datetime | None = None) -> datetime:
@@ -86,11 +89,6 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
                      f" {prefill:>8} {decoding:>8.0f} {_n(sm):>7} {_n(power):>7} {_n(dram):>6} {_n(tensor):>8}"
                      f"  {flags or '-'}")
     return "\n".join(lines)
-
-
-def _steps_without_gpu(database: str) -> str:
-    return (_STEPS_WITHOUT_GPU.replace("DB.", f"`{database}`." if database else "")
-            .replace("GPU_FILTER", _BOUNDS_GPU).replace("STEP_FILTER", _BOUNDS_STEPS))
 
 
 def _us(moment: datetime) -> int:

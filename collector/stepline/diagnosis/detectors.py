@@ -12,8 +12,9 @@ from typing import Any
 
 from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
-from stepline.diagnosis.common import Detector, Memo, Query, hms
+from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import Query
 from stepline.queries.window import ENGINES, IN_WINDOW
 from stepline.store.reads import Reads
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -35,9 +36,9 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.runs import PrefillRun, prefill_runs
 from stepline.queries.baselines import DECODE_STEP_P50, ITL_P50_P99
 from stepline.queries.query import Query, Spans, moment, param, which_span
-from stepline.queries.requests import FIRST_TOKEN, MERGED, SCHEDULED, merged_matching
+from stepline.queries.requests import FIRST_TOKEN, SCHEDULED, merged_matching
 from stepline.queries.steps import OF_ENGINE, of_engine
-from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, between
+from stepline.queries.window import EACH_ENGINE, ENGINES, between
 from stepline.store.reads import Reads
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
@@ -71,43 +72,29 @@ GROUP BY k
 """
 
 
-# Steps inside the prefill interval against the window's decode-only steps (those carrying no prefill chunk, so
-# none of the prefill's), in the diagnosis window: what a finding shows. What runs reads the same figures in
-# fewer rows: _inside_sql, and the baselines once per engine.
-_INTERFERENCE = f"""
-SELECT countIf(inside) AS steps_inside,
-       quantileExactIf(0.5)(elapsed_ms, inside) AS step_p50_inside_ms,
-       {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms,
-       maxIf(num_ctx_tokens, inside) AS chunk_tokens,
-       sumIf(length(itl_seconds), inside) AS itl_samples_inside,
-       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, inside) AS itl_inside_s,
-       {ITL_P50_P99} AS itl_outside_s,
-       sumIf(elapsed_ms * num_generation_requests, inside) / 1000 AS delayed_request_s,
-       maxIf(waiting, inside) AS waiting_max_inside,
-       countIf(inside AND num_ctx_requests = 1) / countIf(inside) AS own_steps_share
-FROM (SELECT *, {between("prefill_start", "prefill_end")} AS inside FROM steps WHERE {OF_ENGINE})
-"""
-
-# Requests that arrived while the prefill ran and queued: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
-_QUEUED_BEHIND = f"""
-SELECT count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
-       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
-FROM {MERGED}
-WHERE {ENGINE} AND request_id != {param('request_id', 'String')} AND queue_seconds > 0
-  AND queue_seconds >= {param('min_queue_s', 'Float64')}
-  AND arrival_ts >= {moment('prefill_start')} AND arrival_ts < {moment('prefill_end')}
-"""
-
-
-# _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
-# (baseline.baselines). `spans` are the prefills' (engine, interval) spans (queries.query.which_span).
+# The steps inside each prefill's span (its steps in the window), all prefills at once (few steps), for their figures
+# against the engine's decode-only steps (baseline.baselines, once per engine). `spans` are the prefills' (engine,
+# interval) spans (queries.query.which_span); k numbers them from 0.
 def _inside_sql(spans: Spans) -> str:
     return f"""
-SELECT k, count(), quantileExact(0.5)(elapsed_ms), max(num_ctx_tokens), sum(length(itl_seconds)),
-       quantilesExactArray(0.5, 0.99)(itl_seconds), sum(elapsed_ms * num_generation_requests) / 1000,
-       max(waiting), countIf(num_ctx_requests = 1) / count()
+SELECT k, count() AS steps_inside, quantileExact(0.5)(elapsed_ms) AS step_p50_inside_ms,
+       max(num_ctx_tokens) AS chunk_tokens, sum(length(itl_seconds)) AS itl_samples_inside,
+       quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl_inside_s,
+       sum(elapsed_ms * num_generation_requests) / 1000 AS delayed_request_s, max(waiting) AS waiting_max_inside,
+       countIf(num_ctx_requests = 1) / count() AS own_steps_share
 FROM (SELECT *, {spans.which} AS k FROM steps PREWHERE {spans.inside})
 GROUP BY k
+"""
+
+
+# What a finding shows: its prefill's row of what runs (_inside_sql over its one span), beside the decode-only figures
+# of its engine's steps in the window that its baseline is read from when exact (queries.baselines.DECODE_EXACT).
+def _interference_sql(spans: Spans) -> str:
+    return f"""
+SELECT inside.*, outside.*
+FROM ({_inside_sql(spans)}) AS inside
+CROSS JOIN (SELECT {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms, {ITL_P50_P99} AS itl_outside_s
+            FROM steps WHERE {OF_ENGINE}) AS outside
 """
 
 
@@ -117,8 +104,8 @@ GROUP BY k
 _QUEUED_LONG = (f"{ENGINES} AND queue_seconds >= {param('least_queue_s', 'Float64')} AND queue_seconds > 0 "
                 f"AND arrival_ts < {moment('hi')} AND ts > {moment('lo')}")
 _QUEUED_BEHIND_EACH = f"""
-SELECT k, count(), sum(queue_seconds), max(queue_seconds),
-       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3)
+SELECT k, count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
+       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
 FROM {merged_matching(_QUEUED_LONG, ("ts", "arrival_ts", "queue_seconds"))}
 ARRAY JOIN arrayFilter(i -> engine = {param('engines', 'Array(String)')}[i]
     AND request_id != {param('ids', 'Array(String)')}[i]
@@ -239,10 +226,15 @@ def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[t
              if i in spans else big) for i, (engine, big) in enumerate(candidates)]
 
 
+def _span(window: Window, big: LongPrefill) -> tuple[datetime, datetime]:
+    """The part of the prefill in the window (empty, from > to, where they do not meet)."""
+    return max(window.start, big.start), min(window.end, big.end)
+
+
 def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]]
             ) -> dict[tuple[str, int], tuple[Any, ...]]:
-    """(engine, k) -> the inside columns of _INTERFERENCE for prefills[engine][k], when it has steps in the window."""
-    spans = [(engine, k, max(window.start, big.start), min(window.end, big.end))
+    """(engine, k) -> the columns of _inside_sql for prefills[engine][k], when it has steps in the window."""
+    spans = [(engine, k, *_span(window, big))
              for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
     spans = [span for span in spans if span[2] <= span[3]]
     if not spans:
@@ -250,6 +242,12 @@ def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]
     which = which_span([(engine, lo, hi) for engine, _k, lo, hi in spans])
     return {(spans[int(r[0])][0], spans[int(r[0])][1]): tuple(r[1:])
             for r in Query(_inside_sql(which), **which.parameters).rows(reader)}
+
+
+def _interference(window: Window, engine: str, big: LongPrefill) -> Query:
+    """What the finding on `big` shows (_interference_sql): the same figures as the read of every prefill at once."""
+    which = which_span([(engine, *_span(window, big))])
+    return Query(_interference_sql(which), **which.parameters, engine=engine, start=window.start, end=window.end)
 
 
 def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
@@ -263,8 +261,6 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
         config = configs.get(engine, {})
         b = base.get(engine, NO_BASELINE)
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_INTERFERENCE, engine=engine, start=window.start, end=window.end,
-                          prefill_start=big.start, prefill_end=big.end)
             if (engine, k) not in inside or not inside[engine, k][0]:
                 continue
             _n, step_in, chunk, itl_n, itl_in, delayed, waiting, own = inside[engine, k]
@@ -289,7 +285,8 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
             findings.append(Finding(
                 "prefill_interference", "critical" if critical else "warning", engine, big.start, big.end,
                 clip(f"{big.name} prefill: ITL p99 {itl99_in:.2f}s vs {itl99_out * 1000:.0f}ms"),
-                evidence, query.literal(), _chunk_lever(config, int(chunk)), number(delayed)))
+                evidence, _interference(window, engine, big).literal(), _chunk_lever(config, int(chunk)),
+                number(delayed)))
     return findings
 
 
@@ -332,19 +329,25 @@ def _chunk_lever(config: dict[str, str], chunk: int) -> str:
             + "; or route monster prompts to an engine of their own")
 
 
+def _queued_behind_each(prefills: Sequence[tuple[str, LongPrefill]], min_queue_s: dict[str, float]) -> Query:
+    """_QUEUED_BEHIND_EACH over `prefills` (engine, prefill), numbered from 1: what runs for them all, and what a
+    finding shows for its one."""
+    return Query(_QUEUED_BEHIND_EACH, engines=[e for e, _ in prefills], ids=[b.request_id for _, b in prefills],
+                 min_queue_s=[min_queue_s.get(e, 0.0) for e, _ in prefills],
+                 starts=[b.began for _, b in prefills], ends=[b.end for _, b in prefills],
+                 lo=min(b.began for _, b in prefills) - FINISH_SLACK, hi=max(b.end for _, b in prefills),
+                 # The row's own filter first: the per-prefill test runs on the few that queued that long.
+                 least_queue_s=min(min_queue_s.get(e, 0.0) for e, _ in prefills))
+
+
 def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_queue_s: dict[str, float]
                    ) -> dict[tuple[str, int], tuple[Any, ...]]:
-    """(engine, k) -> the row _QUEUED_BEHIND gives for prefills[engine][k], when any request queued behind it."""
+    """(engine, k) -> the row _QUEUED_BEHIND_EACH gives for prefills[engine][k], when any request queued behind
+    it."""
     flat = [(engine, k, big) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
     if not flat:
         return {}
-    rows = Query(_QUEUED_BEHIND_EACH, engines=[e for e, _, _ in flat], ids=[b.request_id for _, _, b in flat],
-                 min_queue_s=[min_queue_s.get(e, 0.0) for e, _, _ in flat],
-                 starts=[round(b.began.timestamp() * 1e6) for _, _, b in flat],
-                 ends=[round(b.end.timestamp() * 1e6) for _, _, b in flat],
-                 lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat),
-                 # The row's own filter first: the per-prefill test runs on the few that queued that long.
-                 least_queue_s=min(min_queue_s.get(e, 0.0) for e, _, _ in flat)).rows(reader)
+    rows = _queued_behind_each([(e, b) for e, _, b in flat], min_queue_s).rows(reader)
     return {flat[int(r[0]) - 1][:2]: tuple(r[1:]) for r in rows}
 
 
@@ -358,8 +361,6 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
     queued_behind = _queued_behind(reader, prefills, min_queue_s)
     for engine in engines(reader, window):
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.began,
-                          prefill_end=big.end, min_queue_s=min_queue_s.get(engine, 0.0))
             row = queued_behind.get((engine, k))
             if row is None or int(row[0]) < MIN_QUEUED:
                 continue
@@ -379,7 +380,7 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
                                  f"{base.get(engine, NO_BASELINE).decode_step_ms:.1f} ms (p50)",
                  "uncached_tokens": big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens),
                  "long_from_uncached_tokens": big.min_uncached_tokens, **shape},
-                query.literal(),
+                _queued_behind_each([(engine, big)], min_queue_s).literal(),
                 "admit long prompts apart from short ones (a separate engine or a priority policy), and bound "
                 "per-step prefill (--long-prefill-token-threshold) so short prompts are scheduled beside it",
                 total))

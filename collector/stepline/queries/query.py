@@ -150,7 +150,9 @@ def which_span(spans: Sequence[tuple[str, datetime, datetime]], max_keys: int = 
                                 max_keys)
     inside = (f"(engine, toUnixTimestamp({function}(ts))) IN arrayZip({param('span_key_engines', 'Array(String)')}, "
               f"{param('span_key_times', 'Array(UInt32)')}) AND arrayExists(i -> {_OWN_SPANS})")
+    # The bounds bind as moments (their microseconds), so that a finding's SQL shows them as times too.
     return Spans(inside, f"toInt64(arrayFirst(i -> {_OWN_SPANS})) - 1",
                  f"arrayMap(i -> toInt64(i) - 1, arrayFilter(i -> {_OWN_SPANS}))",
-                 {"span_engines": engines, "span_ks": [own[e] for e in engines], "span_lo": lo, "span_hi": hi,
+                 {"span_engines": engines, "span_ks": [own[e] for e in engines],
+                  "span_lo": [start for _, start, _ in spans], "span_hi": [end for _, _, end in spans],
                   "span_key_engines": [e for e, _ in keys], "span_key_times": [t for _, t in keys]})

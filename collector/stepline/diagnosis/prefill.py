@@ -91,7 +91,7 @@ GROUP BY k
 # of its engine's steps in the window that its baseline is read from when exact (queries.baselines.DECODE_EXACT).
 def _interference_sql(spans: Spans) -> str:
     return f"""
-SELECT inside.*, outside.*
+SELECT inside.* EXCEPT (k), outside.*
 FROM ({_inside_sql(spans)}) AS inside
 CROSS JOIN (SELECT {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms, {ITL_P50_P99} AS itl_outside_s
             FROM steps WHERE {OF_ENGINE}) AS outside

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from stepline.clickhouse_http.guard import read_only_statement
 from stepline.model.rows import Event, micros
 from stepline.queries.query import Query, moment, param, which_span
 from stepline.store.store import Store
@@ -62,6 +63,7 @@ def test_the_text_that_runs_is_the_text_shown_with_its_values(two_engines: Store
               "{quoted:String}": "'it\\'s'"}
     assert query.literal() == re.sub(r"\{\w+:[^{}]+\}", lambda m: values[m.group()], ran)
     assert rows == [tuple(r) for r in two_engines.query(query.literal()).result_rows]
+    read_only_statement(query.literal())  # what `stepline query` lets through: a reader can paste it there
     assert rows == [(n, e) for e in ("spans_a", "spans_b") for n in (11, 12)]  # 10.00025 s is after step 10
 
 

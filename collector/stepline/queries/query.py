@@ -4,8 +4,8 @@ The one form of parameter every read writes: `param(name, type)` (the placeholde
 https://clickhouse.com/docs/interfaces/cli#cli-queries-with-parameters), and `moment(name)` for a point in time,
 bound as its Int64 microseconds since the epoch and read back as DateTime64(6, 'UTC') in the SQL text itself (a
 bound DateTime64 string would be read in the session's time zone). `Query` runs its text as written, the moments
-bound as their microseconds; `Query.literal()` is that same text with each placeholder replaced by its value, what
-a finding shows as its SQL (`stepline diagnose`, the report) and what `stepline query` runs.
+bound as their microseconds; `Query.literal()` is that same text with each placeholder replaced by its value: what
+a finding shows as its SQL (`stepline diagnose`, the report), for a reader to run again with `stepline query`.
 
 `which_span` gives the fragments that test a step against many (engine, from, to) spans at once.
 """

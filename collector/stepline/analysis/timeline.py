@@ -7,15 +7,16 @@ from datetime import UTC, datetime, timedelta
 
 from stepline.core.usage import UsageError
 from stepline.model.schema import timeline_sql
+from stepline.queries.query import moment
 from stepline.store.reads import Reads
 
 MAX_WINDOW_S = 7 * 86400.0  # a week each side: a larger window is a query, not a timeline
 # The GPU side is read from a little before the window so the first steps find their sample.
-_BOUNDS_STEPS = (" AND s.ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
-                 " AND s.ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+_BOUNDS_STEPS = (f" AND s.ts >= {moment('from_us')}"
+                 f" AND s.ts <= {moment('to_us')}"
                  " AND ({engine:String} = '' OR s.engine = {engine:String})")
 _BOUNDS_GPU = (" AND ts >= fromUnixTimestamp64Micro({from_us:Int64} - 10000000, 'UTC')"
-               " AND ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')")
+               f" AND ts <= {moment('to_us')}")
 # The view joins steps to their engine's GPUs, so an engine with no GPU sample (a CPU engine, a host without
 # NVML, samples not attributed to it) would vanish: its steps are added with empty GPU columns.
 def _steps_without_gpu(database: str) -> str:

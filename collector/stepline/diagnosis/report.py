@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
 
@@ -241,8 +242,8 @@ def _number(value: float) -> str:
 
 DEFAULT_TITLE = "stepline incident report"
 
-_BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
-           " AND ts < fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+_BOUNDS = (f" WHERE ts >= {moment('from_us')}"
+           f" AND ts < {moment('to_us')}"
            f" AND {EACH_ENGINE}")
 _BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
 

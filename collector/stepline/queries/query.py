@@ -35,8 +35,8 @@ def param(name: str, type_: str) -> str:
 
 
 def moment(name: str) -> str:
-    """The moment bound as `name` (a datetime: Query binds its Int64 microseconds since the epoch), as
-    DateTime64(6, 'UTC'), the type of every time column."""
+    """The moment bound as `name`, its Int64 microseconds since the epoch (Query binds a datetime so; a reader that
+    binds its own parameters binds that integer), as DateTime64(6, 'UTC'), the type of every time column."""
     return f"fromUnixTimestamp64Micro({param(name, 'Int64')}, 'UTC')"
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from stepline.analysis.usage import EngineUsage, usage
 from stepline.core.texttable import render_table
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import micros, tenant_of
 from stepline.queries.gateway import MATCH_SKEW_S, joined
+from stepline.queries.query import Query
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
 from stepline.store.reads import Reads

@@ -26,6 +26,7 @@ from stepline.core.clock import Clock
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import UsageMinute, micros
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE
 from stepline.sources.base import Emit, SourceError
 from stepline.store.reads import Reads
@@ -40,8 +41,8 @@ MAX_TRIES = 3  # a minute that fails this many polls in a row is skipped, counte
 ROLLUP_FROM_S = 3600.0  # `stepline usage` reads the rollup for windows longer than this
 MAX_TAIL_S = 900.0  # ... where the rollup reaches this close to the window's end (the rest is an exact pass)
 
-_FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
-_TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
+_FROM = moment("lo")
+_TO = moment("hi")
 _DIMENSIONS = ("gpu_name", "model", "lane", "adapter", "`key`", "team", "`user`", "end_user")
 # The rollup's lines over [lo, hi), whole minutes: one per engine, line and group.
 ROLLED = f"""

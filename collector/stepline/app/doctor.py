@@ -46,6 +46,7 @@ from stepline.alerting.config import AlertConfig
 from stepline.config.settings import Settings, split_named_url, url_host_port
 from stepline.core.listener import url as url_of
 from stepline.core.usage import UsageError
+from stepline.queries.query import param
 from stepline.queries.window import ENGINE, SINCE
 from stepline.sources.vllm_metrics import ExpositionError, ParsedSample, parse_exposition
 from stepline.store.discovery import (
@@ -390,7 +391,7 @@ class Doctor:
         try:
             count, detailed, model = reader.client.query(
                 f"SELECT count(), countIf(NOT isNaN(elapsed_ms)), argMax(model_name, ts) FROM "
-                f"`{reader.database}`.steps WHERE host = {{host:String}} AND {ENGINE} AND {SINCE}",
+                f"`{reader.database}`.steps WHERE host = {param('host', 'String')} AND {ENGINE} AND {SINCE}",
                 parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}).result_rows[0]
         except Exception as exc:  # as in _find_collector
             ev.sql_error = one_line(exc)
@@ -401,13 +402,13 @@ class Doctor:
         """Other engines' steps and spans since `since` (a name mismatch), and the GPUs of the last minute."""
         window, db, query = {"host": host, "since": round(since * 1e6)}, reader.database, reader.client.query
         try:
-            steps = query(f"SELECT engine, count() FROM `{db}`.steps WHERE host = {{host:String}} AND {SINCE} "
-                          "GROUP BY engine ORDER BY count() DESC LIMIT 5", parameters=window).result_rows
+            steps = query(f"SELECT engine, count() FROM `{db}`.steps WHERE host = {param('host', 'String')} "
+                          f"AND {SINCE} GROUP BY engine ORDER BY count() DESC LIMIT 5", parameters=window).result_rows
             spans = query(f"SELECT engine, count(), argMax(model_name, ts) FROM `{db}`.requests WHERE host = "
-                          f"{{host:String}} AND {SINCE} AND source = 'otlp' GROUP BY engine",
+                          f"{param('host', 'String')} AND {SINCE} AND source = 'otlp' GROUP BY engine",
                           parameters=window).result_rows
-            gpus = query(f"SELECT engine, uniqExact(gpu_uuid) FROM `{db}`.gpu_samples WHERE host = {{host:String}} "
-                         f"AND {SINCE} GROUP BY engine",
+            gpus = query(f"SELECT engine, uniqExact(gpu_uuid) FROM `{db}`.gpu_samples "
+                         f"WHERE host = {param('host', 'String')} AND {SINCE} GROUP BY engine",
                          parameters={**window, "since": round((self._clock() - GPU_WINDOW_S) * 1e6)}).result_rows
         except Exception as exc:  # as in _find_collector
             ev.sql_error = one_line(exc)

@@ -11,9 +11,10 @@ from datetime import UTC, datetime, timedelta
 
 from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
-from stepline.diagnosis.common import Detector, Memo, Query, hms
+from stepline.diagnosis.common import Detector, Memo, hms
 from stepline.diagnosis.evidence import WHATIF_FIRST, evidence_of
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import Query
 from stepline.queries.window import ENGINES, IN_WINDOW
 from stepline.store.reads import Reads
 

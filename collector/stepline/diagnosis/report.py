@@ -12,6 +12,7 @@ from typing import Any
 
 from stepline.diagnosis.evidence import Line, evidence_of
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
 
@@ -242,20 +243,33 @@ def _number(value: float) -> str:
 
 DEFAULT_TITLE = "stepline incident report"
 
-_BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
-           " AND ts < fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+_BOUNDS = (f" WHERE ts >= {moment('from_us')}"
+           f" AND ts < {moment('to_us')}"
            f" AND {EACH_ENGINE}")
 _BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
-# Per bucket over every engine in the window: the worst step, the prefill it carried, the ITL tails.
-_STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms), sum(num_ctx_tokens),"
-          " quantilesExactArray(0.5, 0.99)(itl_seconds), sum(length(itl_seconds)),"
-          " max(running), max(waiting), max(kv_cache_usage), sum(prefix_cache_hits), sum(prefix_cache_queries)"
-          " FROM {steps}" + _BOUNDS + " AND NOT is_dummy GROUP BY b ORDER BY b")
-# NaN means a GPU does not support the reading: averaged over the finite samples only.
-_GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
-         " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
-         " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
-_SPAN = "SELECT count(), toUnixTimestamp64Micro(min(ts)), toUnixTimestamp64Micro(max(ts)) FROM {table}" + _BOUNDS
+
+
+def _steps_sql(steps: str) -> str:
+    """Per bucket over every engine in the window of `steps` (the table): the worst step, the prefill it carried, the
+    ITL tails."""
+    return (f"SELECT {_BUCKET}, max(elapsed_ms), sum(num_ctx_tokens),"
+            " quantilesExactArray(0.5, 0.99)(itl_seconds), sum(length(itl_seconds)),"
+            " max(running), max(waiting), max(kv_cache_usage), sum(prefix_cache_hits), sum(prefix_cache_queries)"
+            f" FROM {steps}{_BOUNDS} AND NOT is_dummy GROUP BY b ORDER BY b")
+
+
+def _gpus_sql(gpus: str) -> str:
+    """Per bucket and GPU of `gpus` (the table): clocks, power and DRAM bandwidth. NaN means a GPU does not support
+    the reading: averaged over the finite samples only."""
+    return (f"SELECT {_BUCKET}, host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)),"
+            " avgIf(power_w, isFinite(power_w)), avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct))"
+            f" FROM {gpus}{_BOUNDS} GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
+
+
+def _span_sql(table: str) -> str:
+    return f"SELECT count(), toUnixTimestamp64Micro(min(ts)), toUnixTimestamp64Micro(max(ts)) FROM {table}{_BOUNDS}"
+
+
 _MAX_GPU_LINES = 8  # more GPUs than this are drawn as their average
 
 _STYLE = """
@@ -362,7 +376,7 @@ def _data_span(reader: Reads, window: Window, database: str) -> tuple[float, flo
               "to_us": round(window.end.timestamp() * 1_000_000), "engine": window.engine}
     edges = []
     for table in ("steps", "gpu_samples"):
-        sql = _SPAN.replace("{table}", _table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
+        sql = _span_sql(_table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
         rows, first, last = reader.query(sql, parameters=params).result_rows[0]
         if rows:
             edges += [first / 1e6, last / 1e6]
@@ -377,7 +391,7 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
     def at(b: int) -> float:  # a bucket is drawn at its middle
         return t0 + (b + 0.5) * bucket
 
-    steps = reader.query(_STEPS.replace("{steps}", _table(database, "steps")), parameters=params).result_rows
+    steps = reader.query(_steps_sql(_table(database, "steps")), parameters=params).result_rows
     cols: dict[str, list[Point]] = {k: [] for k in ("step", "prefill", "p50", "p99", "run", "wait", "kv", "hit")}
     for b, step_ms, prefill, itl, itl_n, running, waiting, kv, hits, queries in steps:
         t = at(b)
@@ -389,7 +403,7 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
         cols["wait"].append((t, _f(waiting)))
         cols["kv"].append((t, _scaled(kv, 100)))
         cols["hit"].append((t, 100 * hits / queries if queries else None))
-    gpu_rows = reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params).result_rows
+    gpu_rows = reader.query(_gpus_sql(_table(database, "gpu_samples")), parameters=params).result_rows
     sm, power, dram = _gpu_series(gpu_rows, at)
     return [
         Plot("Step duration (max) and prefill tokens (sum) per bucket", "ms", (

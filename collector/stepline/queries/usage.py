@@ -9,11 +9,12 @@ them is one walk, never a sort in Python.
 
 from __future__ import annotations
 
+from stepline.queries.query import moment
 from stepline.queries.requests import MERGED, SCHEDULED
 from stepline.queries.window import EACH_ENGINE, EACH_HOST
 
-_FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
-_TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
+_FROM = moment("lo")
+_TO = moment("hi")
 # The requests alive at some moment of [lo, hi]: finished at or after lo, arrived by hi.
 _ALIVE = f"{EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND arrival_ts <= {_TO}"
 

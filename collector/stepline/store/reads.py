@@ -1,11 +1,8 @@
-"""What every reader of the timeline needs from a store: a query that answers rows."""
+"""What every reader of the timeline needs from a store: a query that answers rows (stepline.queries.query.Reads,
+defined beside `Query`, its first consumer, in the layer below the store)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from stepline.queries.query import Reads
 
-
-class Reads(Protocol):
-    """Anything that answers a query with rows: a clickhouse-connect client or the Store."""
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any: ...
+__all__ = ["Reads"]

@@ -21,7 +21,9 @@ def test_a_drop_is_counted_and_logged_once_per_interval(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="stepline.ingest.metrics"):
         drops("steps", 3, "queue_full")
         drops("steps", 2, "queue_full")
+        drops("events", 0, "spool_corrupt")  # a segment too damaged to say its rows: the spool names it itself
     assert _dropped(registry, "steps", "queue_full") == 5
+    assert _dropped(registry, "events", "spool_corrupt") == 0
     assert [r.getMessage() for r in caplog.records] == ["dropped 3 steps rows: queue_full"]
 
 

@@ -77,9 +77,12 @@ class RowDrops:
         self._log = RateLimitedLog(log, interval_s=10.0)
 
     def __call__(self, table: str, rows: int, reason: str) -> None:
-        """Count `rows` of `table` given up for `reason`, and log it (at most once per 10 s per table and reason)."""
+        """Count `rows` of `table` given up for `reason`, and log it (at most once per 10 s per table and reason). A
+        count of 0 (a spool segment too damaged to say its rows, which the spool names in a line of its own) is
+        counted, so the series shows, and not logged."""
         self.count(table, rows, reason)
-        self._log.warning(f"{table}:{reason}", "dropped %d %s rows: %s", rows, table, reason)
+        if rows:
+            self._log.warning(f"{table}:{reason}", "dropped %d %s rows: %s", rows, table, reason)
 
     def count(self, table: str, rows: int, reason: str) -> None:
         """Count them only, for a caller that logs a line of its own naming more than the reason."""

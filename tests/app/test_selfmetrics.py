@@ -2,8 +2,8 @@
 
 The alert rules and dashboards read these names, labels and help texts. tests/fixtures/selfmetrics-before-split.json
 is what the one `SelfMetrics` class of `stepline.core.selfmetrics` declared until each subsystem declared its own
-(read from its registry, in the order it registered them). A change to it is a change for every user's rules: make
-it on purpose.
+(read from its registry at main 3051088, in the order it registered them). A change to it is a change for every
+user's rules: make it on purpose.
 """
 
 from __future__ import annotations

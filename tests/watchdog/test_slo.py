@@ -26,13 +26,16 @@ def _request(rid: str, *, ttft: float = 0.5, tpot: float = 0.02, reason: str = "
                    0.1, 0.4, 2.0, 2.5, 3.0, ttft, tpot, 100, 0, 100, 200, 0)
 
 
-def _decision(status: int, *, lane: str = "fast", disconnected: bool = False) -> GatewayDecision:
+def _decision(status: int, *, lane: str = "fast", disconnected: bool = False, first_byte_s: float | None = None,
+              team: str = "", key: str = "") -> GatewayDecision:
+    first_byte = None if first_byte_s is None else micros(T + first_byte_s)
     return GatewayDecision(micros(T), "h", "e1", "router", "r1", 1, lane, [], 10, 10, None, None, "", "", None,
-                           status, "", disconnected, None, micros(T + 1), "")
+                           status, "", disconnected, first_byte, micros(T + 1), "", team=team, key=key)
 
 
-def _counts(m: WatchdogMetrics, objective: str, lane: str = "", model: str = "m") -> tuple[float | None, float | None]:
-    labels = {"objective": objective, "engine": "e1", "model": model, "lane": lane}
+def _counts(m: WatchdogMetrics, objective: str, lane: str = "", model: str = "m",
+            tenant: str = "") -> tuple[float | None, float | None]:
+    labels = {"objective": objective, "engine": "e1", "model": model, "lane": lane, "tenant": tenant}
     r = m.registry
     return (r.get_sample_value("stepline_slo_requests_total", labels),
             r.get_sample_value("stepline_slo_good_requests_total", labels))
@@ -101,3 +104,18 @@ def test_the_tap_counts_requests_under_the_lane_of_the_engines_latest_decision()
     assert _counts(m, "ttft") == (1, 1)
     assert _counts(m, "ttft", lane="heavy") == (1, 0)
     assert _counts(m, "gateway_availability", lane="heavy", model="") == (1, 1)
+
+
+def test_a_tenants_objectives_count_the_gateways_decisions_under_who_sent_them() -> None:
+    m = WatchdogMetrics(CollectorRegistry())
+    slis = SliCounters(m.slo, Slo(ttft_p99_seconds=1.0, objectives=(
+        Objective("tenant_first_byte", "gateway_first_byte", scope="tenant"),
+        Objective("lane_up", "gateway_availability", scope="lane"))))
+    slis.decision(_decision(200, first_byte_s=0.3, team="search"))
+    slis.decision(_decision(200, first_byte_s=4.0, team="search"))  # a first byte late
+    slis.decision(_decision(502, key="alice"))  # failed before a byte: bad (the key names the tenant without a team)
+    slis.decision(_decision(0, disconnected=True, key="alice"))  # left first: the first byte says nothing
+    assert _counts(m, "tenant_first_byte", lane="fast", model="", tenant="search") == (2, 1)
+    assert _counts(m, "tenant_first_byte", lane="fast", model="", tenant="alice") == (1, 0)
+    # An objective kept per lane keeps no tenant label value: its series do not multiply by tenants.
+    assert _counts(m, "lane_up", lane="fast", model="") == (4, 3)

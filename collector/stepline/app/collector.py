@@ -103,7 +103,7 @@ class Collector:
             self.writers.start()
             self.watchdog = Watchdog(self.metrics.watchdog, self.writers.write, host=s.host_name, clock=self.clock,
                                      reader_factory=sink.reader, lane_budgets=s.lane_budget_map(),
-                                     expect_plugin=bool(self._plugin_receivers))
+                                     expect_plugin=bool(self._plugin_receivers), slo=s.slo())
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()

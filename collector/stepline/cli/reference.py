@@ -318,6 +318,7 @@ def configuration_page() -> str:
     """Every Settings field with its variable, flag, default and docstring; every variable the code reads."""
     from stepline.config import settings
     from stepline.sources.registry import REGISTRY
+    from stepline.store import url as store_url
 
     env = {name: var for name, var, _ in settings._ENV}
     secrets = dict(settings._SECRETS)
@@ -350,7 +351,7 @@ def configuration_page() -> str:
         "itself is unset. A setting's description is its field docstring, else its flag's help.",
         _table(["setting", "environment", "flag", "default", "what it is"], rows),
         f"{_code(password)}, {_code(password_file)} (into `store`): "
-        f"{_cell(constant(Path(settings.__file__), 'STORE_PASSWORD_VARS')[1])}",
+        f"{_cell(constant(Path(store_url.__file__), 'STORE_PASSWORD_VARS')[1])}",
         "## Sources",
         "The names `--disable-source` and `STEPLINE_DISABLED_SOURCES` take (`stepline.sources.registry`), with "
         "their default intervals in seconds.",

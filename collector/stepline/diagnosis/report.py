@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from stepline.diagnosis.evidence import Line, evidence_of
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
@@ -263,7 +264,8 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 6px}.meta{color
 .finding{border-left:5px solid #999;padding:4px 10px;margin:8px 0;background:#fafafa}
 .finding.critical{border-color:#d62728}.finding.warning{border-color:#ff9f1a}.finding.info{border-color:#4c8bf5}
 .sev{font-weight:bold;text-transform:uppercase;font-size:12px}.kind{color:#555;font-family:monospace}
-.ev{font-size:12px;color:#333;margin:2px 0}.ev b{font-weight:600}
+.ev{font-size:12px;color:#333;margin:2px 0;padding-left:18px;columns:22em auto;column-gap:24px}
+.ev li{break-inside:avoid}.ev b{font-weight:600}.ev.folded{margin-left:14px}.also{font-size:12px;margin:4px 0 0 14px}
 pre{background:#f0f0f0;padding:6px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
 .plots{max-width:1400px}svg.plot{display:block;width:100%;height:auto}
 .frame{fill:none;stroke:#bbb}.grid{stroke:#e6e6e6}.line{fill:none;stroke-width:1.4}
@@ -428,19 +430,34 @@ def _gpu_series(rows: Sequence[Sequence[Any]], at: Callable[[int], float]
 
 
 def _finding_html(number: int, f: Finding) -> str:
-    evidence = " · ".join(f"<span>{escape(str(k))}=<b>{escape(_value(v))}</b></span>" for k, v in f.evidence.items())
+    said = evidence_of(f.evidence)
     parts = [f'<div class="finding {escape(f.severity)}" id="finding-{number}">',
              f'<div><b>#{number}</b> <span class="sev">{escape(f.severity)}</span> '
              f'<span class="kind">{escape(f.kind)}</span> · <b>{escape(f.title)}</b></div>',
-             f'<div class="meta">{escape(f.engine or "all engines")} · {_moment(f.start)} → {_moment(f.end)} UTC</div>']
-    if evidence:
-        parts.append(f'<div class="ev">{evidence}</div>')
+             f'<div class="meta">{escape(f.engine or "all engines")} · {_moment(f.start)} → {_moment(f.end)} UTC</div>',
+             _lines_html(said.lines)]
+    for folded in said.folded:
+        parts.append(f'<div class="also">also <span class="kind">{escape(folded.kind)}</span> '
+                     f'<span class="sev">{escape(folded.severity)}</span> · {escape(folded.title)}</div>')
+        parts.append(_lines_html(folded.lines, "ev folded"))
+    if said.whatif:
+        parts.append('<div class="also">whatif: what the best lever of this finding would buy, replayed '
+                     "(value [low-high] over the replays)</div>")
+        parts.append(_lines_html(said.whatif, "ev folded"))
     if f.lever:
         parts.append(f"<div><b>Lever:</b> {escape(f.lever)}</div>")
     if f.sql:
         parts.append(f"<details><summary>SQL</summary><pre>{escape(f.sql)}</pre></details>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def _lines_html(lines: Sequence[Line], css: str = "ev") -> str:
+    """Named lines (evidence.py, as `diagnose` prints them): "name: <b>figure</b>" each."""
+    if not lines:
+        return ""
+    items = "".join(f"<li>{escape(line.name)}: <b>{escape(line.text)}</b></li>" for line in lines)
+    return f'<ul class="{css}">{items}</ul>'
 
 
 def _table(database: str, name: str) -> str:
@@ -484,11 +501,3 @@ def _scaled(value: Any, factor: float) -> float | None:
 def _mean(values: Sequence[float | None]) -> float | None:
     finite = [v for v in values if v is not None]
     return sum(finite) / len(finite) if finite else None
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, datetime):
-        return _moment(value) + " UTC"
-    return str(value)

@@ -45,6 +45,10 @@ MATCH_TIME_TIE_S = 0.5
 JOIN_OUTCOMES = ("id", "time_and_size", "time", "ambiguous", "taken", "unjoined")
 
 
+# A decision's (or a rolled-up minute's) tenant, as model.rows.tenant_of names it.
+TENANT = "multiIf(team != '', team, `key` != '', `key`, end_user != '', end_user, `user`)"
+
+
 def size_in_unit(alias: str = "") -> str:
     """The size a decision (columns of `alias`, e.g. 'd') compared with its bar, in the bar's unit: NULL where it
     measured none in that unit, or no bar's unit is known."""

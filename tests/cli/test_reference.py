@@ -13,10 +13,10 @@ import pytest
 
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.definitions import alerts
+from stepline.app.selfmetrics import SelfMetrics
 from stepline.cli import reference
 from stepline.cli.main import build_parser
 from stepline.config import settings
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.diagnosis.detectors import DETECTORS
 from stepline.model.schema import STORE_TABLES
 

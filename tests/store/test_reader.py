@@ -8,9 +8,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner
 from stepline.ingest.writer import Writers
 from stepline.sources.base import Emit, SourceError
@@ -31,13 +31,13 @@ class Flaky:
             raise SourceError(self.error)
 
 
-def _errors(metrics: SelfMetrics) -> dict[str, str]:
+def _errors(metrics: IngestMetrics) -> dict[str, str]:
     return {s.labels["source"]: s.labels["error"] for family in metrics.registry.collect()
             if family.name == "stepline_source_last_error_info" for s in family.samples if s.value}
 
 
 def test_the_runner_exports_a_failing_sources_last_error_and_forgets_it_on_recovery() -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
     source = Flaky()
     runner.poll_once(source)
@@ -54,8 +54,8 @@ def test_the_runner_exports_a_failing_sources_last_error_and_forgets_it_on_recov
 
 
 @pytest.fixture
-def served_metrics() -> Iterator[tuple[SelfMetrics, str]]:
-    metrics = SelfMetrics()
+def served_metrics() -> Iterator[tuple[IngestMetrics, str]]:
+    metrics = IngestMetrics(CollectorRegistry())
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -76,11 +76,11 @@ def served_metrics() -> Iterator[tuple[SelfMetrics, str]]:
     server.server_close()
 
 
-def test_source_health_reads_the_reason_beside_down(served_metrics: tuple[SelfMetrics, str]) -> None:
+def test_source_health_reads_the_reason_beside_down(served_metrics: tuple[IngestMetrics, str]) -> None:
     metrics, url = served_metrics
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
     runner.poll_once(Flaky())
-    metrics.source_up.labels("host").set(1)
+    metrics.sources.source_up.labels("host").set(1)
     assert source_health(url) == {"gpu": SourceHealth(False, "no NVML: NVML Shared Library Not Found"),
                                   "host": SourceHealth(True, "")}
 

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.model.rows import (
     EngineSample,
     Event,
@@ -31,6 +31,7 @@ from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store.reads import Reads
 from stepline.testing.sink import wait_until
 from stepline.watchdog.budget import Policy
+from stepline.watchdog.metrics import WatchdogMetrics
 from stepline.watchdog.tap import Watchdog
 
 E = "e1"
@@ -41,7 +42,7 @@ class Harness:
 
     def __init__(self, **options: Any) -> None:
         self.clock = ManualClock()
-        self.metrics = SelfMetrics()
+        self.metrics = WatchdogMetrics(CollectorRegistry())
         self.emitted: list[Row] = []
         self.dog = Watchdog(self.metrics, self._emit, host="h", clock=self.clock, **options)
 

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from stepline.analysis import usage_by
 from stepline.analysis.usage_by import Line, Report, Who
 from stepline.core.clock import Clock
+from stepline.core.oneline import one_line
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import UsageMinute, micros
@@ -202,7 +203,7 @@ def _moment(us: int) -> datetime:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return f"{type(exc).__name__}: {one_line(exc, 200)}"
 
 
 __all__ = ["LAG_S", "ROLLUP_FROM_S", "UsageRollup", "minute_rows", "report", "roll", "rolled_lines", "rolled_span"]

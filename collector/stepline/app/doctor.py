@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepline.alerting.config import AlertConfig
 from stepline.config.settings import Settings, split_named_url, url_host_port
 from stepline.core.listener import url as url_of
+from stepline.core.oneline import one_line
 from stepline.core.usage import UsageError
 from stepline.queries.query import param
 from stepline.queries.window import ENGINE, SINCE
@@ -58,7 +59,7 @@ from stepline.store.discovery import (
     runtime_dir,
     store_without_password,
 )
-from stepline.store.errors import StoreError, one_line
+from stepline.store.errors import StoreError, error_line
 from stepline.store.reader import TimelineReader, open_reader
 from stepline.store.url import StoreUrlError, parse_store_url
 from stepline.watchdog.budget import PROGRESS_COUNTERS
@@ -138,7 +139,7 @@ def fetch(url: str, timeout_s: float, body: bytes | None = None, headers: dict[s
 def why(exc: BaseException) -> str:
     """A transport failure in a few words."""
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return " ".join(str(reason).split())[:200] or type(exc).__name__
+    return one_line(reason, 200) or type(exc).__name__
 
 
 class Samples:
@@ -291,7 +292,7 @@ class Doctor:
                 "{host:String} AND source = 'vllm_metrics' AND kind IN ('engine_up', 'engine_down') GROUP BY engine",
                 parameters={"host": host}).result_rows
         except Exception as exc:  # a read refused or cut: the store check says so, the others go on
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return reader
         scraping = {labels["source"].partition(":")[2] for labels, _ in ev.before.matching("stepline_source_up")
                     if labels["source"].startswith("vllm_metrics:")}
@@ -394,7 +395,7 @@ class Doctor:
                 f"`{reader.database}`.steps WHERE host = {param('host', 'String')} AND {ENGINE} AND {SINCE}",
                 parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}).result_rows[0]
         except Exception as exc:  # as in _find_collector
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return
         ev.steps, ev.detailed_steps, ev.steps_model = int(count), int(detailed), str(model)
 
@@ -411,7 +412,7 @@ class Doctor:
                          f"WHERE host = {param('host', 'String')} AND {SINCE} GROUP BY engine",
                          parameters={**window, "since": round((self._clock() - GPU_WINDOW_S) * 1e6)}).result_rows
         except Exception as exc:  # as in _find_collector
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return
         ev.other_steps = {str(e): int(n) for e, n in steps if e != ev.name}
         ev.span_requests = {str(e): (int(n), str(m)) for e, n, m in spans}

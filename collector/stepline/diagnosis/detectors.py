@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+from stepline.core.oneline import one_line
 from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
 from stepline.diagnosis.common import Detector, Memo, hms
@@ -87,8 +88,8 @@ def diagnose(reader: Reads, window: Window,
         except Exception as exc:  # one broken detector must not hide what the others see
             log.warning("detector %s failed: %s", name, exc, exc_info=True)
             found.append(Finding("detector_failed", "info", window.engine, window.start, window.end,
-                                 f"detector {name} failed: {' '.join(str(exc).split())}"[:76],
-                                 {"detector": name, "error": " ".join(str(exc).split())[:500]}))
+                                 f"detector {name} failed: {one_line(exc)}"[:76],
+                                 {"detector": name, "error": one_line(exc, 500)}))
     return merge(_say_step_time(reader, window, found))
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from prometheus_client import CollectorRegistry, Counter
+
 from stepline.config.objectives import GATEWAY_SLIS, judge_decision, judge_request
 from stepline.config.slo import Slo
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.merge import arrival_tolerance_us
 from stepline.model.rows import GatewayDecision, Request
 
@@ -33,11 +34,31 @@ the seconds between a request's two reports."""
 Labels = tuple[str, str, str, str, str]  # objective, engine, model, lane, tenant ('' unless the objective's scope)
 
 
+class SloMetrics:
+    """The SLIs of the objectives (`stepline.config.objectives`) as good/total counters, what the burn-rate rules
+    divide."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        labels = ["objective", "engine", "model", "lane", "tenant"]
+        self.slo_requests = Counter(
+            "stepline_slo_requests", "Requests the objective's SLI judged (those whose reports tell it: a TTFT, a "
+            "mean TPOT, a finish reason, a gateway's status or first byte), each once; lane: the gateway lane of the "
+            "engine's latest decision ('' without a gateway); model '' for a gateway's decisions; tenant: who sent "
+            "it as the gateway says, for a tenant's objective only ('' otherwise).", labels, registry=r)
+        self.slo_good_requests = Counter(
+            "stepline_slo_good_requests", "Of stepline_slo_requests_total, those good by the objective's SLI.", labels,
+            registry=r)
+        self.slo_dropped = Counter(
+            "stepline_slo_requests_dropped", "Requests an objective's SLI did not count because their label set "
+            "would have passed the collector's bound on SLI series.", ["objective"], registry=r)
+
+
 class SliCounters:
     """Judges each request once per objective and counts it under its labels; `request` and `decision` are called
     from the watchdog's tap, under its lock."""
 
-    def __init__(self, metrics: SelfMetrics, slo: Slo | None = None, *, max_series: int = MAX_SERIES,
+    def __init__(self, metrics: SloMetrics, slo: Slo | None = None, *, max_series: int = MAX_SERIES,
                  max_remembered: int = MAX_REMEMBERED) -> None:
         self._metrics = metrics
         self._slo = slo or Slo()

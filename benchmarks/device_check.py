@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+from prometheus_client import CollectorRegistry
+
 from stepline.core.clock import SystemClock
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.core.texttable import render_table
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.sources.base import Emit, SourceContext
@@ -304,7 +306,7 @@ def section_run(nvml: Nvml, load: Load | None, seconds: float, store_url: str, o
     store = Store.open(store_url)
     store.ensure_schema(30)
     host = platform.node()
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     writers = Writers(store, metrics, flush_interval_s=0.5)
     source = TimedSource(GpuSource(SourceContext(host, SystemClock()), nvml))
     runner = Runner([Scheduled(source, 1 / POLL_HZ)], writers, metrics, host)

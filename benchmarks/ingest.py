@@ -43,7 +43,7 @@ from realistic import build_steps
 
 from stepline.core import gctune
 from stepline.core.clock import SystemClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model import schema
@@ -168,7 +168,7 @@ def remember_as_collect_does(writers: Writers) -> None:
     of the memory's window, so that a report finished since then is placed from memory, not looked up in the store.
     Without it every report here (stamped before the writers start) would count as older than the memory. Each
     round replays from engines of its own, so the store holds none of their requests: there is nothing to read."""
-    writers.remember_requests([], whole_window=True)
+    writers.placement.remember([], whole_window=True)
 
 
 def writer_stage(bodies: Sequence[bytes], engines: Sequence[str], writer_options: dict[str, Any],
@@ -183,7 +183,7 @@ def writer_stage(bodies: Sequence[bytes], engines: Sequence[str], writer_options
             pending = []
     chunks.append(pending)
     sink = NullSink()
-    writers = Writers(sink, SelfMetrics(), spool_dir=spool_dir, **writer_options)
+    writers = Writers(sink, IngestMetrics(CollectorRegistry()), spool_dir=spool_dir, **writer_options)
     remember_as_collect_does(writers)
     writers.start()
     started = time.perf_counter()
@@ -278,7 +278,7 @@ def end_to_end(store: Store | None, tmp: str, bodies: list[bytes], engines: list
     With `store` None the writers hand their batches to a sink that discards them; with `writers_on` False too,
     this thread polls the receiver itself and counts the rows (receive and decode only).
     """
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     null_sink = NullSink()
     writers = Writers(store or null_sink, metrics, spool_dir=tempfile.mkdtemp(prefix="spool-", dir=tmp),
                       **writer_options)

@@ -38,6 +38,7 @@ from pathlib import Path
 import chdb
 from scale_data import Shape, synthesise
 
+from stepline.core.oneline import one_line
 from stepline.core.texttable import render_table
 from stepline.dashboards.macros import ALL, QueryContext, expand
 from stepline.dashboards.query import CLICKHOUSE_TYPE
@@ -133,7 +134,7 @@ def _time(rounds: int, run: Callable[[], int]) -> tuple[list[float], int, str]:
         try:
             rows = run()
         except Exception as exc:  # a failing query is a result to print, not a reason to stop
-            return times, rows, " ".join(str(exc).split())[:200]
+            return times, rows, one_line(exc, 200)
         times.append(time.perf_counter() - started)
     return times, rows, ""
 

@@ -152,7 +152,7 @@ def report(name: str, label: str, reader: object, run: ScenarioRun, config: Engi
 def _curves(reader: object, engine: str, window: Window) -> list[EnergyCurve]:
     pad = 10_000_000
     lo, hi = (round(t.timestamp() * 1e6) for t in (window.start, window.end))
-    rows = reader.query(GPU_ENERGY, parameters={"engine": engine, "lo": lo - pad, "hi": hi + pad})  # type: ignore
+    rows = reader.query(GPU_ENERGY, parameters={"engine": engine, "host": "", "lo": lo - pad, "hi": hi + pad})  # type: ignore
     by_gpu: dict[str, list[tuple[int, int | None, float]]] = defaultdict(list)
     for _, _, gpu, at, energy, power in rows.result_rows:
         by_gpu[gpu].append((at, energy, power))

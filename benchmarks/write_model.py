@@ -66,7 +66,8 @@ from prometheus_client import CollectorRegistry
 from stepline.config.settings import REMOTE_FLUSH_S, Settings
 from stepline.core import gctune
 from stepline.core.clock import SystemClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.core.oneline import one_line
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, GpuSample, HostSample, Request, Row, Step
 from stepline.model.schema import DEDUP_INSERTS, DEDUP_SECONDS, TABLES
@@ -214,7 +215,7 @@ class Collector:
     layout: str
     streams: list[Stream]
     writers: Writers | None = None
-    metrics: SelfMetrics | None = None
+    metrics: IngestMetrics | None = None
     store: Store | None = None
     offered: Counter[str] = field(default_factory=Counter)
     started: bool = False
@@ -360,7 +361,7 @@ class CountingServer(StoreServer):
                 super()._insert(match, data, settings)
                 self.engine_answers[table] = time.perf_counter() - started
             except DatabaseError as exc:
-                self.engine_answers[table] = "REFUSED: " + " ".join(str(exc).split())[:160]
+                self.engine_answers[table] = "REFUSED: " + one_line(exc, 160)
         keys = sharding_keys(data)
         layout = next(iter(keys))[0].decode().split("-")[0]
         with self._lock:
@@ -415,10 +416,10 @@ def measure(server: CountingServer, path: WritePath, shape: NodeShape, pools: Po
     try:
         for c in fleet:
             c.store = open_store(server.store_url(DATABASE), path.settings)
-            c.metrics = SelfMetrics(CollectorRegistry())
+            c.metrics = IngestMetrics(CollectorRegistry())
             c.writers = Writers(c.store, c.metrics, max_rows=defaults.writer_max_rows,
                                 batch_rows=defaults.writer_batch_rows, flush_interval_s=path.flush_s)
-            c.writers.remember_requests([], whole_window=True)  # as `stepline collect` does before writing
+            c.writers.placement.remember([], whole_window=True)  # as `stepline collect` does before writing
         began = time.monotonic()
         starts = [began + path.flush_s * i / len(fleet) for i in range(len(fleet))]
         window = (began + path.flush_s + warmup_s, began + path.flush_s + warmup_s + seconds)
@@ -454,7 +455,7 @@ def measure(server: CountingServer, path: WritePath, shape: NodeShape, pools: Po
             if c.store is not None:
                 c.store.close()
     dropped = sum(sample.value for c in fleet if c.metrics is not None
-                  for metric in c.metrics.rows_dropped.collect() for sample in metric.samples
+                  for metric in c.metrics.drops.counter.collect() for sample in metric.samples
                   if sample.name.endswith("_total"))
     offered: Counter[tuple[str, str]] = Counter()
     for c in fleet:

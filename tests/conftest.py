@@ -79,6 +79,27 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The working directory of the session's module and session fixtures: empty, never the one pytest was started
+    in (where the README's `stepline demo` left ./stepline-data, the store the CLI reads when given none)."""
+    path = tmp_path_factory.mktemp("cwd")
+    started_in = Path.cwd()
+    os.chdir(path)
+    yield path
+    os.chdir(started_in)
+
+
+@pytest.fixture(autouse=True)
+def working_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The working directory a test runs in: its own and empty, and no $STEPLINE_STORE from the shell, so that what
+    the CLI finds by default is what the test put there (tests/test_conftest.py)."""
+    path = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(path)
+    monkeypatch.delenv("STEPLINE_STORE", raising=False)
+    return path
+
+
 @pytest.fixture(scope="session")
 def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The session's embedded store directory.

@@ -1,6 +1,6 @@
 """The package's folders are its architecture: each is one layer, imports point only downward (lazy ones and
 `importlib` by string included), the merged `requests` read is spelled in one place, test doubles live in
-`stepline.testing`, and every module is imported by a test."""
+`stepline.testing`, and every module is imported by a test and has its tests where it is (tests/X/test_Y.py)."""
 
 from __future__ import annotations
 
@@ -163,6 +163,19 @@ def test_every_module_is_imported_by_a_test() -> None:
         tested.update(re.findall(r"stepline(?:\.\w+)+", text))  # modules a test runs in a subprocess
     untested = sorted(m for m, p in MODULES.items() if p.name != "__init__.py" and m not in tested)
     assert untested == []
+
+
+def test_every_module_has_its_mirror() -> None:
+    """`stepline/X/Y.py` has `tests/X/test_Y.py` (or `test_Y_<aspect>.py`): whoever changes a module finds its tests
+    where the module is."""
+    missing = []
+    for module, path in MODULES.items():
+        if path.name == "__init__.py" or path.parent == PACKAGE:
+            continue  # a package's docstring, and the root's entry point (test_main_module.py)
+        folder = ROOT / "tests" / path.parent.relative_to(PACKAGE)
+        if not (folder / f"test_{path.stem}.py").is_file() and not any(folder.glob(f"test_{path.stem}_*.py")):
+            missing.append(module)
+    assert sorted(missing) == []
 
 
 def test_tests_mirror_the_tree() -> None:

@@ -19,11 +19,14 @@ from stepline.config.slo import Slo
 from tests.alerting.test_build import ALERTS, PROMTOOL, SEL, needs_promtool
 
 CFG = AlertConfig()
+TTFT = Objective("ttft", "ttft")
 STEP_MIN = 2  # minutes between samples: a 5m window still holds two
 EVALUATION_MIN = 8  # rules evaluated every 8 minutes: four days of them in seconds; checks fall on evaluations
 PER_STEP = 120  # requests between samples (1/s)
 HISTORY = 3 * 24 * 60 // STEP_MIN  # three healthy days first: every window starts full
 LABELS = 'objective="ttft",engine="e1",model="m"'
+# A tenant's objective (a default: each tenant's requests answered by the gateway), as the collector labels it.
+TENANT_LABELS = 'objective="tenant_availability",engine="e1",model="",lane="fast",tenant="search"'
 _MINUTES = {"m": 1, "h": 60, "d": 1440}
 
 
@@ -59,18 +62,21 @@ def _text(severity: str, field: str, **values: str) -> str:
     return re.sub(r"\[([a-z_]+)\]", lambda m: values[m.group(1)], getattr(a, field))
 
 
-def exp_alert(severity: str, window: str, ratio: float) -> dict[str, object]:
-    values = {"objective": "ttft", "scope": "m", "long_window": window, "value_ratio": f"{ratio * 100:.4g}%"}
-    return {"exp_labels": {"objective": "ttft", "model": "m", "long_window": window, "severity": severity},
+def exp_alert(severity: str, window: str, ratio: float, objective: str = "ttft",
+              scope: tuple[str, str] = ("model", "m")) -> dict[str, object]:
+    values = {"objective": objective, "scope": scope[1], "long_window": window, "value_ratio": f"{ratio * 100:.4g}%"}
+    return {"exp_labels": {"objective": objective, scope[0]: scope[1], "long_window": window, "severity": severity},
             "exp_annotations": {"summary": _text(severity, "summary", **values),
                                 "description": _text(severity, "description", **values),
                                 "runbook_url": CFG.runbook(ALERT)}}
 
 
-def scenario(name: str, bad: list[float], checks: list[tuple[int, list[tuple[str, str]]]]) -> dict[str, object]:
+def scenario(name: str, bad: list[float], checks: list[tuple[int, list[tuple[str, str]]]], *,
+             labels: str = LABELS, objective: Objective = TTFT,
+             scope: tuple[str, str] = ("model", "m")) -> dict[str, object]:
     """`checks`: (steps after the history, the (severity, long window) alerts expected then)."""
     good, total = counters(bad)
-    budget = Objective("ttft", "ttft").error_budget
+    budget = objective.error_budget
     tests = []
     for after, expect in checks:
         at = HISTORY + after
@@ -78,8 +84,8 @@ def scenario(name: str, bad: list[float], checks: list[tuple[int, list[tuple[str
         found = burning(good, total, at, budget)
         assert [(s, w) for s, w, _ in found] == expect, (name, after, found)  # the scenario says what it claims
         tests.append({"eval_time": f"{at * STEP_MIN}m", "alertname": ALERT,
-                      "exp_alerts": [exp_alert(s, w, r) for s, w, r in found]})
-    series = [{"series": f"stepline_slo_{kind}_total{{{SEL},{LABELS}}}", "values": " ".join(f"{v:g}" for v in vals)}
+                      "exp_alerts": [exp_alert(s, w, r, objective.name, scope) for s, w, r in found]})
+    series = [{"series": f"stepline_slo_{kind}_total{{{SEL},{labels}}}", "values": " ".join(f"{v:g}" for v in vals)}
               for kind, vals in (("good_requests", good), ("requests", total))]
     return {"name": name, "interval": f"{STEP_MIN}m", "input_series": series, "alert_rule_test": tests}
 
@@ -97,6 +103,10 @@ def scenarios() -> list[dict[str, object]]:
         scenario("a 2x burn tickets over three days", [0.02] * 1092, [(1068, []), (1092, [("warning", "3d")])]),
         # Six minutes of every request failing, then healthy again: neither.
         scenario("a blip does neither", [1.0] * 3 + [0.0] * 32, [(4, []), (8, []), (12, []), (32, [])]),
+        # One tenant's every request refused at the gateway: its page names the tenant.
+        scenario("a tenant's fast burn pages naming the tenant", [1.0] * 8, [(4, []), (8, [("critical", "1h")])],
+                 labels=TENANT_LABELS, objective=Objective("tenant_availability", "gateway_availability",
+                                                           scope="tenant"), scope=("tenant", "search")),
     ]
 
 
@@ -120,14 +130,16 @@ def test_the_workbook_windows() -> None:
 
 def test_recording_rules_follow_the_objectives() -> None:
     slo = Slo(objectives=(Objective("fast_ttft", "ttft", target=0.995, scope="lane"),
-                          Objective("up", "availability", target=0.999)))
+                          Objective("up", "availability", target=0.999),
+                          Objective("team_first_byte", "gateway_first_byte", scope="tenant")))
     rules = recording_rules(AlertConfig(selector='job="edge"', slo=slo))
     budgets = {r["labels"]["objective"]: r["expr"] for r in rules if "labels" in r}  # type: ignore[index]
-    assert budgets == {"fast_ttft": "vector(0.005)", "up": "vector(0.001)"}
+    assert budgets == {"fast_ttft": "vector(0.005)", "up": "vector(0.001)", "team_first_byte": "vector(0.01)"}
     [hour] = [r["expr"] for r in rules if r["record"] == "stepline_slo:error_ratio:rate1h"]
     assert "sum by (objective, lane)" in str(hour) and 'objective=~"fast_ttft"' in str(hour)
     assert "sum by (objective, model)" in str(hour) and 'objective=~"up"' in str(hour)
-    assert str(hour).count('job="edge"') == 4
+    assert "sum by (objective, tenant)" in str(hour) and 'objective=~"team_first_byte"' in str(hour)
+    assert str(hour).count('job="edge"') == 6
 
 
 @pytest.mark.parametrize("severity", ["critical", "warning"])

@@ -95,7 +95,7 @@ def test_a_bad_moment_is_named() -> None:
 
 def _renamed_in_view() -> dict[str, tuple[str, str]]:
     """Each column the timeline view shows under another name than its table's: view name -> (table, column)."""
-    select_list = schema.TIMELINE_SELECT.split("SELECT", 1)[1].split("\nFROM", 1)[0]
+    select_list = schema.TIMELINE_COLUMNS
     renamed = {}
     for item in select_list.split(","):
         match = re.fullmatch(r"\s*([sg])\.(\w+) AS (\w+)\s*", item)

@@ -18,9 +18,10 @@ T0 = float(int(time.time()) - 600)  # whole seconds: every moment below is whole
 ENGINE = "e"
 
 
-def step(end: float, elapsed_ms: float, prefill: int = 0, decoding: int = 0, *, engine: str = ENGINE) -> Step:
+def step(end: float, elapsed_ms: float, prefill: int = 0, decoding: int = 0, *, engine: str = ENGINE,
+         ttft: tuple[float, ...] = ()) -> Step:
     return Step(micros(T0 + end), "h", engine, 0, "m", round(end * 1000), elapsed_ms, 1 if prefill else 0, prefill,
-                decoding, decoding, decoding, 0, 0, 0.5, 0, 0, 0, 0, 0, 0, [], [], False)
+                decoding, decoding, decoding, 0, 0, 0.5, 0, 0, 0, 0, 0, 0, list(ttft), [], False)
 
 
 def request(rid: str, arrival: float, scheduled: float, first_token: float, finish: float, prompt: int,
@@ -80,6 +81,23 @@ def test_a_requests_share_is_its_part_of_each_steps_cost(store: Store) -> None:
     assert e.gpus == 0 and e.energy_method == "none" and e.energy_mj is None
     a = next(r for r in u.requests if r.request_id == "a")
     assert a.gpu_seconds == pytest.approx(got["a"] / 1e6) and a.energy_mj is None
+
+
+@pytest.mark.parametrize("samples", [True, False])
+def test_the_first_token_is_the_step_whose_ttft_sample_is_the_requests(store: Store, samples: bool) -> None:
+    # As in the test above, but b's report puts its first token 4 ms before the step that computed it ended (vLLM's
+    # TTFT is e2e on the front-end's clock less decode on the engine core's). Step 2's TTFT sample, timed from the
+    # step's own timestamp, says the first token came there: its 50 prefill tokens are b's.
+    store.insert("steps", [step(1.1, 100, prefill=100, ttft=(0.1,) if samples else ()),
+                           step(1.2, 100, prefill=50, decoding=1, ttft=(0.15,) if samples else ()),
+                           step(1.3, 100, decoding=2)], Step._fields)
+    store.insert("requests", [request("a", 1.0, 1.0, 1.1, 1.3, 100, 3),
+                              request("b", 1.05, 1.1, 1.196, 1.3, 80, 2, cached=30)], Request._fields)
+    e = engine_of(usage(store, window(0, 2)))
+    if samples:
+        assert (e.busy_us, e.attributed_us, e.unattributed_us) == (300_000, 300_000, 0)
+    else:  # what the report's TTFT alone gives: step 2 read as b's decode, its prefill nobody's
+        assert e.unattributed_us > 0
 
 
 def _timeline(store: Store) -> None:

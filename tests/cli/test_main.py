@@ -34,7 +34,7 @@ def test_every_subcommand_has_useful_help() -> None:
         text = sub.format_help()
         assert sub.description, name
         assert "--store" in text or name in ("schema", "sim", "alerts", "dashboards", "grafana-provisioning",
-                                             "docs"), name
+                                             "docs", "prometheus-config"), name
 
 
 def test_a_command_line_builds_only_its_commands_options() -> None:
@@ -234,3 +234,14 @@ def test_demo_fills_gpu_and_host_samples_and_the_timeline_joins_them(demo_store:
     around = _stepline("timeline", "--around", moment, "--window", "10", "--store", url)
     assert around.returncode == 0, around.stderr
     assert "sw_power_cap" in around.stdout and around.stdout.startswith("time (UTC)")
+
+
+def test_version_says_the_installed_package_and_the_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from stepline.model.schema import SCHEMA_VERSION
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"stepline {version('stepline')} (timeline schema {SCHEMA_VERSION})\n"

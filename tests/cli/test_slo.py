@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,22 @@ def test_a_store_without_requests_says_who_fills_them(store: Store, store_url: s
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["slo", "--store", store_url]) == 0
     assert capsys.readouterr().out.startswith("no finished requests in the last 30d")
+
+
+def test_objectives_come_from_the_file_given(store: Store, store_url: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    store.insert("requests", [_request("ok", "stop", 0.5), _request("late", "stop", 3.0)], Request._fields)
+    path = tmp_path / "objectives.toml"
+    path.write_text('[[objective]]\nname = "tight_ttft"\nsli = "ttft"\nthreshold_seconds = 1.0\ntarget = 0.9\n')
+    assert main(["slo", "--store", store_url, "--since", "1d", "--json", "--objectives", str(path)]) == 0
+    [found] = json.loads(capsys.readouterr().out)
+    assert (found["objective"], found["total"], found["good"], found["target"]) == ("tight_ttft", 2, 1, 0.9)
+
+
+def test_a_bad_objectives_file_is_one_line_naming_it(store_url: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "objectives.toml"
+    path.write_text('[[objective]]\nname = "x"\nsli = "ttft"\nscope = "tenant"\n')
+    assert main(["slo", "--store", store_url, "--objectives", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "only a gateway knows the tenant" in err and len(err.splitlines()) == 1

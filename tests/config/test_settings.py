@@ -110,3 +110,13 @@ def test_backends_name_the_engines_behind_an_address() -> None:
     settings = Settings.from_env({"STEPLINE_BACKENDS": "vllm.svc:8000=vllm-0,http://vllm.svc:8000/v1=vllm-1"},
                                  backends=None)
     assert settings.backend_map() == {("vllm.svc", 8000): ("vllm-0", "vllm-1")}
+
+
+def test_the_collector_counts_the_objectives_of_its_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    path = tmp_path / "objectives.toml"
+    path.write_text('[[objective]]\nname = "team_up"\nsli = "gateway_availability"\nscope = "tenant"\n')
+    slo = Settings.from_env({"STEPLINE_OBJECTIVES_FILE": str(path)}).validated().slo()
+    assert [(o.name, o.scope) for o in slo.objectives] == [("team_up", "tenant")]
+    assert Settings.from_env({}).slo().objectives[0].name == "ttft"  # none given: the built-in ones
+    with pytest.raises(SettingsError, match=f"objectives file {tmp_path / 'absent.toml'}: No such file"):
+        Settings.from_env({"STEPLINE_OBJECTIVES_FILE": str(tmp_path / "absent.toml")}).validated()

@@ -11,24 +11,32 @@ from typing import Any
 from urllib.parse import unquote
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, make_wsgi_app
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from stepline.core.selfmetrics import MetricsServer, SelfMetrics
+from stepline.core.selfmetrics import ListenerCounts, MetricsServer
 from tests.core.test_listener import needs_ipv6
 
 
-@pytest.fixture
-def metrics() -> SelfMetrics:
-    m = SelfMetrics(CollectorRegistry())
-    m.gpu_present.set(1)
-    m.source_up.labels(source="gpu").set(1)
-    m.engine_up.labels(engine="sim").set(0)
-    return m
+class Served:
+    """A registry as the collector's is: gauges its subsystems declared, and the listeners' refusals."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        Gauge("stepline_gpu_present", "GPU samples arrived.", registry=self.registry).set(1)
+        Gauge("stepline_source_up", "Last poll succeeded.", ["source"], registry=self.registry).labels("gpu").set(1)
+        Gauge("stepline_engine_up", "Its /metrics answered.", ["engine"], registry=self.registry).labels("sim").set(0)
+        self.listeners = ListenerCounts()
+        self.registry.register(self.listeners)
 
 
 @pytest.fixture
-def server(metrics: SelfMetrics) -> Iterator[MetricsServer]:
+def metrics() -> Served:
+    return Served()
+
+
+@pytest.fixture
+def server(metrics: Served) -> Iterator[MetricsServer]:
     s = MetricsServer(metrics.registry, "127.0.0.1", 0)
     s.start()
     yield s
@@ -75,14 +83,14 @@ def wsgi_reply(registry: CollectorRegistry, method: str, target: str, headers: d
     ("DELETE", "/anything", {}),
     ("BREW", "/metrics", {}),
 ])
-def test_answers_as_prometheus_clients_wsgi_app(server: MetricsServer, metrics: SelfMetrics, method: str,
+def test_answers_as_prometheus_clients_wsgi_app(server: MetricsServer, metrics: Served, method: str,
                                                 target: str, headers: dict[str, str]) -> None:
     request = f"{method} {target} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     expected = wsgi_reply(metrics.registry, method, target, headers)
     assert exchange(server.port, request.encode() + b"\r\n") == expected
 
 
-def test_gzip_when_asked(server: MetricsServer, metrics: SelfMetrics) -> None:
+def test_gzip_when_asked(server: MetricsServer, metrics: Served) -> None:
     reply = exchange(server.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: br, gzip;q=0.5\r\n\r\n")
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.split(b"\r\n") == [b"HTTP/1.0 200 OK", f"Content-Type: {CONTENT_TYPE_PLAIN_0_0_4}".encode(),
@@ -96,7 +104,7 @@ def test_repeated_accept_headers_are_read_together(server: MetricsServer) -> Non
     assert reply.split(b"\r\n")[1].startswith(b"Content-Type: application/openmetrics-text; version=1.0.0")
 
 
-def test_serves_ipv4_loopback(server: MetricsServer, metrics: SelfMetrics) -> None:
+def test_serves_ipv4_loopback(server: MetricsServer, metrics: Served) -> None:
     assert server.url == f"http://127.0.0.1:{server.port}/metrics"
     with urllib.request.urlopen(server.url, timeout=10) as response:
         assert response.headers["Content-Type"] == CONTENT_TYPE_PLAIN_0_0_4
@@ -104,7 +112,7 @@ def test_serves_ipv4_loopback(server: MetricsServer, metrics: SelfMetrics) -> No
 
 
 @needs_ipv6
-def test_serves_ipv6_loopback(metrics: SelfMetrics) -> None:
+def test_serves_ipv6_loopback(metrics: Served) -> None:
     server = MetricsServer(metrics.registry, "::1", 0)
     server.start()
     try:
@@ -117,7 +125,7 @@ def test_serves_ipv6_loopback(metrics: SelfMetrics) -> None:
         server.stop()
 
 
-def test_the_port_is_known_before_start_and_free_after_stop(metrics: SelfMetrics) -> None:
+def test_the_port_is_known_before_start_and_free_after_stop(metrics: Served) -> None:
     server = MetricsServer(metrics.registry, "127.0.0.1", 0)
     port = server.port
     assert port > 0
@@ -125,7 +133,7 @@ def test_the_port_is_known_before_start_and_free_after_stop(metrics: SelfMetrics
     MetricsServer(metrics.registry, "127.0.0.1", port).stop()
 
 
-def test_each_listeners_refusals_are_read_when_scraped(metrics: SelfMetrics) -> None:
+def test_each_listeners_refusals_are_read_when_scraped(metrics: Served) -> None:
     counts = {"slow_heads": 0, "busy_refused": 0}
     metrics.listeners.add("query", lambda: counts)
     assert metrics.registry.get_sample_value("stepline_listener_connections_refused_total",

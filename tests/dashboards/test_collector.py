@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from stepline.alerting.config import AlertConfig
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.app.selfmetrics import SelfMetrics
 from stepline.dashboards import collector
 from stepline.dashboards.query import PROMETHEUS
 from tests.dashboards.conftest import GOLDEN, clickhouse_queries, panels, promql, rendered

@@ -14,6 +14,7 @@ from stepline.dashboards import gateway
 from stepline.dashboards.macros import ALL, QueryContext
 from stepline.diagnosis.common import utc
 from stepline.model.rows import EngineSample, GatewayDecision, GatewaySample, Step
+from stepline.queries.query import moment
 from stepline.store.store import Store
 from tests.dashboards.conftest import (
     GOLDEN,
@@ -248,5 +249,5 @@ def test_the_variables_narrow_by_gateway_and_lane(lanes: Store) -> None:
 def test_a_read_with_a_parameter_no_macro_fills_is_refused() -> None:
     with pytest.raises(ValueError, match="since:Int64"):
         gateway.with_macros("SELECT 1 FROM steps WHERE ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')")
-    assert gateway.with_macros("ts >= {start:DateTime64(6)} AND ${lane:singlequote}") == (
+    assert gateway.with_macros(f"ts >= {moment('start')} AND ${{lane:singlequote}}") == (
         "ts >= $__fromTime_ms AND ${lane:singlequote}")

@@ -7,9 +7,9 @@ import re
 
 from stepline.alerting.config import AlertConfig
 from stepline.alerting.slo import recording_rules
+from stepline.app.selfmetrics import SelfMetrics
 from stepline.config.objectives import Objective
 from stepline.config.slo import Slo
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.dashboards import slo
 from stepline.dashboards.query import PROMETHEUS
 from tests.dashboards.conftest import GOLDEN, clickhouse_queries, panels, promql, rendered

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from clickhouse_connect.driver.query import QueryResult
 
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.prefill import (
     _LONG_PREFILLS,
     LongPrefill,
@@ -20,6 +19,7 @@ from stepline.diagnosis.prefill import (
 )
 from stepline.model.rows import Event
 from stepline.model.schema import REQUESTS_BY_PROMPT
+from stepline.queries.query import Query
 from stepline.store.store import Store
 from tests.diagnosis.conftest import Timelines
 from tests.diagnosis.test_detectors import T0, WINDOW, _monster, config, insert, request, steady, step
@@ -51,7 +51,34 @@ def test_interference_and_queueing_are_two_findings_of_one_prefill(monster: Stor
     assert (e["request_id"], e["queued_requests"], e["counted_from_queue_s"]) == ("monster", 20, 1.0)
     assert (e["waiting_before"], e["waiting_peak_inside"], e["waiting_min_after"]) == (0, 30, 0)
     assert e["longest_queued"][0] == "short0 30.0s"
-    assert monster.query(queued.sql).result_rows[0][0] == 20  # the SQL counts the same requests
+    assert _shown(monster, queued.sql)["queued_requests"] == 20  # the SQL counts the same requests
+
+
+def _shown(store: Store, sql: str) -> dict[str, Any]:
+    """The one row a finding's SQL gives, by column name."""
+    result = store.query(sql)
+    [row] = result.result_rows
+    return dict(zip(result.column_names, row, strict=True))
+
+
+def test_every_figure_a_finding_shows_is_what_its_sql_reads(monster: Store) -> None:
+    # The SQL a finding shows is the query that ran, bound to the finding's one prefill: each figure both ways.
+    [slowed] = prefill_interference(monster, WINDOW)
+    e, shown = slowed.evidence, _shown(monster, slowed.sql)
+    assert (shown["steps_inside"], shown["chunk_tokens"], shown["waiting_max_inside"]) == (30, 8192, 30)
+    assert {k: e[k] for k in ("chunk_tokens", "waiting_max_inside")} == {
+        "chunk_tokens": shown["chunk_tokens"], "waiting_max_inside": shown["waiting_max_inside"]}
+    assert e["step_p50_inside_ms"] == round(shown["step_p50_inside_ms"], 1)
+    assert e["step_p50_decode_only_outside_ms"] == round(shown["step_p50_decode_only_outside_ms"], 1)
+    assert (e["itl_p50_inside_s"], e["itl_p99_inside_s"]) == tuple(round(v, 3) for v in shown["itl_inside_s"])
+    assert (e["itl_p50_outside_s"], e["itl_p99_outside_s"]) == tuple(round(v, 3) for v in shown["itl_outside_s"])
+    assert e["delayed_request_s"] == round(shown["delayed_request_s"], 1)
+    assert e["own_steps_share"] == round(shown["own_steps_share"], 3)
+    [queued] = head_of_line_blocking(monster, WINDOW)
+    e, shown = queued.evidence, _shown(monster, queued.sql)
+    assert (e["queued_requests"], e["queue_total_s"], e["queue_max_s"]) == (
+        shown["queued_requests"], round(shown["queue_total_s"], 1), round(shown["queue_max_s"], 1))
+    assert e["longest_queued"] == [f"{rid} {q:.1f}s" for rid, q in shown["worst"]]
 
 
 def test_a_queue_that_was_there_before_the_prefill_is_not_its_doing(store: Store) -> None:

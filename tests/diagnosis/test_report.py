@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 import zlib
+from dataclasses import replace
 from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
@@ -314,6 +315,54 @@ def test_chromium_draws_the_report(filled: Store, tmp_path: Path) -> None:
     colours = {region[i:i + 3] for i in range(0, len(region), bpp * 7)}
     non_white = sum(1 for i in range(0, len(region), bpp * 7) if region[i:i + 3] != b"\xff\xff\xff")
     assert len(colours) > 50 and non_white > 5_000, (len(colours), non_white)
+
+
+class _Text(HTMLParser):
+    """The text a reader sees: everything but <style>, <script> and the plots' SVG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: list[str] = []
+        self._hidden = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._hidden += tag in ("style", "script", "svg")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._hidden -= tag in ("style", "script", "svg")
+
+    def handle_data(self, data: str) -> None:
+        if not self._hidden:
+            self.text.append(data)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not on PATH (.ci/run installs it)")
+def test_chromium_shows_the_evidence_as_diagnose_prints_it(filled: Store, tmp_path: Path) -> None:
+    from tests.diagnosis.test_evidence import EVIDENCE
+
+    merged = replace(FINDINGS[1], evidence={**FINDINGS[1].evidence, **EVIDENCE})
+    html = write_report(filled, WINDOW, [FINDINGS[0], merged], tmp_path / "incident.html", database=filled.database)
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--dump-dom", f"file://{html}"],
+            check=True, timeout=60, capture_output=True, text=True,
+        ).stdout
+    parser = _Text()
+    parser.feed(dom)
+    text = " ".join(" ".join(parser.text).split())
+    assert "Findings" in text and "burst-000646" in text, text[:500]
+    # No Python reprs, no 16-digit floats: named lines, rounded, with units.
+    assert "{'" not in text and "0.1163412086196646" not in text and "[{" not in text
+    for line in ("itl_p99_inside_s: 1.4 s", "step_p50_inside_ms: 1,151 ms", "own_steps_share: 97.7%",
+                 "power_w: 700 W", "sm_clock_mhz: 1,410 MHz"):
+        assert line in text, line
+    # The folded finding under its cause, on lines of its own; whatif as value [low-high].
+    assert "also head_of_line_blocking warning · 131 requests queued" in text
+    assert "queue_max_s: 49.6 s" in text
+    assert "lever: long_prefill_token_threshold=512" in text and "ttft_p50_s: 116 ms [92.7-784]" in text
+    assert "decode_p50 1k-8k: 9.96 tok/s [8.47-11.9]" in text
 
 
 def test_the_command_diagnoses_and_writes_the_page(filled: Store, store_url: str, tmp_path: Path,

@@ -17,6 +17,7 @@ from stepline.diagnosis.detectors import as_json, diagnose
 from stepline.diagnosis.findings import Window
 from stepline.model import schema
 from stepline.model.rows import Event, GpuSample, Request, Step, micros
+from stepline.queries.query import Query
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import T0 as STEP_T0
 from tests.diagnosis.test_detectors import WINDOW, _monster, insert, step
@@ -209,7 +210,7 @@ def test_rolled_requests_without_seconds_equal_their_rows(store: Store, monkeypa
     start, end = T0 + timedelta(seconds=lo), T0 + timedelta(seconds=hi)
     monkeypatch.setattr(rollup, "ROWS_UP_TO", timedelta(0))
     sql, bounds = rollup.rolled(aggs, "1", start, end, table="requests", seconds=False)
-    projected = common.Query(sql, **bounds).rows(store)
+    projected = Query(sql, **bounds).rows(store)
     exact = store.query("SELECT engine, countIf(prompt_tokens > 0), sum(prompt_tokens) FROM requests WHERE ts >= "
                         "{a:DateTime64(6)} AND ts <= {b:DateTime64(6)} GROUP BY engine", parameters={
                             "a": start.replace(tzinfo=None), "b": end.replace(tzinfo=None)}).result_rows

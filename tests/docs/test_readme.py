@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from stepline.cli.main import build_parser
 from stepline.config.settings import Settings
+from stepline.store.discovery import locate_store
 from stepline.store.url import DEFAULT_DATABASE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +69,21 @@ def test_the_readme_is_short_and_its_first_commands_are_exactly_two() -> None:
                       re.S)
     assert block is not None
     commands = block.group(1).strip().splitlines()
-    assert commands == ["pip install -e . && stepline demo", "pip install -e '.[test]' && python -m pytest -q"]
+    assert commands == ["pip install -e . && stepline demo", "bash tests/setup.sh && python -m pytest -q"]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "bash tests/setup.sh\n" in ci and "python3 -m pytest -q\n" in ci, "CI runs the README's second command"
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert 'readme = "README.md"' in pyproject
+
+
+def test_the_second_command_runs_where_the_first_left_its_store(working_dir: Path, runtime_dir: Path) -> None:
+    """The README's order: `stepline demo` leaves ./stepline-data in the directory the suite then runs from, and the
+    CLI reads that store when given none. Each test runs in an empty directory of its own with no $STEPLINE_STORE
+    (tests/conftest.py), so the default store a test's CLI finds is one the test made."""
+    assert Path.cwd() == working_dir and ROOT not in (working_dir, *working_dir.parents)
+    assert list(working_dir.iterdir()) == [] and "STEPLINE_STORE" not in os.environ
+    found = locate_store(None)
+    assert found.url == f"chdb://{working_dir}/stepline-data" and found.searched == runtime_dir / "stepline"
 
 
 def test_every_page_the_first_hour_needs_exists_and_the_readme_links_it() -> None:
@@ -127,11 +141,14 @@ def test_the_ports_table_says_the_settings_defaults() -> None:
 
 def test_the_test_commands_prerequisites_are_named() -> None:
     development = " ".join((ROOT / "docs" / "development.md").read_text(encoding="utf-8").split())
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    installed = {package for line in re.findall(r"apt-get install ([^;}]+)", ci)
-                 for package in line.split() if not package.startswith("-")}
-    assert {"chromium", "prometheus", "prometheus-alertmanager"} <= installed
-    for package in installed | {"nodejs", "npm"}:
+    setup = (ROOT / "tests" / "setup.sh").read_text(encoding="utf-8")
+    needed = dict(re.findall(r"^need (\S+) (\S+)$", setup, re.M))  # tool: the Debian package that provides it
+    assert needed == {"chromium": "chromium", "promtool": "prometheus", "amtool": "prometheus-alertmanager",
+                      "node": "nodejs", "npm": "npm"}
+    for step in ("npm ci --prefix tests/clients/node", "pip install", "-e '.[test]'", "bash tests/realvllm/install.sh",
+                 "bash tests/gateway/install.sh"):
+        assert step in setup, f"tests/setup.sh does not run {step}"
+    for package in needed.values():
         assert re.search(rf"(?<![\w-]){package}(?![\w-])", development), f"docs/development.md does not name {package}"
     assert "promtool" in development and "amtool" in development
 

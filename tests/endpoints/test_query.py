@@ -21,10 +21,10 @@ import clickhouse_connect
 import pytest
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
+from prometheus_client import CollectorRegistry
 
 from stepline.clickhouse_http.native import BLOCK_INFO
-from stepline.core.selfmetrics import SelfMetrics
-from stepline.endpoints.query import QueryEndpoint
+from stepline.endpoints.query import QueryEndpoint, QueryMetrics
 from stepline.store.chdb import open_client
 from tests.core.test_listener import needs_ipv6
 
@@ -276,8 +276,8 @@ def test_clickhouse_connect_with_password(secured: QueryEndpoint, db: str) -> No
 
 
 def test_concurrent_queries_share_a_bounded_pool(chdb_dir: Path, db: str) -> None:
-    metrics = SelfMetrics()
-    ep = _start(chdb_dir, db, max_sessions=2, metrics=metrics)
+    registry = CollectorRegistry()
+    ep = _start(chdb_dir, db, max_sessions=2, metrics=QueryMetrics(registry))
     try:
         results: list[bytes] = []
         threads = [threading.Thread(target=lambda: results.append(http(ep, query="SELECT sleep(0.2) + 1").body))
@@ -290,7 +290,7 @@ def test_concurrent_queries_share_a_bounded_pool(chdb_dir: Path, db: str) -> Non
         http(ep, body=b"DROP TABLE steps")
         http(ep, query="SELECT nope")
         assert ep.stats() == {"served": 6, "refused": 1, "failed": 1}
-        assert metrics.registry.get_sample_value("stepline_query_requests_total", {"outcome": "served"}) == 6
+        assert registry.get_sample_value("stepline_query_requests_total", {"outcome": "served"}) == 6
     finally:
         ep.stop()
 

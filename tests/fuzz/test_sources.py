@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import MAX_AHEAD_S, Runner
 from stepline.ingest.writer import Writers
 from stepline.model.rows import EngineSample, Request, Row
@@ -70,7 +71,7 @@ class Bench:
     """A runner on a manual clock, writing into memory: the path every source's rows take."""
 
     def __init__(self) -> None:
-        self.metrics = SelfMetrics()
+        self.metrics = IngestMetrics(CollectorRegistry())
         self.runner = Runner([], Writers(MemorySink(), self.metrics), self.metrics, "fuzz", clock=ManualClock(NOW))
 
     def value(self, name: str, **labels: str) -> float:

@@ -119,12 +119,14 @@ def install() -> Path:
 
 
 @contextmanager
-def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: str, threshold_chars: int,
+def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str | Mapping[str, str], otlp_url: str,
+                  threshold_chars: int,
                   gateway: str = "lanes", router_settings: Mapping[str, Any] | None = None,
                   hook: Path | None = None, hook_env: Mapping[str, str] | None = None,
                   auth: Path | None = None) -> Iterator[str]:
     """The proxy, serving until the block ends (its URL): `lanes` maps each lane (a model group) to its backend's
-    OpenAI base URL (`http://host:port/v1`), each serving `model`; SIZE_LANES routes between them at
+    OpenAI base URL (`http://host:port/v1`), each serving `model` (or, a mapping, the lane's own: a LoRA
+    adapter's name asks the engine for the adapter); SIZE_LANES routes between them at
     `threshold_chars` (or `hook`, a routing hook's file whose module-level `hook` the proxy loads, configured by
     `hook_env`); stepline's callback sends each attempt to `otlp_url` as gateway `gateway`. `router_settings`, where
     given, is the config's own (`fallbacks`, `num_retries`, ...). `auth`, where given, is a custom auth's file
@@ -132,7 +134,8 @@ def litellm_proxy(work: Path, lanes: Mapping[str, str], model: str, otlp_url: st
     (proxy.log) go to `work`."""
     module = hook.stem if hook is not None else "size_lanes"
     (work / f"{module}.py").write_text(hook.read_text() if hook is not None else SIZE_LANES)
-    models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": api_base,
+    served = {lane: model if isinstance(model, str) else model[lane] for lane in lanes}
+    models = [{"model_name": lane, "litellm_params": {"model": f"hosted_vllm/{served[lane]}", "api_base": api_base,
                                                        "api_key": "none"}} for lane, api_base in lanes.items()]
     config: dict[str, Any] = {"model_list": models, "litellm_settings": {
         "callbacks": [f"{module}.hook", f"{CALLBACK}.proxy_handler", "prometheus"]}}

@@ -15,11 +15,12 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from prometheus_client import CollectorRegistry
 
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.merge import RecentRequests, arrival_tolerance_us, known_fields
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.writer import Writers
 from stepline.model.rows import UNKNOWN_FINISH_REASON, Request, micros
 from stepline.plugin import wire
@@ -101,7 +102,7 @@ def _assert_merged(store: Store, ids: Sequence[str], *, model: str = "served-mod
 
 @pytest.fixture
 def writers(store: Store) -> Iterator[Writers]:
-    w = Writers(store, SelfMetrics(), flush_interval_s=0.01)
+    w = Writers(store, IngestMetrics(CollectorRegistry()), flush_interval_s=0.01)
     w.start()
     yield w
     w.stop()
@@ -356,7 +357,7 @@ def test_known_fields_gives_a_bit_for_each_field_a_report_knows() -> None:
 
 
 def test_a_request_reported_by_the_plugin_and_by_otlp_is_written_once() -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     sink = MemorySink()
     writers = Writers(sink, metrics, flush_interval_s=0.01)
     writers.start()
@@ -395,7 +396,7 @@ def test_a_lookup_that_fails_is_counted_and_the_report_kept(caplog: pytest.LogCa
     def down(keys: Sequence[tuple[str, str]]) -> list[Request]:
         raise StoreUnreachable(f"the store at chdb://x does not answer (asked for {len(keys)} ids)")
 
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     sink = MemorySink()
     writers = Writers(sink, metrics, flush_interval_s=0.01, lookup=down)
     writers.start()

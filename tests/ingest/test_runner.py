@@ -6,8 +6,9 @@ import logging
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, micros
@@ -47,12 +48,12 @@ class Buggy:
         raise KeyError("oops")
 
 
-def _value(metrics: SelfMetrics, name: str, **labels: str) -> float | None:
+def _value(metrics: IngestMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
 def test_failures_are_counted_and_contained(caplog: pytest.LogCaptureFixture) -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     writers = Writers(sink, metrics, flush_interval_s=0.01)
     writers.start()
     ticker = Ticker()
@@ -79,7 +80,7 @@ def test_failures_are_counted_and_contained(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_poll_once_reports_recovery(caplog: pytest.LogCaptureFixture) -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
 
     class Flaky:
@@ -100,7 +101,7 @@ def test_poll_once_reports_recovery(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_a_failure_exports_its_kind_while_it_lasts() -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
 
     class Engine:

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import MAX_AHEAD_S, Runner
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, Request, Row
@@ -52,7 +53,7 @@ class Emitting:
 class Harness:
     def __init__(self, retention_days: int = 30) -> None:
         self.clock = ManualClock(NOW)
-        self.metrics = SelfMetrics()
+        self.metrics = IngestMetrics(CollectorRegistry())
         self.sink = MemorySink()
         self.writers = Writers(self.sink, self.metrics, flush_interval_s=0.01)
         self.observed: list[Row] = []
@@ -123,7 +124,7 @@ def test_the_rule_follows_the_collectors_clock_not_the_hosts() -> None:
 
 
 def test_retention_must_be_a_day_or_more() -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     with pytest.raises(ValueError, match="at least 1 day"):
         Runner([], Writers(MemorySink(), metrics), metrics, "h", retention_days=0)
 
@@ -156,3 +157,19 @@ def test_the_collector_applies_its_retention_to_plugin_rows(store_url: str, sock
         assert [row[0] for row in kept] == [int((now + d) * 1e6) for d in (-30, 0, 60)]
     finally:
         collector.stop()
+
+
+class Broken:
+    """A source with a bug: its poll raises what no source should."""
+
+    name = "broken"
+
+    def poll(self, emit: Emit) -> None:
+        raise KeyError("a bug")
+
+
+def test_a_source_errors_event_is_stamped_by_the_collectors_clock() -> None:
+    h = Harness()
+    assert not h.runner.poll_once(Broken())
+    events = [e for e in h.flushed("events") if e.source == "broken"]
+    assert [(e.kind, e.ts) for e in events] == [("source_error", NOW_US)]  # the ManualClock's now, not the machine's

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.spool import Spool, SpoolError
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, Request
@@ -34,14 +35,18 @@ def _request(request_id: str, source: str) -> Request:
                    10, 0, 5, 16, 0)
 
 
-def _dropped(metrics: SelfMetrics, reason: str, table: str = "events") -> float:
+def _metrics() -> IngestMetrics:
+    return IngestMetrics(CollectorRegistry())
+
+
+def _dropped(metrics: IngestMetrics, reason: str, table: str = "events") -> float:
     return metrics.registry.get_sample_value("stepline_writer_rows_dropped_total",
                                              {"table": table, "reason": reason}) or 0.0
 
 
 def test_rows_the_store_did_not_take_wait_on_disk_for_the_next_start(tmp_path: Path) -> None:
     spool_dir = str(tmp_path / "spool")
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     sink.failing = True
     writers = Writers(sink, metrics, spool_dir=spool_dir, spool_max_bytes=1 << 20, batch_rows=10,
                       flush_interval_s=0.01)
@@ -52,7 +57,7 @@ def test_rows_the_store_did_not_take_wait_on_disk_for_the_next_start(tmp_path: P
     assert len([n for n in os.listdir(spool_dir) if n.endswith(".events.seg")]) == 3
 
     sink.failing = False
-    again = Writers(sink, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
+    again = Writers(sink, _metrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
     assert again.spool.rows("events") == 25
     again.start()
     wait_until(lambda: len(sink.rows("events")) == 25)
@@ -71,7 +76,7 @@ def test_a_segment_replayed_after_it_was_written_is_stored_once(store: Store, tm
     second = spool.append("events", columns, batches.encode("events", _events(60, start=40)), 60)
     store.insert_native("events", columns, batches.encode("events", _events(40)), first.token)  # then kill -9
 
-    writers = Writers(store, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
+    writers = Writers(store, _metrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
     assert writers.spool.pending("events")[0].token == first.token and writers.spool.rows("events") == 100
     writers.start()
     wait_until(lambda: writers.spool.rows("events") == 0)
@@ -91,7 +96,7 @@ def test_an_insert_whose_reply_was_lost_is_retried_and_stored_once(store: Store)
                 lost["replies"] -= 1
                 raise ConnectionError("connection reset before the reply")
 
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     writers = Writers(LosingReplies(), metrics, batch_rows=50, flush_interval_s=0.01, retry_max_s=0.05)
     writers.start()
     writers.write(_events(120))
@@ -113,7 +118,7 @@ def test_damaged_segments_are_counted_and_torn_ones_removed(tmp_path: Path) -> N
     (spool_dir / "0000000000000099.events.seg").write_bytes(b"not a segment at all")
     (spool_dir / ".0000000000000100.events.seg.tmp").write_bytes(b"half a segm")
 
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     writers = Writers(sink, metrics, spool_dir=str(spool_dir), spool_max_bytes=1 << 20, flush_interval_s=0.01)
     assert writers.spool.rows("events") == 12  # the unreadable header was dropped at once, the bad payload waits
     assert not (spool_dir / ".0000000000000100.events.seg.tmp").exists()
@@ -130,7 +135,7 @@ def test_a_restarted_collector_never_reuses_a_token_even_with_an_empty_spool(sto
     spool_dir = str(tmp_path / "spool")
     tokens: list[str] = []
     for run in range(3):
-        writers = Writers(store, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
+        writers = Writers(store, _metrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
         writers.start()
         writers.write(_events(10, start=run * 10))
         wait_until(lambda w=writers: w.depth()["events"] == 0)  # type: ignore[misc]
@@ -144,13 +149,13 @@ def test_a_request_waiting_in_the_spool_is_not_written_again_after_a_restart(tmp
     spool_dir = str(tmp_path / "spool")
     sink = MemorySink()
     sink.failing = True
-    writers = Writers(sink, SelfMetrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
+    writers = Writers(sink, _metrics(), spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
     writers.start()
     writers.write([_request("r-1", "plugin")])
     writers.stop(drain_timeout_s=0.2)
 
     sink.failing = False
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     again = Writers(sink, metrics, spool_dir=spool_dir, spool_max_bytes=1 << 20, flush_interval_s=0.01)
     again.start()
     again.write([_request("r-1", "otlp"), _request("r-2", "otlp")])  # r-1's span, exported after the restart

@@ -6,8 +6,9 @@ import time
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.spool import Spool
 from stepline.ingest.writer import TableWriter, Writers
 from stepline.model.rows import Event
@@ -15,26 +16,23 @@ from stepline.store.store import Store
 from stepline.testing.sink import MemorySink, wait_until
 
 
-def _writer(sink: MemorySink, metrics: SelfMetrics, *, spool: Spool | None = None, **options: float) -> TableWriter:
-    """A writer of `events` with a memory spool whose drops it counts."""
-    holder: list[TableWriter] = []
-    spool = spool or Spool(lambda table, rows, reason: holder[0].drop(rows, reason), max_bytes=1 << 20)
-    writer = TableWriter("events", sink, metrics, spool, **options)  # type: ignore[arg-type]
-    holder.append(writer)
-    return writer
+def _writer(sink: MemorySink, metrics: IngestMetrics, *, spool: Spool | None = None, **options: float) -> TableWriter:
+    """A writer of `events` with a memory spool; the spool counts its drops where the writer counts its own."""
+    spool = spool or Spool(metrics.drops, max_bytes=1 << 20)
+    return TableWriter("events", sink, metrics.writer, spool, **options)  # type: ignore[arg-type]
 
 
 def _event(i: int) -> Event:
     return Event(int(time.time() * 1e6) + i, "h", "e", "test", "k", "info", f"m{i}", {})
 
 
-def _value(metrics: SelfMetrics, name: str, **labels: str) -> float:
+def _value(metrics: IngestMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
 
 def test_flushes_when_a_batch_is_full_without_waiting_for_the_timer() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     writer = _writer(sink, metrics, max_rows=100, batch_rows=10, flush_interval_s=60)
     writer.start()
     assert writer.put([_event(i) for i in range(25)]) == 25
@@ -47,7 +45,7 @@ def test_flushes_when_a_batch_is_full_without_waiting_for_the_timer() -> None:
 
 def test_flushes_on_the_timer_below_batch_size() -> None:
     sink = MemorySink()
-    writer = _writer(sink, SelfMetrics(), max_rows=100, batch_rows=50, flush_interval_s=0.05)
+    writer = _writer(sink, IngestMetrics(CollectorRegistry()), max_rows=100, batch_rows=50, flush_interval_s=0.05)
     writer.start()
     writer.put([_event(1)])
     wait_until(lambda: len(sink.rows("events")) == 1)
@@ -55,7 +53,7 @@ def test_flushes_on_the_timer_below_batch_size() -> None:
 
 
 def test_rows_beyond_the_memory_queue_are_dropped_and_counted() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     writer = _writer(sink, metrics, max_rows=10, batch_rows=5, flush_interval_s=0.01)  # not started: nothing drains
     assert writer.put([_event(i) for i in range(8)]) == 8
     assert writer.put([_event(i) for i in range(8, 16)]) == 2
@@ -67,7 +65,7 @@ def test_rows_beyond_the_memory_queue_are_dropped_and_counted() -> None:
 
 
 def test_a_store_outage_loses_nothing_and_rows_land_in_order() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     sink.failing = True
     writer = _writer(sink, metrics, max_rows=100, batch_rows=5, flush_interval_s=0.01, retry_max_s=0.05)
     writer.start()
@@ -86,12 +84,10 @@ def test_a_store_outage_loses_nothing_and_rows_land_in_order() -> None:
 
 
 def test_a_full_spool_drops_the_oldest_batches_counted() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     sink.failing = True
-    holder: list[TableWriter] = []
-    spool = Spool(lambda table, rows, reason: holder[0].drop(rows, reason), max_bytes=1500)
+    spool = Spool(metrics.drops, max_bytes=1500)
     writer = _writer(sink, metrics, spool=spool, max_rows=100, batch_rows=4, flush_interval_s=0.01, retry_max_s=0.05)
-    holder.append(writer)
     writer.start()
     for i in range(0, 40, 4):
         writer.put([_event(j) for j in range(i, i + 4)])
@@ -109,7 +105,7 @@ def test_a_full_spool_drops_the_oldest_batches_counted() -> None:
 
 
 def test_rows_the_store_will_not_take_at_stop_are_counted_not_silently_lost() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     sink.failing = True
     writer = _writer(sink, metrics, max_rows=100, batch_rows=10, flush_interval_s=0.01)
     writer.start()
@@ -122,7 +118,7 @@ def test_rows_the_store_will_not_take_at_stop_are_counted_not_silently_lost() ->
 
 
 def test_a_row_that_does_not_fit_its_table_is_dropped_alone_and_the_rest_flow() -> None:
-    sink, metrics = MemorySink(), SelfMetrics()
+    sink, metrics = MemorySink(), IngestMetrics(CollectorRegistry())
     writer = _writer(sink, metrics, max_rows=100, batch_rows=50, flush_interval_s=0.01)
     writer.start()
     bad = _event(2)._replace(ts="not a time")  # type: ignore[arg-type]
@@ -135,11 +131,11 @@ def test_a_row_that_does_not_fit_its_table_is_dropped_alone_and_the_rest_flow() 
 
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="batch_rows"):
-        _writer(MemorySink(), SelfMetrics(), max_rows=5, batch_rows=10)
+        _writer(MemorySink(), IngestMetrics(CollectorRegistry()), max_rows=5, batch_rows=10)
 
 
 def test_writers_drain_into_the_real_store_on_stop(store: Store) -> None:
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     writers = Writers(store, metrics, max_rows=10_000, batch_rows=5_000, flush_interval_s=60)
     writers.start()
     assert writers.write(_event(i) for i in range(1234)) == 1234
@@ -161,7 +157,7 @@ def test_a_batch_the_store_refuses_as_bad_data_is_dropped_not_retried_forever() 
                 raise error
             super().insert_native(table, column_names, data, dedup_token)
 
-    sink, metrics = Refusing(), SelfMetrics()
+    sink, metrics = Refusing(), IngestMetrics(CollectorRegistry())
     writer = _writer(sink, metrics, max_rows=100, batch_rows=2, flush_interval_s=0.01)
     writer.put([_event(i) for i in range(4)])
     writer.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -16,11 +15,7 @@ import pytest
 from stepline.loadgen import matrix
 from stepline.loadgen.client import (
     LONG_MAX_TOKENS,
-    UNCOUNTED_SHARE,
-    Endpoint,
-    MatrixError,
     prompt_text,
-    size_long_prompt,
 )
 from stepline.loadgen.matrix import render, run_matrix
 from stepline.sim.config import EngineConfig
@@ -135,33 +130,6 @@ def test_the_long_prompt_fits_max_model_len_with_room_for_its_output() -> None:
     assert result.long_prompt_note == (f"cut to fit {MODEL}'s max_model_len 2048: default 100000, 8 tokens kept for "
                                        "its output; counted by the engine's /tokenize")
     assert f"long prompt {result.long_prompt_tokens} tokens" in render(result)
-
-
-class _Counting(Endpoint):
-    """An engine whose tokenizer makes `ratio` tokens of each estimated one; None: it has no /tokenize."""
-
-    def __init__(self, ratio: float | None) -> None:
-        super().__init__("http://127.0.0.1:9", 1.0)
-        self.ratio = ratio
-
-    def count_tokens(self, model: str, prompt: str) -> int | None:
-        return None if self.ratio is None else math.ceil(len(prompt) / 4 * self.ratio)
-
-
-def test_sizing_without_tokenize_or_with_a_tokenizer_that_splits_words() -> None:
-    room = 32768 - LONG_MAX_TOKENS - 327
-    estimated = size_long_prompt(_Counting(None), MODEL, None, 32768)
-    assert estimated.size == estimated.tokens == int(room * UNCOUNTED_SHARE)
-    assert estimated.note.endswith("estimated: the engine has no /tokenize")
-    split = size_long_prompt(_Counting(1.7), MODEL, None, 32768)
-    assert room * 0.95 < split.tokens <= room and split.size < room / 1.6
-    fits = size_long_prompt(_Counting(1.0), MODEL, 1000, 32768)
-    assert (fits.size, fits.note) == (1000, f"fits {MODEL}'s max_model_len 32768: --long-prompt-tokens 1000, 8 tokens "
-                                            "kept for its output; counted by the engine's /tokenize")
-    unknown = size_long_prompt(_Counting(1.0), MODEL, None, None)
-    assert (unknown.size, unknown.note) == (100_000, "default 100000; the engine reports no max_model_len")
-    with pytest.raises(MatrixError, match="max_model_len 24 leaves no room for a long prompt"):
-        size_long_prompt(_Counting(1.0), MODEL, None, 24)
 
 
 def test_completions_stream_several_tokens_per_event_with_running_usage() -> None:

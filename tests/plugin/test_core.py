@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner
 from stepline.ingest.writer import Writers
 from stepline.model.rows import Event, Request, Row, Step, micros
@@ -463,7 +464,7 @@ def test_the_collector_settings_token_reaches_the_receiver_and_its_count_is_expo
     (spec,) = [s for s in sources.REGISTRY if s.name == "plugin"]
     (receiver,) = spec.build(settings, SourceContext("node-1", ManualClock(NOW)))
     assert isinstance(receiver, PluginReceiver)
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "node-1")
     receiver.start()
     try:

@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.gateway import gateway_fail_open, lane_leak, orphaned_engine_work
 from stepline.model.rows import GatewayDecision, Request
 from stepline.queries.gateway import JOIN_OUTCOMES, join_outcomes, joined
+from stepline.queries.query import Query
 from stepline.store.reads import Row
 from stepline.store.store import Store
 from tests.diagnosis.test_detectors import WINDOW

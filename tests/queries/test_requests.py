@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from stepline.model.rows import Request, micros
+from stepline.queries.query import moment
 from stepline.queries.requests import FIRST_TOKEN, MERGED, PROMPT_BAND, SCHEDULED, merged, merged_matching
 from stepline.store.store import Store
 from tests.queries.conftest import Rows
@@ -87,6 +88,6 @@ def test_a_window_of_the_merged_read_reads_only_the_days_it_can_hold(store: Stor
     yesterday = Request(*_plugin("old", 0.0)[:0], micros(T0.timestamp() - 86_400), *_plugin("old", 0.0)[1:])
     _reports(store, [_plugin("a", 10.0)], [yesterday])
     since = T0.replace(hour=0, minute=0, second=0)
-    found = rows(f"SELECT request_id FROM {MERGED} WHERE ts >= {{since:DateTime64(6)}}", since=since,
+    found = rows(f"SELECT request_id FROM {MERGED} WHERE ts >= {moment('since')}", since=since,
                  settings={"force_index_by_date": 1})
     assert found == [("a",)]

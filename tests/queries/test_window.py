@@ -30,7 +30,8 @@ def test_the_window_holds_its_bounds_and_nothing_beyond(store: Store, rows: Rows
 
 def test_named_bounds_and_columns(store: Store, rows: Rows) -> None:
     _fill(store)
-    assert between("lo", "hi", "e.ts") == "e.ts >= {lo:DateTime64(6)} AND e.ts <= {hi:DateTime64(6)}"
+    assert between("lo", "hi", "e.ts") == ("e.ts >= fromUnixTimestamp64Micro({lo:Int64}, 'UTC') "
+                                           "AND e.ts <= fromUnixTimestamp64Micro({hi:Int64}, 'UTC')")
     found = rows(f"SELECT e.message FROM events AS e WHERE {one_engine('which')} AND {between('lo', 'hi', 'e.ts')} "
                  "ORDER BY e.ts", which="e1", lo=T0 + timedelta(seconds=1), hi=T0 + timedelta(seconds=10))
     assert found == [("e1@5.0",), ("e1@10.0",)]

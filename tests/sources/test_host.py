@@ -343,16 +343,3 @@ def test_real_ancestors_reach_this_process() -> None:
     finally:
         child.kill()
         child.wait()
-
-
-def test_the_collector_builds_targets_from_engines_and_given_processes() -> None:
-    from stepline.config.settings import Settings
-    from stepline.sources.registry import REGISTRY
-
-    settings = Settings.from_env({}, engines=("http://127.0.0.1:8000", "b=http://127.0.0.1:9000"),
-                                 engine_processes=("b=cmdline:vllm serve --port 9000", "c=4242"))
-    (spec,) = [s for s in REGISTRY if s.name == "host"]
-    (source,) = spec.build(settings, SourceContext("h", ManualClock(time.time())))
-    assert isinstance(source, HostSource)
-    assert source.targets == [EngineTarget("b", cmdline="vllm serve --port 9000"), EngineTarget("c", pid=4242),
-                              EngineTarget("127.0.0.1:8000", port=8000)]

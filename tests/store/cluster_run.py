@@ -32,6 +32,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from stepline.core.oneline import one_line
 from stepline.model import schema
 from stepline.store import query_profile
 
@@ -367,7 +368,9 @@ def retried(path: str, database: str, cluster: str) -> dict[str, Any]:
     table after each, and the tokens the inserts carried."""
     import time as clock
 
-    from stepline.core.selfmetrics import SelfMetrics
+    from prometheus_client import CollectorRegistry
+
+    from stepline.ingest.metrics import IngestMetrics
     from stepline.ingest.spool import Spool
     from stepline.ingest.writer import TableWriter
     from stepline.store.store import Store
@@ -380,7 +383,8 @@ def retried(path: str, database: str, cluster: str) -> dict[str, Any]:
     counts = []
     sink = _LostAcknowledgement(store)
     for _ in range(2):
-        writer = TableWriter("steps", sink, SelfMetrics(), Spool(lambda *a: None, max_bytes=1 << 26),
+        metrics = IngestMetrics(CollectorRegistry())
+        writer = TableWriter("steps", sink, metrics.writer, Spool(metrics.drops, max_bytes=1 << 26),
                              flush_interval_s=0.05, retry_max_s=0.5)
         writer.start()
         writer.put(rows)
@@ -472,7 +476,7 @@ def run_all(dashboards: Path, folder: str) -> dict[str, Any]:
             try:
                 value = read(url, database, start, end)
             except Exception as exc:  # a read that fails is the result the test reports
-                results[name][database] = {"error": " ".join(str(exc).split())[:600]}
+                results[name][database] = {"error": one_line(exc, 600)}
             else:
                 text = (json.dumps(value, default=str).replace(url, "URL").replace(f"chdb://{path}", "URL")
                         .replace(path, "PATH").replace(database, "DATABASE"))

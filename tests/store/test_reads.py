@@ -1,13 +1,30 @@
-"""Rows read by name: what the store answers keeps its column names on the way to every reader."""
+"""Reads: what every reader of the timeline needs from a store, met by the Store and by a bare clickhouse-connect
+client alike; what either answers keeps its column names on the way to every reader (stepline.queries.rows, which
+stepline.store.reads re-exports)."""
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
-from stepline.store.reads import Row, first_or_none, named, only, row_type, rows_of, scalar
+from stepline.queries import rows as queries_rows
+from stepline.store import reads
+from stepline.store.reads import Reads, first_or_none, named, only, scalar
 from stepline.store.store import Store
+
+
+def _count(reader: Reads) -> int:
+    """A reader as the diagnosis and whatif modules use one."""
+    return int(scalar(reader.query("SELECT count() AS n FROM numbers({n:UInt32})", parameters={"n": 7})))
+
+
+def test_the_store_and_its_client_answer_the_same_query(store: Store) -> None:
+    assert _count(store) == 7
+    assert _count(store.client) == 7
+
+
+def test_the_store_re_exports_the_rows_of_the_query_layer() -> None:
+    for name in ("Result", "Row", "first_or_none", "named", "only", "row_type", "rows_of", "scalar"):
+        assert getattr(reads, name) is getattr(queries_rows, name), name
 
 
 def test_a_rows_columns_are_its_attributes_and_it_stays_the_tuple_it_was(store: Store) -> None:
@@ -44,17 +61,3 @@ def test_one_row_none_or_a_scalar(store: Store) -> None:
         only(store.query("SELECT number FROM numbers(3)"))
     with pytest.raises(ValueError, match="expected one column, the query answered 2: a, b"):
         scalar(store.query("SELECT 1 AS a, 2 AS b"))
-
-
-def test_a_name_that_is_rows_own_or_repeated_does_not_shadow_it() -> None:
-    (row,) = rows_of(("columns", "as_dict", "engine", "engine", "_private"), [(1, 2, "first", "second", 3)])
-    assert row.columns == ("columns", "as_dict", "engine", "engine", "_private")
-    assert row.engine == row.as_dict()["engine"] == "first"  # the first of two equal names
-    assert callable(row.as_dict) and row.as_dict()["_private"] == 3
-
-
-def test_rows_cross_a_process_boundary_with_their_names() -> None:
-    (row,) = rows_of(("engine", "steps"), [("prod-a", 3)])
-    back = pickle.loads(pickle.dumps(row))
-    assert isinstance(back, Row) and back == row and (back.engine, back.steps) == ("prod-a", 3)
-    assert type(back) is row_type(("engine", "steps"))

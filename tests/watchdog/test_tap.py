@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from stepline.app.collector import Collector
 from stepline.config.settings import Settings
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.model.rows import (
     EngineSample,
     Event,
@@ -30,7 +30,8 @@ from stepline.sources.base import SourceContext
 from stepline.sources.plugin_receiver import PluginReceiver
 from stepline.store.reads import Reads
 from stepline.testing.sink import wait_until
-from stepline.watchdog.budget import Policy, StepCosts
+from stepline.watchdog.budget import Policy
+from stepline.watchdog.metrics import WatchdogMetrics
 from stepline.watchdog.tap import Watchdog
 
 E = "e1"
@@ -41,7 +42,7 @@ class Harness:
 
     def __init__(self, **options: Any) -> None:
         self.clock = ManualClock()
-        self.metrics = SelfMetrics()
+        self.metrics = WatchdogMetrics(CollectorRegistry())
         self.emitted: list[Row] = []
         self.dog = Watchdog(self.metrics, self._emit, host="h", clock=self.clock, **options)
 
@@ -110,17 +111,6 @@ def test_a_steady_engine_is_progressing_with_the_floor_budget() -> None:
     assert h.value("stepline_engine_progress_age_seconds") == pytest.approx(0.0, abs=1e-5)
     assert h.value("stepline_engine_running_requests") == 8
     assert h.state_events() == []  # a healthy first verdict is no news
-
-
-def test_step_costs_are_fitted_from_the_engines_own_steps() -> None:
-    costs = StepCosts(Policy())
-    assert costs.coefficients() == (20.0, 0.06, 0.3)
-    for i in range(64):
-        prefill, decoding = (i % 4) * 2048, 1 + i % 7
-        costs.add(prefill, decoding, 15 + 0.25 * prefill + 2 * decoding)
-    a, b, c = costs.coefficients()
-    assert b == pytest.approx(0.25, rel=0.02) and c == pytest.approx(2.0, rel=0.1) and a == pytest.approx(15, abs=2)
-    assert costs.predict_ms(8192, 4) == pytest.approx(15 + 2048 + 8, rel=0.02)
 
 
 def test_a_huge_prefill_then_a_700k_decode_is_slow_but_never_stalled() -> None:

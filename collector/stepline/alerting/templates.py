@@ -12,9 +12,9 @@ LABELS = ("engine", "gpu", "xid", "reason", "instance", "source", "kind", "gatew
 _TOKEN = re.compile(r"\[(" + "|".join((*LABELS, "value", "value_duration", "value_ratio", "value_rate",
                                        "state", "budget", "age", "waiting", "running", "finding", "gpus",
                                        "scope")) + r")\]")
-# An SLO's series keep the one label of its scope (model, lane or engine), the others summed away: absent labels
-# render empty in both backends' `$labels`, so this names whichever it is.
-SCOPE = "{{ $labels.model }}{{ $labels.lane }}{{ $labels.engine }}"
+# An SLO's series keep the one label of its scope (model, lane, engine or tenant), the others summed away: absent
+# labels render empty in both backends' `$labels`, so this names whichever it is.
+SCOPE = "{{ $labels.model }}{{ $labels.lane }}{{ $labels.engine }}{{ $labels.tenant }}"
 
 # Grafana auxiliary instant queries (refId -> PromQL with `{sel}`); their results are in `$values`.
 GRAFANA_AUX = {

@@ -4,9 +4,9 @@ engine counted, and its slots on a backend beside what the engine held, minute b
 from __future__ import annotations
 
 from stepline.core.texttable import render_table
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
 from stepline.queries.gateway import joined, size_in_unit
+from stepline.queries.query import Query, moment, param
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 from stepline.store.reads import Reads
 
@@ -31,9 +31,9 @@ SELECT toStartOfMinute(d.ts) AS minute, max(d.in_flight) AS gateway_in_flight, c
 FROM gateway_decisions AS d
 GLOBAL LEFT JOIN (SELECT toStartOfMinute(ts) AS minute, max(running + waiting) AS held,
                   countIf(num_ctx_tokens + num_generation_tokens > 0) AS busy
-           FROM steps WHERE {IN_WINDOW} AND engine = {{backend:String}} GROUP BY minute) AS s
+           FROM steps WHERE {IN_WINDOW} AND engine = {param('backend', 'String')} GROUP BY minute) AS s
     ON s.minute = toStartOfMinute(d.ts)
-WHERE d.ts >= {{start:DateTime64(6)}} AND d.ts <= {{end:DateTime64(6)}} AND d.engine = {{backend:String}}
+WHERE d.ts >= {moment('start')} AND d.ts <= {moment('end')} AND d.engine = {param('backend', 'String')}
   AND d.in_flight IS NOT NULL
 GROUP BY minute ORDER BY minute
 """

@@ -15,6 +15,7 @@ from typing import Any
 
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, budgets
 from stepline.diagnosis.findings import Window
+from stepline.queries.query import param
 from stepline.queries.requests import FIRST_TOKEN, MERGED, PROMPT_BAND, SCHEDULED
 from stepline.queries.window import EACH_ENGINE, ENGINE, SINCE
 from stepline.store.reads import Reads, first_or_none, named
@@ -26,8 +27,10 @@ ORDER_BY = {
     "queue": "queue_seconds",
 }
 
-# The slowest requests first, then only the steps of their engines and time span: the join stays small.
-_SLOWEST = f"""
+def _slowest(column: str) -> str:
+    """The slowest requests by `column` first, then only the steps of their engines and time span: the join stays
+    small."""
+    return f"""
 WITH slow AS (
     SELECT host, engine, request_id, finish_reason, ts, arrival_ts, queue_seconds, ttft_seconds,
            mean_tpot_seconds, e2e_seconds, prompt_tokens, cached_tokens, generation_tokens,
@@ -36,9 +39,9 @@ WITH slow AS (
            arrival_us + toInt64(queue_seconds * 1e6) AS scheduled_us,
            arrival_us + toInt64(ttft_seconds * 1e6) AS first_token_us
     FROM {MERGED}
-    WHERE {SINCE} AND {EACH_ENGINE} AND isFinite(ORDER_COLUMN)
-    ORDER BY ORDER_COLUMN DESC
-    LIMIT {{limit:UInt32}}
+    WHERE {SINCE} AND {EACH_ENGINE} AND isFinite({column})
+    ORDER BY {column} DESC
+    LIMIT {param('limit', 'UInt32')}
 ),
 near AS (
     SELECT host, engine, toUnixTimestamp64Micro(ts) AS step_us, elapsed_ms, num_ctx_tokens
@@ -52,8 +55,8 @@ SELECT slow.ts AS finished, slow.engine AS engine, slow.request_id AS request_id
        slow.mean_tpot_seconds AS mean_tpot_s, slow.e2e_seconds AS e2e_s,
        sumIf(near.elapsed_ms, near.num_ctx_tokens > 0 AND near.step_us > slow.arrival_us
              AND near.step_us <= slow.scheduled_us) / 1000 AS queued_during_prefill_s,
-       countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {{budget_engines:Array(String)}},
-                                                {{long_chunk:Array(UInt64)}}, {{unknown:UInt64}})
+       countIf(near.num_ctx_tokens >= transform(toString(slow.engine), {param('budget_engines', 'Array(String)')},
+                                                {param('long_chunk', 'Array(UInt64)')}, {param('unknown', 'UInt64')})
                AND near.step_us > slow.first_token_us
                AND near.step_us <= slow.finish_us) AS tokens_beside_long_prefill,
        quantileExactIf(0.99)(near.elapsed_ms, near.step_us > slow.first_token_us
@@ -63,7 +66,7 @@ FROM slow
 GLOBAL LEFT JOIN near ON near.host = slow.host AND near.engine = slow.engine
 GROUP BY slow.ts, slow.engine, slow.request_id, slow.finish_reason, slow.prompt_tokens, slow.cached_tokens,
          slow.generation_tokens, slow.queue_seconds, slow.ttft_seconds, slow.mean_tpot_seconds, slow.e2e_seconds
-ORDER BY slow.ORDER_COLUMN DESC
+ORDER BY slow.{column} DESC
 """
 
 
@@ -99,7 +102,7 @@ def slowest(reader: Reads, *, since: float, limit: int = 20, by: str = "e2e", en
     if by not in ORDER_BY:
         raise ValueError(f"--by must be one of {', '.join(ORDER_BY)}, got {by!r}")
     # The column comes from ORDER_BY, never from the caller's text: safe to splice.
-    sql = _SLOWEST.replace("ORDER_COLUMN", ORDER_BY[by])
+    sql = _slowest(ORDER_BY[by])
     chunks: dict[str, tuple[int, str]] = {}
     if long_prefill_tokens is None:
         window = Window(datetime.fromtimestamp(since, UTC), datetime.now(UTC), engine)

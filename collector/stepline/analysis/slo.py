@@ -13,10 +13,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from stepline.config.objectives import FAILED_FINISH_REASONS, Objective
+from stepline.config.objectives import FAILED_FINISH_REASONS, GATEWAY_SLIS, Objective
 from stepline.config.slo import Slo
 from stepline.core.texttable import render_table
 from stepline.model.rows import UNKNOWN_FINISH_REASON
+from stepline.queries.gateway import TENANT
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import SINCE
 from stepline.store.reads import Reads, named
@@ -41,7 +42,7 @@ class SloStatus:
 
     objective: str
     sli: str
-    scope: str  # "model=...", "lane=...", "engine=..."
+    scope: str  # "model=...", "lane=...", "engine=...", "tenant=..."
     total: int
     good: int
     target: float
@@ -73,18 +74,27 @@ def _request_sql(o: Objective) -> str:
             f"WHERE {known} GROUP BY scope ORDER BY scope")
 
 
+# What each gateway SLI reads, as `judge_decision`: when a decision counts, and when it is good.
+_DECISION_SLI = {
+    "gateway_availability": ("1", "(status > 0 AND status < 500) OR client_disconnected"),
+    "gateway_first_byte": ("first_byte_ts IS NOT NULL OR NOT client_disconnected",
+                           "first_byte_ts IS NOT NULL AND "
+                           "dateDiff('microsecond', ts, first_byte_ts) <= {threshold:Float64} * 1000000"),
+}
+
+
 def _decision_sql(o: Objective) -> str:
-    scope = _SCOPE_COLUMN[o.scope]
-    return (f"SELECT toString({scope}) AS scope, count() AS total, "
-            "countIf((status > 0 AND status < 500) OR client_disconnected) AS good "
-            f"FROM gateway_decisions WHERE {SINCE} GROUP BY scope ORDER BY scope")
+    known, good = _DECISION_SLI[o.sli]
+    scope = TENANT if o.scope == "tenant" else _SCOPE_COLUMN[o.scope]
+    return (f"SELECT toString({scope}) AS scope, count() AS total, countIf({good}) AS good "
+            f"FROM gateway_decisions WHERE {SINCE} AND ({known}) GROUP BY scope ORDER BY scope")
 
 
 def statuses(reader: Reads, slo: Slo, *, since: float) -> list[SloStatus]:
     """Every objective in every scope that had requests since `since` (epoch seconds)."""
     out = []
     for o in slo.objectives:
-        sql = _decision_sql(o) if o.sli == "gateway_availability" else _request_sql(o)
+        sql = _decision_sql(o) if o.sli in GATEWAY_SLIS else _request_sql(o)
         parameters = {"since": round(since * 1e6), "threshold": slo.threshold(o)}
         for r in named(reader.query(sql, parameters=parameters)):
             out.append(SloStatus(o.name, o.sli, f"{o.scope}={r.scope}", int(r.total), int(r.good), o.target))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from stepline.model.rows import micros
+from stepline.queries.window import ENGINE, SINCE
 from stepline.store.reads import Reads, named
 
 # A bucket whose upper bound is at least this many times its lower bound: a figure interpolated inside it may be
@@ -117,7 +118,7 @@ class MinuteSummary:
 
 
 # Counter deltas and gauges per minute. Deltas are reset-safe, so sums never go negative.
-_PER_MINUTE = """
+_PER_MINUTE = f"""
 SELECT toStartOfMinute(ts) AS minute,
        sumIf(delta, metric = 'vllm:generation_tokens_total') AS gen,
        sumIf(delta, metric = 'vllm:prompt_tokens_total') AS prompt,
@@ -128,14 +129,14 @@ SELECT toStartOfMinute(ts) AS minute,
        sumIf(delta, metric = 'vllm:num_preemptions_total') AS preempted,
        dateDiff('millisecond', min(ts), max(ts)) / 1000.0 AS covered_s
 FROM engine_samples
-WHERE engine = {engine:String} AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
+WHERE {ENGINE} AND {SINCE}
 GROUP BY minute ORDER BY minute
 """
 
-_BUCKETS = """
+_BUCKETS = f"""
 SELECT toStartOfMinute(ts) AS minute, metric, toFloat64(labels['le']) AS le, sum(delta) AS n
 FROM engine_samples
-WHERE engine = {engine:String} AND kind = 'bucket' AND ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')
+WHERE {ENGINE} AND kind = 'bucket' AND {SINCE}
   AND metric IN ('vllm:inter_token_latency_seconds_bucket', 'vllm:time_to_first_token_seconds_bucket')
 GROUP BY minute, metric, le
 """

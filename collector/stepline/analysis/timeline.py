@@ -7,27 +7,31 @@ from datetime import UTC, datetime, timedelta
 
 from stepline.core.usage import UsageError
 from stepline.model.schema import timeline_sql
+from stepline.queries.query import moment
 from stepline.store.reads import Reads, named
 
 MAX_WINDOW_S = 7 * 86400.0  # a week each side: a larger window is a query, not a timeline
 # The GPU side is read from a little before the window so the first steps find their sample.
-_BOUNDS_STEPS = (" AND s.ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
-                 " AND s.ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+_BOUNDS_STEPS = (f" AND s.ts >= {moment('from_us')}"
+                 f" AND s.ts <= {moment('to_us')}"
                  " AND ({engine:String} = '' OR s.engine = {engine:String})")
 _BOUNDS_GPU = (" AND ts >= fromUnixTimestamp64Micro({from_us:Int64} - 10000000, 'UTC')"
-               " AND ts <= fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')")
+               f" AND ts <= {moment('to_us')}")
 # The view joins steps to their engine's GPUs, so an engine with no GPU sample (a CPU engine, a host without
 # NVML, samples not attributed to it) would vanish: its steps are added with empty GPU columns.
-_STEPS_WITHOUT_GPU = """
+def _steps_without_gpu(database: str) -> str:
+    db = f"`{database}`." if database else ""
+    return f"""
 SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
        s.elapsed_ms AS elapsed_ms, s.num_ctx_tokens AS prefill_tokens, s.num_generation_requests AS decoding,
        s.running AS running, s.waiting AS waiting, s.kv_cache_usage AS kv_cache_usage,
        CAST(NULL, 'Nullable(UInt8)') AS gpu_index, NULL AS gpu_ts, NULL AS sm_clock_mhz, NULL AS power_w,
        NULL AS dram_bw_util_pct, NULL AS tensor_active_pct, NULL AS util_gpu_pct, NULL AS nvlink_bytes_per_s,
        CAST([], 'Array(LowCardinality(String))') AS clock_event_flags
-FROM DB.steps AS s
-WHERE (s.host, s.engine) GLOBAL NOT IN (SELECT DISTINCT host, engine FROM DB.gpu_samples WHERE engine != '' GPU_FILTER)
-STEP_FILTER"""
+FROM {db}steps AS s
+WHERE (s.host, s.engine) GLOBAL NOT IN (SELECT DISTINCT host, engine FROM {db}gpu_samples WHERE engine != ''
+                                        {_BOUNDS_GPU})
+{_BOUNDS_STEPS}"""
 
 
 def parse_moment(text: str, now: datetime | None = None) -> datetime:
@@ -89,11 +93,6 @@ def around(reader: Reads, database: str, moment: datetime, *, window_s: float = 
                      f" {prefill:>8} {decoding:>8.0f} {_n(sm):>7} {_n(power):>7} {_n(dram):>6} {_n(tensor):>8}"
                      f"  {flags or '-'}")
     return "\n".join(lines)
-
-
-def _steps_without_gpu(database: str) -> str:
-    return (_STEPS_WITHOUT_GPU.replace("DB.", f"`{database}`." if database else "")
-            .replace("GPU_FILTER", _BOUNDS_GPU).replace("STEP_FILTER", _BOUNDS_STEPS))
 
 
 def _us(moment: datetime) -> int:

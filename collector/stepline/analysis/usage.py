@@ -15,6 +15,7 @@ steps is refused: ask for a shorter one.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -47,8 +48,10 @@ from `steps`, `requests` and `gpu_samples`; nothing is stored.
   its last (`engine_samples`), or the whole window where it was never scraped. Busy + idle = that time times the
   engine indices seen, exactly.
 - **Which requests a step carried** is inferred, since no report lists them: a request's prefill steps are those of
-  its engine index that ended after it was scheduled (`arrival_ts` + `queue_seconds`) and by its first token
-  (`arrival_ts` + `ttft_seconds`), its decode steps those that ended after its first token and by its finish (`ts`).
+  its engine index that ended after it was scheduled (`arrival_ts` + `queue_seconds`) and by its first token (the
+  step whose `ttft_seconds` sample is its own: the step's `ts` less the sample is its arrival; else `arrival_ts` +
+  `ttft_seconds`, which mixes two clocks), its decode steps those that ended after its first token and by its finish
+  (`ts`).
   A step's `num_ctx_tokens` go to the requests then in prefill, oldest first, each up to its uncached prompt tokens
   (`prompt_tokens` - `cached_tokens`) not yet computed; each of its `num_generation_requests` is one decoding
   request, with its prompt and the tokens decoded so far in context.
@@ -134,6 +137,7 @@ class StepRow:
     num_ctx_tokens: int
     num_generation_requests: int
     num_generation_tokens: int
+    first_token_arrivals_us: list[int]
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,11 @@ class _Engine:
     gpus: int = 0
     without_duration: int = 0
     scraped: tuple[int, int] | None = None  # its first and last /metrics scrape in the window (us), if any
+    # engine index -> (arrival us, end us of the step that gave it its first token), from the steps' TTFT samples
+    first_tokens: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+FIRST_TOKEN_MATCH_US = 2  # stored moments are whole microseconds: a sample's arrival within this of a request's
 
 
 def usage(reader: Reads, window: Window, host: str = "") -> Usage:
@@ -216,6 +225,8 @@ def _add_step(e: _Engine, s: StepRow) -> None:
     rank.prefill_tokens.append(s.num_ctx_tokens)
     rank.decoding.append(s.num_generation_requests)
     rank.decode_tokens.append(s.num_generation_tokens)
+    if s.first_token_arrivals_us:
+        e.first_tokens.setdefault(s.engine_index, []).extend((a, s.end_us) for a in s.first_token_arrivals_us)
 
 
 def _add_gpus(engines: dict[tuple[str, str], _Engine], rows: Sequence[Row]) -> None:
@@ -293,15 +304,35 @@ def _phases(e: _Engine) -> tuple[dict[int, list[Phases]], int]:
     """Each request's phases, by the engine index it ran on; how many had unknown times (not placed)."""
     by_rank: dict[int, list[Phases]] = defaultdict(list)
     unplaced = 0
+    first_tokens = {index: sorted(pairs) for index, pairs in e.first_tokens.items()}
     for i, r in enumerate(e.requests):
         if not (math.isfinite(r.queue_seconds) and math.isfinite(r.ttft_seconds)):
             unplaced += 1
             continue
         cached = min(r.cached_tokens, r.prompt_tokens)
         by_rank[r.engine_index].append(Phases(
-            i, r.arrival_us + round(r.queue_seconds * 1e6), r.arrival_us + round(r.ttft_seconds * 1e6),
+            i, r.arrival_us + round(r.queue_seconds * 1e6), _first_token(r, first_tokens.get(r.engine_index, [])),
             r.finish_us, r.prompt_tokens - cached, cached, r.prompt_tokens))
     return by_rank, unplaced
+
+
+def _first_token(r: RequestRow, first_tokens: Sequence[tuple[int, int]]) -> int:
+    """When the request got its first token (us): the end of the step whose TTFT sample is the request's (the step's
+    ts less the sample is its arrival, within the sample's Float32 rounding), else its arrival + `ttft_seconds`.
+
+    The report's TTFT is e2e less decode (vLLM's FinishedRequestStats): e2e on the front-end's clock, decode on the
+    engine core's, so arrival + TTFT can fall milliseconds either side of the step that computed the first token, and
+    put a prefill step among the request's decode steps (or the reverse), leaving another request's prefill no step
+    to take. A sample carried to a later step (its scheduler stats came apart, stepline.plugin.core) matches no
+    arrival and changes nothing."""
+    estimate = r.arrival_us + round(r.ttft_seconds * 1e6)
+    tolerance = FIRST_TOKEN_MATCH_US + abs(r.ttft_seconds) * 1e6 * 2.0 ** -22  # Float32: 24 bits of mantissa
+    i = bisect_left(first_tokens, (r.arrival_us - tolerance,))
+    matches = []
+    while i < len(first_tokens) and first_tokens[i][0] <= r.arrival_us + tolerance:
+        matches.append(first_tokens[i][1])
+        i += 1
+    return min(matches, key=lambda end: abs(end - estimate)) if matches else estimate
 
 
 def _fit_rows(rank: Rank) -> Iterable[tuple[tuple[float, float, float, float], float]]:

@@ -26,10 +26,10 @@ from typing import Any
 
 from stepline.analysis.usage import EngineUsage, usage
 from stepline.core.texttable import render_table
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
-from stepline.model.rows import micros
+from stepline.model.rows import micros, tenant_of
 from stepline.queries.gateway import MATCH_SKEW_S, joined
+from stepline.queries.query import Query
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, EACH_HOST, IN_WINDOW, between
 from stepline.store.reads import Reads, Row
@@ -73,7 +73,7 @@ class Who:
         if by == "engine":
             return engine
         if by == "tenant":
-            return self.team or self.key or self.end_user or self.user or NONE
+            return tenant_of(self.team, self.key, self.end_user, self.user) or NONE
         return str(getattr(self, by)) or NONE
 
 

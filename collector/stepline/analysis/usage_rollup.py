@@ -24,9 +24,11 @@ from datetime import UTC, datetime
 from stepline.analysis import usage_by
 from stepline.analysis.usage_by import Line, Report, Who
 from stepline.core.clock import Clock
+from stepline.core.oneline import one_line
 from stepline.core.ratelimit import RateLimitedLog
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import UsageMinute, micros
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE
 from stepline.sources.base import Emit, SourceError
 from stepline.store.reads import Reads, first_or_none, named
@@ -41,8 +43,8 @@ MAX_TRIES = 3  # a minute that fails this many polls in a row is skipped, counte
 ROLLUP_FROM_S = 3600.0  # `stepline usage` reads the rollup for windows longer than this
 MAX_TAIL_S = 900.0  # ... where the rollup reaches this close to the window's end (the rest is an exact pass)
 
-_FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
-_TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
+_FROM = moment("lo")
+_TO = moment("hi")
 _DIMENSIONS = ("gpu_name", "model", "lane", "adapter", "`key`", "team", "`user`", "end_user")
 _WHO_FIELDS = tuple(f.name for f in dataclasses.fields(Who))  # the dimensions but the GPU's, as ROLLED names them
 # The rollup's lines over [lo, hi), whole minutes: one per engine, line and group.
@@ -209,7 +211,7 @@ def _moment(us: int) -> datetime:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return f"{type(exc).__name__}: {one_line(exc, 200)}"
 
 
 __all__ = ["LAG_S", "ROLLUP_FROM_S", "UsageRollup", "minute_rows", "report", "roll", "rolled_lines", "rolled_span"]

@@ -1,1 +1,2 @@
-"""The collector wired and run (`collector.Collector`), and `stepline demo` (`demo`)."""
+"""The collector wired and run (`collector.Collector`), its metrics composed (`selfmetrics`), and `stepline demo`
+(`demo`)."""

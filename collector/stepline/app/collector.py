@@ -13,10 +13,12 @@ from types import FrameType
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.analysis.usage_rollup import UsageRollup
+from stepline.app.selfmetrics import SelfMetrics
 from stepline.config.settings import Settings
 from stepline.core.clock import Clock, SystemClock
 from stepline.core.listener import Address
-from stepline.core.selfmetrics import MetricsServer, SelfMetrics
+from stepline.core.oneline import one_line
+from stepline.core.selfmetrics import MetricsServer
 from stepline.endpoints.events import EventsIngest
 from stepline.endpoints.query import QueryEndpoint
 from stepline.ingest.merge import RecentRequests
@@ -68,7 +70,7 @@ class Collector:
     def start(self) -> None:
         """Open the store and start everything; raises StoreError/SettingsError/OSError with one clear line."""
         s = self.settings
-        self.metrics.gpu_expected.set(1 if s.expect_gpus else 0)
+        self.metrics.watchdog.gpu_expected.set(1 if s.expect_gpus else 0)
         ctx = SourceContext(host=s.host_name, clock=self.clock, engine_models=self._engine_models,
                             engine_addresses=EngineAddresses(s.engines, s.backend_map()))
         specs = source_registry.enabled(s)
@@ -92,7 +94,7 @@ class Collector:
             if isinstance(sink, Store):
                 sink.ensure_schema(s.retention_days)
             spool_dir = s.spool_path() if s.spool_max_bytes else None
-            self.writers = Writers(sink, self.metrics, spool_dir=spool_dir,
+            self.writers = Writers(sink, self.metrics.ingest, spool_dir=spool_dir,
                                    spool_max_bytes=s.spool_max_bytes or MEMORY_SPOOL_BYTES,
                                    max_rows=s.writer_max_rows, batch_rows=s.writer_batch_rows,
                                    flush_interval_s=s.flush_interval(), lookup=self._look_up_requests)
@@ -100,9 +102,9 @@ class Collector:
                 self._remember_written_requests(self.store)
                 self._remember_engine_models(self.store)
             self.writers.start()
-            self.watchdog = Watchdog(self.metrics, self.writers.write, host=s.host_name, clock=self.clock,
+            self.watchdog = Watchdog(self.metrics.watchdog, self.writers.write, host=s.host_name, clock=self.clock,
                                      reader_factory=sink.reader, lane_budgets=s.lane_budget_map(),
-                                     expect_plugin=bool(self._plugin_receivers))
+                                     expect_plugin=bool(self._plugin_receivers), slo=s.slo())
             self.watchdog.start()
             self.metrics_server = MetricsServer(self.metrics.registry, s.listen, s.metrics_port)
             self.metrics_server.start()
@@ -113,7 +115,7 @@ class Collector:
             if isinstance(sink, Store):
                 self.query_endpoint = QueryEndpoint(sink.reader(), host=s.listen, port=s.query_port,
                                                     password=s.query_password, database=sink.database,
-                                                    metrics=self.metrics)
+                                                    metrics=self.metrics.queries)
                 self.query_endpoint.start()
                 discovery.announce_beside_store(url.path, self.query_endpoint.url, metrics_url,
                                                   s.query_password is not None)
@@ -122,7 +124,7 @@ class Collector:
             raise
         self._count_listeners(scheduled)
         self.sources = [item.source for item in scheduled]
-        self.runner = Runner(scheduled, self.writers, self.metrics, s.host_name, observer=self.watchdog.observe,
+        self.runner = Runner(scheduled, self.writers, self.metrics.ingest, s.host_name, observer=self.watchdog.observe,
                              retention_days=s.retention_days, clock=self.clock)
         self.event("collector_started", "info", f"collecting from {len(scheduled)} source(s) into "
                    f"{url.redacted()}", {"sources": ",".join(x.source.name for x in scheduled),
@@ -174,11 +176,11 @@ class Collector:
         # A report whose request was written before a restart joins it (stepline.ingest.merge).
         assert self.writers is not None
         try:
-            self.writers.remember_requests(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S),
+            self.writers.placement.remember(store.recent_requests(self.settings.host_name, RecentRequests.WINDOW_S),
                                            whole_window=True)
         except ClickHouseError as exc:
             log.warning("cannot read the requests written before this start (a restart may write some twice): %s",
-                        " ".join(str(exc).split())[:200])
+                        one_line(exc, 200))
 
     def _remember_engine_models(self, store: Store) -> None:
         # A running engine announces its model once, at its start: a restarted collector reads it back, for the
@@ -188,7 +190,7 @@ class Collector:
         except ClickHouseError as exc:
             log.warning("cannot read the engines' model names from the store (steps and requests of engines "
                         "that started before this collector carry none until they restart): %s",
-                        " ".join(str(exc).split())[:200])
+                        one_line(exc, 200))
             return
         self._engine_models.remember(models)
 

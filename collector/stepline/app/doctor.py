@@ -45,7 +45,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepline.alerting.config import AlertConfig
 from stepline.config.settings import Settings, split_named_url, url_host_port
 from stepline.core.listener import url as url_of
+from stepline.core.oneline import one_line
 from stepline.core.usage import UsageError
+from stepline.queries.query import param
 from stepline.queries.window import ENGINE, SINCE
 from stepline.sources.vllm_metrics import ExpositionError, ParsedSample, parse_exposition
 from stepline.store.discovery import (
@@ -57,7 +59,7 @@ from stepline.store.discovery import (
     runtime_dir,
     store_without_password,
 )
-from stepline.store.errors import StoreError, one_line
+from stepline.store.errors import StoreError, error_line
 from stepline.store.reader import TimelineReader, open_reader
 from stepline.store.reads import named, only
 from stepline.store.url import StoreUrlError, parse_store_url
@@ -138,7 +140,7 @@ def fetch(url: str, timeout_s: float, body: bytes | None = None, headers: dict[s
 def why(exc: BaseException) -> str:
     """A transport failure in a few words."""
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return " ".join(str(reason).split())[:200] or type(exc).__name__
+    return one_line(reason, 200) or type(exc).__name__
 
 
 class Samples:
@@ -291,7 +293,7 @@ class Doctor:
                 "{host:String} AND source = 'vllm_metrics' AND kind IN ('engine_up', 'engine_down') GROUP BY engine",
                 parameters={"host": host}))
         except Exception as exc:  # a read refused or cut: the store check says so, the others go on
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return reader
         scraping = {labels["source"].partition(":")[2] for labels, _ in ev.before.matching("stepline_source_up")
                     if labels["source"].startswith("vllm_metrics:")}
@@ -391,10 +393,10 @@ class Doctor:
         try:
             steps = only(reader.client.query(
                 f"SELECT count() AS steps, countIf(NOT isNaN(elapsed_ms)) AS detailed, argMax(model_name, ts) AS "
-                f"model FROM `{reader.database}`.steps WHERE host = {{host:String}} AND {ENGINE} AND {SINCE}",
-                parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}))
+                f"model FROM `{reader.database}`.steps WHERE host = {param('host', 'String')} AND {ENGINE} AND "
+                f"{SINCE}", parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}))
         except Exception as exc:  # as in _find_collector
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return
         ev.steps, ev.detailed_steps, ev.steps_model = int(steps.steps), int(steps.detailed), str(steps.model)
 
@@ -402,16 +404,17 @@ class Doctor:
         """Other engines' steps and spans since `since` (a name mismatch), and the GPUs of the last minute."""
         window, db, query = {"host": host, "since": round(since * 1e6)}, reader.database, reader.client.query
         try:
-            steps = named(query(f"SELECT engine, count() AS steps FROM `{db}`.steps WHERE host = {{host:String}} "
-                                f"AND {SINCE} GROUP BY engine ORDER BY count() DESC LIMIT 5", parameters=window))
+            steps = named(query(f"SELECT engine, count() AS steps FROM `{db}`.steps WHERE host = "
+                                f"{param('host', 'String')} AND {SINCE} GROUP BY engine ORDER BY count() DESC LIMIT 5",
+                                parameters=window))
             spans = named(query(f"SELECT engine, count() AS requests, argMax(model_name, ts) AS model FROM "
-                                f"`{db}`.requests WHERE host = {{host:String}} AND {SINCE} AND source = 'otlp' "
-                                "GROUP BY engine", parameters=window))
-            gpus = named(query(f"SELECT engine, uniqExact(gpu_uuid) AS gpus FROM `{db}`.gpu_samples WHERE host = "
-                               f"{{host:String}} AND {SINCE} GROUP BY engine",
+                                f"`{db}`.requests WHERE host = {param('host', 'String')} AND {SINCE} AND "
+                                "source = 'otlp' GROUP BY engine", parameters=window))
+            gpus = named(query(f"SELECT engine, uniqExact(gpu_uuid) AS gpus FROM `{db}`.gpu_samples "
+                               f"WHERE host = {param('host', 'String')} AND {SINCE} GROUP BY engine",
                                parameters={**window, "since": round((self._clock() - GPU_WINDOW_S) * 1e6)}))
         except Exception as exc:  # as in _find_collector
-            ev.sql_error = one_line(exc)
+            ev.sql_error = error_line(exc)
             return
         ev.other_steps = {str(r.engine): int(r.steps) for r in steps if r.engine != ev.name}
         ev.span_requests = {str(r.engine): (int(r.requests), str(r.model)) for r in spans}

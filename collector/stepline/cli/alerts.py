@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from stepline.alerting.config import AlertConfig
+from stepline.cli.options import add_objectives, chosen_slo
 
 HELP = "generate the alert rules, Alertmanager example and Grafana alert provisioning"
 DESCRIPTION = ("`stepline alerts build` regenerates everything in alerts/ from the one alert config: Prometheus "
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="copy the rules and the dashboards into DIR/generated/ when DIR exists, for "
                         "`kubectl apply -k` (default: deploy/kubernetes; '' to skip)")
     b.add_argument("--dashboards", default="dashboards", help="the dashboards to copy (default: dashboards)")
+    add_objectives(b)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     changes = {k: v for k, v in (("selector", args.selector), ("grafana_datasource_uid", args.datasource_uid),
                                  ("runbook_url", args.runbook_url)) if v is not None}
     cfg = dataclasses.replace(AlertConfig(), **changes, receivers=tuple(parse(text) for text in args.receiver),
+                              slo=chosen_slo(args.objectives),
                               grafana_via_alertmanager=args.grafana_via_alertmanager)
     routed(cfg)  # a receiver named twice is refused before any file is written
     written = build(args.out, cfg)

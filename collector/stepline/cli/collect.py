@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from stepline.cli.options import OBJECTIVES_HELP
 from stepline.config.settings import ROLES, Settings, SettingsError, size
 
 HELP = "run the collector sidecar"
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "vllm.default.svc:8000=vllm-0 for a service in front of replicas (repeat per replica; "
                              "$STEPLINE_BACKENDS, comma-separated): decisions to that backend join the requests of "
                              "the engines behind it by time and size")
+    parser.add_argument("--objectives", default=None, metavar="FILE", help=OBJECTIVES_HELP)
     parser.add_argument("--role", choices=ROLES,
                         help="sidecar: beside one engine, every source (default); node: one per Kubernetes node, "
                              "GPUs and host only, each GPU tied to the pod the kubelet allocated it to "
@@ -90,7 +92,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
         lane_bars=tuple(args.lane_bar) if args.lane_bar else None,
         backends=tuple(args.backend) if args.backend else None,
         disabled_sources=frozenset(args.disable_source) if args.disable_source else None,
-        role=args.role, pod_resources_socket=args.pod_resources_socket,
+        role=args.role, pod_resources_socket=args.pod_resources_socket, objectives_file=args.objectives,
     )
 
 

@@ -8,6 +8,8 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from stepline.cli.options import READ_STORE_HELP
+
 if TYPE_CHECKING:
     from stepline.diagnosis.findings import Finding, Window
     from stepline.store.reads import Reads
@@ -24,7 +26,7 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="from_", metavar="T", help="window start (ISO 8601, epoch, HH:MM[:SS] UTC)")
     parser.add_argument("--to", metavar="T", help="window end (default now)")
     parser.add_argument("--engine", default="", help="only this engine (default: every engine)")
-    parser.add_argument("--store", default=None, help="store URL (default: $STEPLINE_STORE, else ./stepline-data)")
+    parser.add_argument("--store", default=None, help=READ_STORE_HELP)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,11 +62,10 @@ def with_whatif(reader: Reads, window: Window, findings: list[Finding]) -> list[
 def run(args: argparse.Namespace) -> int:
     """1 when a finding is critical, 0 otherwise; bad arguments raise UsageError (exit 2)."""
     from stepline.diagnosis.detectors import as_json, diagnose, render
-    from stepline.store.reader import open_reader
-    from stepline.store.url import default_store_url
+    from stepline.store.reader import open_located
 
     window = window_of(args)
-    reader = open_reader(args.store or default_store_url())
+    reader = open_located(args.store)[0]
     started = time.monotonic()
     try:
         findings = diagnose(reader.client, window)

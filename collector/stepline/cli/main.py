@@ -32,6 +32,7 @@ COMMANDS = {
     "matrix": "stepline.cli.matrix",
     "replay": "stepline.cli.replay",
     "alerts": "stepline.cli.alerts",
+    "prometheus-config": "stepline.cli.prometheus_config",
     "dashboards": "stepline.cli.dashboards",
     "docs": "stepline.cli.docs",
     "grafana-provisioning": "stepline.cli.grafana_provisioning",
@@ -82,6 +83,21 @@ def _command_named(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+def version() -> str:
+    """"stepline 0.1.0 (timeline schema 7)": the installed package's version (importlib.metadata, from pyproject.toml)
+    and the schema version its collector writes and its readers expect."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from stepline.model.schema import SCHEMA_VERSION
+
+    try:
+        number = installed("stepline")
+    except PackageNotFoundError:
+        number = "(not installed: pip install -e .)"
+    return f"stepline {number} (timeline schema {SCHEMA_VERSION})"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with `command`, only that command's options (the other commands keep their help line)."""
     parser = argparse.ArgumentParser(
@@ -89,6 +105,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="One ClickHouse timeline for vLLM engines: every step, every request, every GPU counter.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument("--version", action="version", version=version(),
+                        help="print stepline's version and the timeline schema it writes, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         handler = cast(Command, importlib.import_module(module))

@@ -29,11 +29,10 @@ def run(args: argparse.Namespace) -> int:
     """Diagnose the window, write the report, print where it went and how many findings it holds."""
     from stepline.diagnosis.detectors import diagnose
     from stepline.diagnosis.report import write_report
-    from stepline.store.reader import open_reader
-    from stepline.store.url import default_store_url
+    from stepline.store.reader import open_located
 
     window = window_of(args)
-    reader = open_reader(args.store or default_store_url())
+    reader = open_located(args.store)[0]
     try:
         findings = diagnose(reader.client, window)
         appendix = ""

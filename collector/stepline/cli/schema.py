@@ -24,24 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "STEPLINE_STORE_PASSWORD(_FILE) as collectors read it), wait for every server, record "
                              "the schema version; exit 0 when done")
     parser.add_argument("--markdown", action="store_true",
-                        help="print the column reference (each table's columns, types and comments) as Markdown")
-    parser.add_argument("--readme", metavar="PATH",
-                        help="rewrite the column reference between the markers in this README")
+                        help="print the column reference (each table's columns, types and comments) as Markdown; "
+                             "docs/reference/schema.md holds it, written by `stepline docs build`")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print (or write into the README); 0. A README without the markers raises UsageError (exit 2)."""
-    from pathlib import Path
-
+    """Print the DDL or the column reference, or apply the DDL to a cluster; 0."""
     from stepline.model import schema, schemadoc
 
-    if args.readme:
-        try:
-            changed = schemadoc.update_readme(Path(args.readme))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot update {args.readme}: {exc}") from None
-        print(f"{args.readme}: column reference {'updated' if changed else 'already current'}")
-        return 0
     if args.markdown:
         sys.stdout.write(schemadoc.markdown())
         return 0

@@ -45,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """0 when priced; 2 when the window cannot be replayed."""
     from stepline.core.usage import UsageError
-    from stepline.store.reader import open_reader
-    from stepline.store.url import default_store_url
+    from stepline.store.reader import open_located
     from stepline.whatif.core import WhatIfError, whatif
     from stepline.whatif.figures import Objectives
     from stepline.whatif.render import as_json, render
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replays must be 0 or more, got {args.replays}")
     window = window_of(args)
     started = time.monotonic()
-    reader = open_reader(args.store or default_store_url())
+    reader = open_located(args.store)[0]
     try:
         traces = load(reader.client, window)
         bars = router_bars(reader.client, window)  # a gateway's bar in front, to price sharding in its unit

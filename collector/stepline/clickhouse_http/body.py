@@ -13,6 +13,7 @@ from email.parser import BytesParser
 from io import BufferedIOBase
 
 from stepline.clickhouse_http.errors import BAD_ARGUMENTS, NOT_IMPLEMENTED, QUERY_IS_TOO_LARGE, SqlRefused
+from stepline.core.oneline import one_line
 
 _LENGTH = re.compile(rb"[0-9]{1,18}\Z")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?\r?\n\Z")
@@ -89,7 +90,7 @@ def form_fields(content_type: str, body: bytes) -> dict[str, str]:
     except SqlRefused:
         raise
     except Exception as ex:  # untrusted bytes: the email parser's failures and undecodable fields are the body's
-        detail = " ".join(str(ex).split())[:160] or type(ex).__name__
+        detail = one_line(ex, 160) or type(ex).__name__
         raise SqlRefused(f"cannot read the multipart/form-data body: {detail}", BAD_ARGUMENTS,
                          "BAD_ARGUMENTS") from None
     return fields

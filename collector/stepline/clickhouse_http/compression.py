@@ -23,6 +23,7 @@ from stepline.clickhouse_http.errors import (
     UNKNOWN_COMPRESSION_METHOD,
     SqlRefused,
 )
+from stepline.core.oneline import one_line
 
 # ClickHouse's compressed block: a 16-byte CityHash128 (v1.0.2) of the rest, then a method byte, the block's size
 # with its 9-byte header and the decompressed size (UInt32 little-endian each), then the compressed bytes
@@ -102,7 +103,7 @@ def _block_bytes(method: int, packed: bytes, raw_size: int, pos: int) -> bytes:
         else:
             raw, ended = packed, True
     except Exception as ex:  # untrusted bytes: every decompressor failure is the body's
-        raise _corrupt(f"{claims}: {' '.join(str(ex).split())[:120]}") from None
+        raise _corrupt(f"{claims}: {one_line(ex, 120)}") from None
     if len(raw) > raw_size:
         raise _corrupt(f"{claims} and holds more")
     if not ended:
@@ -171,7 +172,7 @@ def decode_content(encoding: str, body: bytes, limit: int) -> bytes:
     try:
         out, ended = _inflate(_DECODERS[encoding], body, limit)
     except Exception as ex:  # untrusted bytes: every decompressor failure (zlib.error, ZstdError, ...) is the body's
-        detail = " ".join(str(ex).split())[:160] or type(ex).__name__
+        detail = one_line(ex, 160) or type(ex).__name__
         raise SqlRefused(f"cannot decompress the {encoding} request body: {detail}", CANNOT_DECOMPRESS,
                          "CANNOT_DECOMPRESS") from None
     if len(out) > limit:

@@ -1,7 +1,7 @@
 """ClickHouse's errors on its HTTP interface: the codes stepline answers with, their HTTP status, the exception line.
 
-Public: `SqlRefused` (what every refusal in this package raises), `read_only`, `http_status`, `exception_text` and
-the error codes below.
+Public: `SqlRefused` (what every refusal in this package raises), `read_only`, `http_status`, `exception_text`, the
+error codes below and `DATA_ERRORS`, the codes that condemn an insert's data.
 """
 
 from __future__ import annotations
@@ -20,6 +20,27 @@ QUERY_IS_TOO_LARGE = 229
 CANNOT_DECOMPRESS = 271
 SETTING_CONSTRAINT_VIOLATION = 452
 AUTHENTICATION_FAILED = 516
+
+# The codes of the same file with which the engine refuses an insert for its data (its bytes, its values): the writers
+# drop such a batch, since a retry cannot succeed (stepline.ingest.writer).
+CANNOT_PARSE_TEXT = 6
+CANNOT_PARSE_INPUT_ASSERTION_FAILED = 27
+ATTEMPT_TO_READ_AFTER_EOF = 32
+CANNOT_READ_ALL_DATA = 33
+CANNOT_PARSE_DATE = 38
+CANNOT_PARSE_DATETIME = 41
+TYPE_MISMATCH = 53
+ARGUMENT_OUT_OF_BOUND = 69
+CANNOT_CONVERT_TYPE = 70
+INCORRECT_DATA = 117
+TOO_LARGE_STRING_SIZE = 131
+VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE = 321
+CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN = 349
+DATA_ERRORS = frozenset({
+    CANNOT_PARSE_TEXT, CANNOT_PARSE_INPUT_ASSERTION_FAILED, ATTEMPT_TO_READ_AFTER_EOF, CANNOT_READ_ALL_DATA,
+    CANNOT_PARSE_DATE, CANNOT_PARSE_DATETIME, TYPE_MISMATCH, ARGUMENT_OUT_OF_BOUND, CANNOT_CONVERT_TYPE,
+    INCORRECT_DATA, TOO_LARGE_STRING_SIZE, VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE, CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN,
+})
 
 # ClickHouse's exceptionCodeToHTTPStatus (src/Server/HTTP/exceptionCodeToHTTPStatus.cpp), for the codes it maps.
 _HTTP_STATUS = {code: status for status, codes in (

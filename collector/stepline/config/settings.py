@@ -8,11 +8,15 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from stepline.config.objectives import load_objectives
+from stepline.config.slo import Slo
 from stepline.core.usage import UsageError
-from stepline.store.url import StoreUrlError, default_store_url, parse_store_url, with_password
+from stepline.store import url as url_module
+from stepline.store.url import StoreUrlError, default_store_url, parse_store_url
 
 ROLES = ("sidecar", "node")
 
@@ -89,6 +93,9 @@ class Settings:
     """Where rows wait on disk until the store takes them; None: beside the store (see spool_path)."""
     spool_max_bytes: int = 1 << 30
     """The spool's bound, past which the oldest batches go, counted; 0: no spool (rows wait in memory only)."""
+    objectives_file: str | None = None
+    """A TOML file of the service-level objectives whose SLIs the collector counts (`config.objectives`); None: the
+    built-in ones. `stepline alerts build` and `dashboards build` must be given the same file."""
     usage_rollup: bool = True
     """Roll each closed minute's usage of this host's engines into usage_minutes (the Usage dashboard reads it)."""
 
@@ -172,7 +179,17 @@ class Settings:
                                 f"role beside it")
         if self.role == "node" and not self.pod_resources_socket:
             raise SettingsError("role node needs a pod-resources socket (STEPLINE_POD_RESOURCES_SOCKET)")
+        self.slo()  # a bad objectives file stops the collector before it starts anything
         return self
+
+    def slo(self) -> Slo:
+        """The objectives of objectives_file, else the built-in ones; raises SettingsError naming what is wrong."""
+        if not self.objectives_file:
+            return Slo()
+        try:
+            return Slo(objectives=load_objectives(Path(self.objectives_file)))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
     def lane_budget_map(self) -> dict[str, float]:
         """lane -> least stall budget in seconds, from lane_budgets; raises SettingsError naming a bad entry."""
@@ -314,25 +331,16 @@ def _read_secret(var: str, path: str) -> str:
         raise SettingsError(f"{var}={path!r}: {exc.strerror}") from None
 
 
-# The ClickHouse password apart from the store URL (it is merged into the URL): from VAR or the file VAR_FILE names.
-STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
+STORE_PASSWORD_VARS = url_module.STORE_PASSWORD_VARS
 
 
 def store_url_with_password(url: str, env: Mapping[str, str] | None = None) -> str:
     """`url` given the ClickHouse password alone, from STEPLINE_STORE_PASSWORD or the file STEPLINE_STORE_PASSWORD_FILE
-    names (what a Kubernetes Secret mounts: one secret key serves ClickHouse and the collector, and the password never
-    sits in the collector's environment); `url` as it is when neither is set. SettingsError when they clash."""
-    env = os.environ if env is None else env
-    var, var_file = STORE_PASSWORD_VARS
-    password = env.get(var) or None
-    if password is None and env.get(var_file):
-        password = _read_secret(var_file, env[var_file])
-    if password is None:
-        return url
+    names (store.url.with_store_password); `url` as it is when neither is set. SettingsError when they clash."""
     try:
-        return with_password(url, password)
+        return url_module.with_store_password(url, env)
     except StoreUrlError as exc:
-        raise SettingsError(f"STEPLINE_STORE_PASSWORD: {exc}") from None
+        raise SettingsError(str(exc)) from None
 
 # Secrets: from VAR or from the file VAR_FILE names; never printed (repr=False), never logged.
 _SECRETS = (
@@ -377,5 +385,6 @@ _ENV: tuple[tuple[str, str, Any], ...] = (
     ("flush_interval_s", "STEPLINE_FLUSH_INTERVAL", float),
     ("spool_dir", "STEPLINE_SPOOL_DIR", str),
     ("spool_max_bytes", "STEPLINE_SPOOL_MAX_BYTES", size),
+    ("objectives_file", "STEPLINE_OBJECTIVES_FILE", str),
     ("usage_rollup", "STEPLINE_USAGE_ROLLUP", boolean),
 )

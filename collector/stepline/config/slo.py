@@ -32,9 +32,10 @@ class Slo:
             raise ValueError(f"objective names repeat: {', '.join(sorted(names))}")
 
     def threshold(self, o: Objective) -> float:
-        """The latency bound of a latency objective (its own, else this Slo's for its SLI); 0 for the others."""
+        """The latency bound of a latency objective (its own, else this Slo's for its SLI: the TTFT's for the
+        gateway's first byte); 0 for the others."""
         if o.sli not in LATENCY_SLIS:
             return 0.0
         if o.threshold_seconds is not None:
             return o.threshold_seconds
-        return self.ttft_p99_seconds if o.sli == "ttft" else self.tpot_seconds
+        return self.tpot_seconds if o.sli == "tpot" else self.ttft_p99_seconds

@@ -21,6 +21,7 @@ from stepline.dashboards.panels import (
 from stepline.dashboards.query import ClickHouseQuery, Format
 from stepline.diagnosis.gateway import IN_FLIGHT_METRICS
 from stepline.queries.gateway import joined, size_in_unit
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 
 UID = "stepline-gateway-lanes"
@@ -54,7 +55,7 @@ LANE_VARIABLE_SQL = (f"SELECT DISTINCT lane FROM gateway_decisions WHERE $__time
 
 # joined() binds its window and engine as query parameters, as the detectors run it; Grafana fills macros instead.
 _BOUND = {IN_WINDOW: "$__timeFilter_ms(ts)", EACH_ENGINE: f"({HOST} AND {ENGINE})",
-          "{start:DateTime64(6)}": "$__fromTime_ms", "{end:DateTime64(6)}": "$__toTime_ms"}
+          moment("start"): "$__fromTime_ms", moment("end"): "$__toTime_ms"}
 _PARAMETER = re.compile(r"(?<!\$)\{\w+:[^{}]+\}")  # ${var:format} is a Grafana variable
 
 # The size the gateway compared with its bar, in the bar's unit; and that size per token the engine counted.

@@ -10,6 +10,7 @@ from stepline.alerting.config import AlertConfig
 from stepline.analysis.usage_by import DIMENSIONS, IDLE, NONE, UNATTRIBUTED
 from stepline.dashboards.panels import WHERE, grid, series, timeline_base
 from stepline.dashboards.query import ClickHouseQuery, Format
+from stepline.queries.gateway import TENANT
 
 UID = "stepline-usage"
 # Each point is a whole number of the rollup's minutes: a finer interval would show empty minutes between them.
@@ -17,8 +18,8 @@ BIN = "toStartOfInterval(ts, toIntervalSecond(greatest($__interval_s, 60)))"
 BIN_S = "greatest($__interval_s, 60)"
 # The request's value of the chosen dimension (stepline.analysis.usage_by.Who.value), idle and unattributed time
 # on lines of their own.
-_VALUE = ("multiIf('${by}' = 'tenant', multiIf(team != '', team, `key` != '', `key`, end_user != '', end_user, "
-          "`user`), '${by}' = 'team', team, '${by}' = 'key', `key`, '${by}' = 'user', `user`, "
+_VALUE = (f"multiIf('${{by}}' = 'tenant', {TENANT}, "
+          "'${by}' = 'team', team, '${by}' = 'key', `key`, '${by}' = 'user', `user`, "
           "'${by}' = 'end_user', end_user, '${by}' = 'model', model, '${by}' = 'adapter', adapter, "
           "'${by}' = 'lane', lane, engine)")
 GROUP = (f"multiIf(line = 'idle', '{IDLE}', line = 'unattributed', '{UNATTRIBUTED}', {_VALUE} = '', '{NONE}', "

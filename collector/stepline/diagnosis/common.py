@@ -1,9 +1,8 @@
-"""What every detector shares: bound SQL that also renders with literals, engines, time and configuration."""
+"""What every detector shares: engines, time and configuration (the SQL it runs is stepline.queries.query's)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -11,100 +10,11 @@ from typing import Any
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.queries.baselines import ALONE
+from stepline.queries.query import Query, moment
 from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW
-from stepline.store.reads import Reads, Result, Row, named
+from stepline.store.reads import Reads, Result, Row
 
 Detector = Callable[[Reads, Window], list[Finding]]
-
-_PLACEHOLDER = re.compile(r"\{(\w+):([^{}]+)\}")
-
-
-class Query:
-    """One SQL text with {name:Type} placeholders: run bound, shown with literals (for `stepline query`)."""
-
-    def __init__(self, sql: str, **parameters: Any) -> None:
-        self.sql = sql.strip()
-        self.parameters = parameters
-
-    def rows(self, reader: Reads) -> list[Row]:
-        # Moments travel as integer microseconds: a bound DateTime64 string would depend on the session's zone.
-        sql = _PLACEHOLDER.sub(lambda m: (f"fromUnixTimestamp64Micro({{{m.group(1)}:Int64}}, 'UTC')"
-                                          if isinstance(self.parameters[m.group(1)], datetime) else m.group(0)),
-                               self.sql)
-        bound = {k: round(v.timestamp() * 1_000_000) if isinstance(v, datetime) else v
-                 for k, v in self.parameters.items()}
-        return named(reader.query(sql, parameters=bound))
-
-    def literal(self) -> str:
-        """The same query with every placeholder replaced by its value, quoted for ClickHouse."""
-        return _PLACEHOLDER.sub(lambda m: _literal(self.parameters[m.group(1)]), self.sql)
-
-
-def _literal(value: Any) -> str:
-    if isinstance(value, datetime):
-        return f"toDateTime64('{value.astimezone(UTC):%Y-%m-%d %H:%M:%S.%f}', 6, 'UTC')"
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_literal(v) for v in value) + "]"
-    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-# A step's span is looked up among its own engine's spans only (indexOf on the LowCardinality engine runs once per
-# distinct engine, not per row); the bounds are integer microseconds, inclusive at both ends.
-_OWN_SPANS = ("{span_lo:Array(Int64)}[i] <= toUnixTimestamp64Micro(ts) AND toUnixTimestamp64Micro(ts) <= "
-              "{span_hi:Array(Int64)}[i], "
-              "{span_ks:Array(Array(UInt32))}[indexOf({span_engines:Array(String)}, engine)]")
-# The coarse keys that prune: the steps' primary key is (host, engine, engine_index, ts, ...), and ClickHouse
-# analyses `(engine, toUnixTimestamp(toStartOfMinute(ts))) IN <constant set>` against it (a monotonic function of
-# a key column, checked with EXPLAIN indexes = 1: a day of 64 engines reads 474 of 30,505 granules for 320 spans
-# of a few seconds). Minutes, or hours or days where the spans are long, so that the set stays small enough for
-# an HTTP request's parameters.
-_UNITS = ((60, "toStartOfMinute"), (3600, "toStartOfHour"), (86400, "toStartOfDay"))
-MAX_SPAN_KEYS = 4096
-
-
-def _span_keys(spans: Sequence[tuple[str, int, int]]) -> tuple[str, list[tuple[str, int]]]:
-    """The function that floors a step's time to the finest of _UNITS giving at most MAX_SPAN_KEYS keys (days,
-    however many, when none does), and the (engine, floored Unix time) keys the spans touch."""
-    def floored(unit_s: int) -> list[tuple[str, int]]:
-        return sorted({(engine, t) for engine, lo, hi in spans
-                       for t in range(lo // 1_000_000 // unit_s * unit_s, hi // 1_000_000 + 1, unit_s)})
-
-    for unit_s, function in _UNITS[:-1]:
-        keys = floored(unit_s)
-        if len(keys) <= MAX_SPAN_KEYS:
-            return function, keys
-    unit_s, function = _UNITS[-1]
-    return function, floored(unit_s)
-
-
-def which_span(sql: str, spans: Sequence[tuple[str, datetime, datetime]]) -> tuple[str, dict[str, Any]]:
-    """`sql` over the steps of a few (engine, from, to) spans, numbered from 0, and the parameters it binds.
-
-    Fills in INSIDE_ANY (a step of any span: the (engine, minute) keys the spans touch, which the steps' primary
-    key prunes by, so a day's table is read only where the spans are, then the exact test; a PREWHERE, so only
-    those rows' other columns are read), WHICH (a step's first span, -1 for none) and EVERY_SPAN (an array of
-    every span a step lies in, for spans that overlap). The parameters are a few arrays, whatever the number of
-    spans: one OR and one multiIf case per span made a query of 100 KB that took seconds to analyse."""
-    engines = sorted({engine for engine, _, _ in spans})
-    own: dict[str, list[int]] = {engine: [] for engine in engines}
-    for i, (engine, _, _) in enumerate(spans):
-        own[engine].append(i + 1)
-    lo = [round(start.timestamp() * 1_000_000) for _, start, _ in spans]
-    hi = [round(end.timestamp() * 1_000_000) for _, _, end in spans]
-    function, keys = _span_keys([(engine, a, b) for (engine, _, _), a, b in zip(spans, lo, hi, strict=True)])
-    params: dict[str, Any] = {"span_engines": engines, "span_ks": [own[e] for e in engines], "span_lo": lo,
-                              "span_hi": hi, "span_key_engines": [e for e, _ in keys],
-                              "span_key_times": [t for _, t in keys]}
-    inside = (f"(engine, toUnixTimestamp({function}(ts))) IN arrayZip({{span_key_engines:Array(String)}}, "
-              f"{{span_key_times:Array(UInt32)}}) AND arrayExists(i -> {_OWN_SPANS})")
-    filled = (sql.replace("INSIDE_ANY", inside)
-              .replace("WHICH", f"toInt64(arrayFirst(i -> {_OWN_SPANS})) - 1")
-              .replace("EVERY_SPAN", f"arrayMap(i -> toInt64(i) - 1, arrayFilter(i -> {_OWN_SPANS}))"))
-    return filled, params
 
 
 def utc(moment: datetime) -> datetime:
@@ -179,9 +89,13 @@ def rows_by_engine(reader: Reads, sql: str, names: Sequence[str], **parameters: 
 
 # The engines with rows in some minutes of a table, from its per-minute projection (schema.REQUESTS_PER_MINUTE,
 # ENGINE_SAMPLES_PER_MINUTE), and those of them with rows in the window itself.
-_TOUCHED = ("WITH toStartOfMinute(ts) AS bucket SELECT engine FROM TABLE WHERE bucket >= {lo:DateTime64(6)} AND "
-            "bucket <= {hi:DateTime64(6)} GROUP BY engine")
-_IN_WINDOW = f"SELECT DISTINCT engine FROM TABLE WHERE {ENGINES} AND {IN_WINDOW}"
+def _touched(table: str) -> str:
+    return (f"WITH toStartOfMinute(ts) AS bucket SELECT engine FROM {table} WHERE bucket >= {moment('lo')} AND "
+            f"bucket <= {moment('hi')} GROUP BY engine")
+
+
+def _in_window(table: str) -> str:
+    return f"SELECT DISTINCT engine FROM {table} WHERE {ENGINES} AND {IN_WINDOW}"
 
 
 def engines(reader: Reads, window: Window) -> list[str]:
@@ -197,9 +111,9 @@ def engines(reader: Reads, window: Window) -> list[str]:
     # alone, or scraped while idle) is looked up in the window itself.
     lo, hi = (datetime.fromtimestamp(t.timestamp() // 60 * 60, UTC) for t in (window.start, window.end))
     for table in ("requests", "engine_samples"):
-        touched = {str(r.engine) for r in Query(_TOUCHED.replace("TABLE", table), lo=lo, hi=hi).rows(reader)} - seen
+        touched = {str(r.engine) for r in Query(_touched(table), lo=lo, hi=hi).rows(reader)} - seen
         if touched:
-            seen.update(str(r.engine) for r in Query(_IN_WINDOW.replace("TABLE", table), engines=sorted(touched),
+            seen.update(str(r.engine) for r in Query(_in_window(table), engines=sorted(touched),
                                                  start=window.start, end=window.end).rows(reader))
     return sorted(seen - {""})
 
@@ -231,7 +145,7 @@ def engine_configs(reader: Reads, window: Window) -> dict[str, dict[str, str]]:
     """Each engine's newest engine_config event up to the window's end; the plugin reports it once at start-up,
     so it may predate the window (or, for a replay, follow it): the newest one wins."""
     rows = Query(
-        "SELECT engine, argMax(attributes, (ts <= {end:DateTime64(6)}, ts)) AS config FROM events "
+        f"SELECT engine, argMax(attributes, (ts <= {moment('end')}, ts)) AS config FROM events "
         f"WHERE kind = 'engine_config' AND {EACH_ENGINE} GROUP BY engine",
         engine=window.engine, end=window.end).rows(reader)
     return {str(r.engine): {str(k): str(v) for k, v in r.config.items()} for r in rows}

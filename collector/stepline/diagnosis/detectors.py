@@ -8,12 +8,14 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
+from stepline.core.oneline import one_line
 from stepline.diagnosis import gateway, hardware, health, load, prefill, slots, throttling
 from stepline.diagnosis.causes import merge
-from stepline.diagnosis.common import Detector, Memo, Query, hms
+from stepline.diagnosis.common import Detector, Memo, hms
+from stepline.diagnosis.evidence import WHATIF_FIRST, evidence_of
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import Query
 from stepline.queries.window import ENGINES, IN_WINDOW
 from stepline.store.reads import Reads
 
@@ -86,8 +88,8 @@ def diagnose(reader: Reads, window: Window,
         except Exception as exc:  # one broken detector must not hide what the others see
             log.warning("detector %s failed: %s", name, exc, exc_info=True)
             found.append(Finding("detector_failed", "info", window.engine, window.start, window.end,
-                                 f"detector {name} failed: {' '.join(str(exc).split())}"[:76],
-                                 {"detector": name, "error": " ".join(str(exc).split())[:500]}))
+                                 f"detector {name} failed: {one_line(exc)}"[:76],
+                                 {"detector": name, "error": one_line(exc, 500)}))
     return merge(_say_step_time(reader, window, found))
 
 
@@ -97,7 +99,8 @@ def as_json(findings: Sequence[Finding]) -> str:
 
 
 def render(findings: Sequence[Finding], width: int = 80, max_evidence: int = 8) -> str:
-    """One block per finding, readable in `width` columns."""
+    """One block per finding, readable in `width` columns: its figures (evidence.py: the report prints the same
+    lines), each finding folded under it, what whatif would buy, the lever and the SQL."""
     if not findings:
         return "no findings: nothing looks wrong in this window"
     blocks = []
@@ -105,12 +108,16 @@ def render(findings: Sequence[Finding], width: int = 80, max_evidence: int = 8) 
         lines = [f"{i}. {f.severity.upper()}  {f.kind}  {f.engine or '(all engines)'}  "
                  f"{hms(f.start)}..{hms(f.end)} UTC",
                  *textwrap.wrap(f.title, width, initial_indent="   ", subsequent_indent="   ")]
-        for key, value in [kv for kv in f.evidence.items() if kv[0] != "symptoms"][:max_evidence]:
-            lines.extend(textwrap.wrap(f"{key}: {_value(value)}", width, initial_indent="   - ",
+        said = evidence_of(f.evidence)
+        for line in said.lines[:max_evidence]:
+            lines.extend(textwrap.wrap(f"{line.name}: {line.text}", width, initial_indent="   - ",
                                        subsequent_indent="       "))
-        for symptom in f.evidence.get("symptoms", []):
-            lines.extend(textwrap.wrap(f"also {symptom['kind']}: {symptom['title']}", width,
+        for folded in said.folded:
+            lines.extend(textwrap.wrap(f"also {folded.kind}: {folded.title}", width,
                                        initial_indent="   + ", subsequent_indent="       "))
+        for line in [w for w in said.whatif if w.name in WHATIF_FIRST]:  # the lever line names the lever, the gain
+            lines.extend(textwrap.wrap(f"whatif {line.name}: {line.text}", width, initial_indent="   ~ ",
+                                       subsequent_indent="       "))
         if f.lever:
             lines.extend(textwrap.wrap(f"lever: {f.lever}", width, initial_indent="   ", subsequent_indent="     "))
         if f.sql:
@@ -118,14 +125,6 @@ def render(findings: Sequence[Finding], width: int = 80, max_evidence: int = 8) 
             lines.extend("     " + line for line in f.sql.splitlines() if line.strip())
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "; ".join(f"{k} {v}" for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return ", ".join(str(v) for v in value)
-    return str(value)
 
 
 def summary_for_demo(reader: Reads, engine: str, since: float, width: int = 80) -> str:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from stepline.diagnosis.common import Query, clip, hms, number, utc
+from stepline.diagnosis.common import clip, hms, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.queries.gateway import JOIN_OUTCOMES, MIN_JOINED, join_outcomes, joined, size_in_unit
+from stepline.queries.query import Query, moment, param
 from stepline.queries.window import EACH_ENGINE, ENGINES, IN_WINDOW, between
 from stepline.store.reads import Reads, Row
 
@@ -182,7 +183,7 @@ def _leaks(gateway: str, rows: list[Row], window: Window) -> Finding | None:
 # The bars operators declared for routers that do not say theirs (`stepline collect --lane-bar LANE=TOKENS`): each
 # collector puts them on the timeline as `lane_bar` events when it starts; the newest up to the window's end holds.
 _DECLARED = ("SELECT attributes['lane'] AS lane, argMax(attributes['threshold'], ts) AS tokens FROM events "
-             "WHERE kind = 'lane_bar' AND ts <= {end:DateTime64(6)} GROUP BY attributes['lane']")
+             f"WHERE kind = 'lane_bar' AND ts <= {moment('end')} GROUP BY attributes['lane']")
 
 
 def declared_bars(reader: Reads, window: Window) -> dict[str, int]:
@@ -284,7 +285,7 @@ GROUP BY gateway, lane ORDER BY gateway, lane
 """
 # The engine requests that failed-open decisions became: the prefills they caused are the finding's symptoms.
 _FAILED_REQUESTS = joined("r.request_id AS request_id, m.matched_by AS matched_by",
-                          f"gateway = {{gateway:String}} AND ({_FAILED})", ("ts",))
+                          f"gateway = {param('gateway', 'String')} AND ({_FAILED})", ("ts",))
 
 # A hook that fails open and records nothing at all (no bar, no exception: the seed's bare `except: return data`
 # before it logged anything) leaves decisions that say only where each request went and, where the gateway measures
@@ -316,11 +317,11 @@ _EARLIER_LANES = f"""
 SELECT gateway, lane, count() AS decisions, quantileExact(0.5)({_SIZE}) AS median_size,
        min({_SIZE}) AS least_size
 FROM gateway_decisions
-WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway) AND ts < {_MID}
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({param('gateways', 'Array(String)')}, gateway) AND ts < {_MID}
 GROUP BY gateway, lane ORDER BY gateway, lane
 """
 _AT_THE_BAR = ("has({gateways:Array(String)}, gateway) AND "
-               f"{_SIZE} >= {{bars:Array(Float64)}}[indexOf({{gateways:Array(String)}}, gateway)]")
+               f"{_SIZE} >= {param('bars', 'Array(Float64)')}[indexOf({param('gateways', 'Array(String)')}, gateway)]")
 _OFF_THE_RULE = "lane != {uppers:Array(String)}[indexOf({gateways:Array(String)}, gateway)]"
 _SHIFTED_NOW = (f"ts >= {_MID} AND {_OFF_THE_RULE} AND threshold IS NULL AND swallowed_exception = ''")
 _SHIFT = f"""
@@ -333,11 +334,12 @@ SELECT gateway,
        topKIf(1)(engine, {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS backend,
        sumMapIf([lane], [toUInt64(1)], {_AT_THE_BAR} AND {_SHIFTED_NOW}) AS lanes
 FROM gateway_decisions
-WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({{gateways:Array(String)}}, gateway)
+WHERE {IN_WINDOW} AND {EACH_ENGINE} AND {_ROUTED} AND has({param('gateways', 'Array(String)')}, gateway)
 GROUP BY gateway ORDER BY gateway
 """
 _SHIFTED_REQUESTS = joined("r.request_id AS request_id, m.matched_by AS matched_by",
-                           f"gateway = {{gateway:String}} AND {_ROUTED} AND {_AT_THE_BAR} AND {_SHIFTED_NOW}", ("ts",))
+                           f"gateway = {param('gateway', 'String')} AND {_ROUTED} AND {_AT_THE_BAR} "
+                           f"AND {_SHIFTED_NOW}", ("ts",))
 
 
 @dataclass(frozen=True)
@@ -510,7 +512,8 @@ SELECT g.engine AS engine, g.gateway AS gateway, g.metric AS metric, g.least AS 
        ifNull(s.held, 0) AS engine_held, ifNull(s.steps, 0) AS busy_steps, ifNull(m.held, -1) AS scraped_held
 FROM (SELECT engine, gateway, metric, min(value) AS least, argMax(value, ts) AS latest, count() AS samples
       FROM gateway_samples
-      WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != '' AND metric IN {{metrics:Array(String)}}
+      WHERE {between("tail", "end")} AND {EACH_ENGINE} AND engine != ''
+        AND metric IN {param('metrics', 'Array(String)')}
       GROUP BY engine, gateway, metric
       UNION ALL
       SELECT engine, gateway, '{DECISIONS_IN_FLIGHT}' AS metric, toFloat64(min(in_flight)) AS least,
@@ -528,7 +531,7 @@ SELECT engine, min(ts) AS first, max(ts) AS last FROM (
     WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != '' AND in_flight IS NOT NULL
     UNION ALL
     SELECT engine, ts FROM gateway_samples WHERE {IN_WINDOW} AND {EACH_ENGINE} AND engine != ''
-        AND metric IN {{metrics:Array(String)}})
+        AND metric IN {param('metrics', 'Array(String)')})
 GROUP BY engine ORDER BY engine
 """
 _DISCONNECTS = f"""

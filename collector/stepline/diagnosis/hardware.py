@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 
 from stepline.diagnosis.baseline import NO_BASELINE, SLOW_STEP, baselines
 from stepline.diagnosis.common import (
-    Query,
     clip,
     engines,
     exact_and_approximate,
@@ -20,6 +19,7 @@ from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span, whole_minutes
 from stepline.model.schema import DECODED, PROMPT_BAND_INDEX, PROMPT_BANDS
 from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT, ALONE_TOKENS_PER_STEP
+from stepline.queries.query import Query, moment, param
 from stepline.queries.requests import MERGED, PROMPT_BAND
 from stepline.queries.steps import OF_ENGINE, OF_ENGINES
 from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, IN_WINDOW, between
@@ -52,9 +52,11 @@ WITH toStartOfMinute(ts) AS bucket
 SELECT engine, source, {PROMPT_BAND_INDEX} AS band, minIf(prompt_tokens, {DECODED}) AS lo, countIf({DECODED}) AS n,
        quantilesBFloat16If(0.01, 0.5)(1 / mean_tpot_seconds, {DECODED}) AS rates
 FROM requests
-WHERE {EACH_ENGINE} AND bucket >= {{m0:DateTime64(6)}} AND bucket < {{m1:DateTime64(6)}}
+WHERE {EACH_ENGINE} AND bucket >= {moment('m0')} AND bucket < {moment('m1')}
 GROUP BY engine, source, band ORDER BY engine, source, lo
 """
+
+
 class _Band(NamedTuple):
     """An engine's requests of one prompt band under load: decode rates (tokens/s) p1 and p50."""
 
@@ -176,9 +178,10 @@ def scheduler_vs_hardware(reader: Reads, window: Window) -> list[Finding]:
 
 _XID = f"""
 SELECT e.ts, e.message, e.attributes['xid'] AS xid,
-       (SELECT count() FROM steps WHERE {OF_ENGINE} AND elapsed_ms > {{slow_ms:Float64}}) AS slow_steps_in_window
+       (SELECT count() FROM steps WHERE {OF_ENGINE} AND elapsed_ms > {param('slow_ms', 'Float64')})
+           AS slow_steps_in_window
 FROM events AS e
-WHERE e.kind = 'gpu_xid' AND (e.engine = {{engine:String}} OR e.engine = '')
+WHERE e.kind = 'gpu_xid' AND (e.engine = {param('engine', 'String')} OR e.engine = '')
   AND {between(column="e.ts")}
 ORDER BY e.ts
 """
@@ -192,8 +195,8 @@ ORDER BY ts
 """
 _SLOW_STEPS = f"""
 SELECT engine,
-       countIf(elapsed_ms > transform(toString(engine), {{engines:Array(String)}}, {{slow_ms:Array(Float64)}}, inf))
-           AS slow_steps
+       countIf(elapsed_ms > transform(toString(engine), {param('engines', 'Array(String)')},
+                                      {param('slow_ms', 'Array(Float64)')}, inf)) AS slow_steps
 FROM steps
 WHERE {OF_ENGINES}
 GROUP BY engine

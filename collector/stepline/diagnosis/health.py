@@ -20,9 +20,10 @@ from stepline.diagnosis.baseline import (
     WEDGE_UNKNOWN_LAG_S,
     baselines,
 )
-from stepline.diagnosis.common import Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.common import clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import MINUTE, Agg, parts, rolled
+from stepline.queries.query import Query, moment, param
 from stepline.queries.steps import OF_ENGINE
 from stepline.queries.window import EACH_ENGINE, ENGINE, IN_WINDOW
 from stepline.store.reads import Reads, Row
@@ -30,7 +31,7 @@ from stepline.store.reads import Reads, Row
 GPU_IDLE_PCT = 5.0  # a share of the GPU's time, the same on every GPU
 
 _BUCKETS = f"""
-SELECT toStartOfInterval(ts, toIntervalSecond({{bucket_s:UInt32}})) AS t,
+SELECT toStartOfInterval(ts, toIntervalSecond({param('bucket_s', 'UInt32')})) AS t,
        sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries,
        sum(spec_num_accepted_tokens) AS accepted, sum(spec_num_draft_tokens) AS drafted, sum(spec_num_drafts) AS drafts
 FROM steps
@@ -191,16 +192,16 @@ _SLOWEST_LAST = ("arrayMax(arrayMap(x -> x.2, arraySlice(arrayReverseSort(groupA
                  "{last_steps:UInt32})))")
 _SCRAPE_INTERVAL = "if(count() > 1, (toFloat64(max(ts)) - toFloat64(min(ts))) / (count() - 1), nan)"
 _PROGRESS = f"""
-SELECT (SELECT max(ts) FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}) AS last_step,
-       (SELECT argMax(waiting, ts) FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}) AS waiting_step,
+SELECT (SELECT max(ts) FROM steps WHERE {ENGINE} AND ts <= {moment('end')}) AS last_step,
+       (SELECT argMax(waiting, ts) FROM steps WHERE {ENGINE} AND ts <= {moment('end')}) AS waiting_step,
        (SELECT argMax(value, ts) FROM engine_samples WHERE {ENGINE} AND metric = 'vllm:num_requests_waiting'
             AND {IN_WINDOW}) AS waiting_scraped,
-       (SELECT {_SLOWEST_LAST} FROM steps WHERE {ENGINE} AND ts <= {{end:DateTime64(6)}}
-            AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
+       (SELECT {_SLOWEST_LAST} FROM steps WHERE {ENGINE} AND ts <= {moment('end')}
+            AND ts >= {moment('end')} - INTERVAL 10 MINUTE) AS slowest_last_steps_ms,
        (SELECT quantileExact(0.5)(elapsed_ms) FROM steps WHERE {ENGINE}
-            AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE) AS recent_p50_ms,
+            AND ts <= {moment('end')} AND ts >= {moment('end')} - INTERVAL 1 MINUTE) AS recent_p50_ms,
        (SELECT avg(util_gpu_pct) FROM gpu_samples WHERE {ENGINE}
-            AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND) AS gpu_util_pct,
+            AND ts <= {moment('end')} AND ts >= {moment('end')} - INTERVAL 30 SECOND) AS gpu_util_pct,
        (SELECT {_SCRAPE_INTERVAL} FROM engine_samples WHERE {ENGINE} AND metric = 'vllm:num_requests_waiting'
             AND {IN_WINDOW}) AS scrape_interval_s
 """
@@ -211,9 +212,9 @@ _LAST_STEP_AGGS = (Agg("last_step", "max(ts)", "max({})"), Agg("waiting_step", "
                                                                 "argMax({}, p_last_step)"))
 _RECENT = f"""
 SELECT engine, {_SLOWEST_LAST} AS slowest_last_steps_ms,
-       quantileExactIf(0.5)(elapsed_ms, ts >= {{end:DateTime64(6)}} - INTERVAL 1 MINUTE) AS recent_p50_ms
+       quantileExactIf(0.5)(elapsed_ms, ts >= {moment('end')} - INTERVAL 1 MINUTE) AS recent_p50_ms
 FROM steps
-WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 10 MINUTE
+WHERE {EACH_ENGINE} AND ts <= {moment('end')} AND ts >= {moment('end')} - INTERVAL 10 MINUTE
 GROUP BY engine
 """
 _SCRAPED_WAITING = f"""
@@ -224,7 +225,7 @@ GROUP BY engine
 """
 _GPU_UTIL = f"""
 SELECT engine, avg(util_gpu_pct) AS gpu_util_pct FROM gpu_samples
-WHERE {EACH_ENGINE} AND ts <= {{end:DateTime64(6)}} AND ts >= {{end:DateTime64(6)}} - INTERVAL 30 SECOND
+WHERE {EACH_ENGINE} AND ts <= {moment('end')} AND ts >= {moment('end')} - INTERVAL 30 SECOND
 GROUP BY engine
 """
 

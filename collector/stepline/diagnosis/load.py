@@ -23,9 +23,10 @@ from stepline.diagnosis.baseline import (
     baselines,
     budgets,
 )
-from stepline.diagnosis.common import Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.common import clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.queries.query import Query, moment, param
 from stepline.queries.requests import MERGED
 from stepline.queries.window import EACH_ENGINE, ENGINE
 from stepline.store.reads import Reads
@@ -37,20 +38,21 @@ _BUCKET_AGGS = (Agg("steps", "count()", "sum({})"), Agg("busy_ms", "sum(elapsed_
                 Agg("waiting_last", "argMax(waiting, ts)", "argMax({}, p_last)"))
 _SPAN = f"""
 SELECT sum(waiting * elapsed_ms) / 1000 AS queued_request_s,
-       sumIf(elapsed_ms, num_ctx_requests = 1 AND num_ctx_tokens >= {{long_chunk:UInt64}}) / 1000 AS long_prefill_s
+       sumIf(elapsed_ms, num_ctx_requests = 1 AND num_ctx_tokens >= {param('long_chunk', 'UInt64')}) / 1000
+           AS long_prefill_s
 FROM steps
-WHERE {ENGINE} AND ts >= {{lo:DateTime64(6)}} AND ts < {{hi:DateTime64(6)}}
+WHERE {ENGINE} AND ts >= {moment('lo')} AND ts < {moment('hi')}
 """
 # Requests that arrived in the overloaded span (their queue time), and those the engine finished in it.
-_ARRIVED = "arrival_ts >= {lo:DateTime64(6)} AND arrival_ts < {hi:DateTime64(6)}"
+_ARRIVED = f"arrival_ts >= {moment('lo')} AND arrival_ts < {moment('hi')}"
 _RATES = f"""
 SELECT countIf({_ARRIVED}) AS requests_arrived,
-       countIf(ts >= {{lo:DateTime64(6)}} AND ts < {{hi:DateTime64(6)}}) AS finished,
+       countIf(ts >= {moment('lo')} AND ts < {moment('hi')}) AS finished,
        quantileExactIf(0.5)(queue_seconds, {_ARRIVED}) AS queue_p50_s,
        maxIf(queue_seconds, {_ARRIVED}) AS queue_max_s,
        sumIf(queue_seconds, {_ARRIVED}) AS queue_total_s
 FROM {MERGED}
-WHERE {ENGINE} AND ts >= {{lo:DateTime64(6)}} AND arrival_ts < {{hi:DateTime64(6)}}
+WHERE {ENGINE} AND ts >= {moment('lo')} AND arrival_ts < {moment('hi')}
 """
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,116 +24,110 @@ from stepline.diagnosis.baseline import (
     times,
 )
 from stepline.diagnosis.common import (
-    Query,
     clip,
     config_int,
     engine_configs,
     engines,
     number,
     utc,
-    which_span,
     window_summary,
 )
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.runs import PrefillRun, prefill_runs
 from stepline.queries.baselines import DECODE_STEP_P50, ITL_P50_P99
-from stepline.queries.requests import FIRST_TOKEN, MERGED, SCHEDULED, merged_matching
+from stepline.queries.query import Query, Spans, moment, param, which_span
+from stepline.queries.requests import FIRST_TOKEN, SCHEDULED, merged_matching
 from stepline.queries.steps import OF_ENGINE, of_engine
-from stepline.queries.window import EACH_ENGINE, ENGINE, ENGINES, between
+from stepline.queries.window import EACH_ENGINE, ENGINES, between
 from stepline.store.reads import Reads, Row
 
 # The largest uncached prompts of every engine (the window's engine only, when it names one): long on that engine
 # when their uncached tokens span LONG_PROMPT_CHUNKS of its token budget (an engine of unknown budget has none).
-# Their span runs from the end of their queue time to their first token, then narrows to the steps (_CARRIED).
+# Their span runs from the end of their queue time to their first token, then narrows to the steps (_carried_sql).
 _REQUEST_FIELDS = ("ts", "arrival_ts", "prompt_tokens", "cached_tokens", "queue_seconds", "ttft_seconds")
+_FINISHED_LARGE = (f"{EACH_ENGINE} AND ts >= {moment('start')} AND arrival_ts <= {moment('end')} "
+                   f"AND prompt_tokens >= {param('least_uncached', 'UInt64')}")
 _LONG_PREFILLS = f"""
 SELECT engine, request_id, prompt_tokens, cached_tokens, {SCHEDULED} AS prefill_start, {FIRST_TOKEN} AS prefill_end
-FROM {merged_matching(EACH_ENGINE + " AND ts >= {start:DateTime64(6)} AND arrival_ts <= {end:DateTime64(6)}"
-                      " AND prompt_tokens >= {least_uncached:UInt64}", _REQUEST_FIELDS)}
+FROM {merged_matching(_FINISHED_LARGE, _REQUEST_FIELDS)}
 WHERE isFinite(queue_seconds) AND isFinite(ttft_seconds)
   AND prompt_tokens - least(cached_tokens, prompt_tokens) >= transform(toString(engine),
-      {{budget_engines:Array(String)}}, {{min_uncached:Array(UInt64)}}, {{unknown:UInt64}})
+      {param('budget_engines', 'Array(String)')}, {param('min_uncached', 'Array(UInt64)')},
+      {param('unknown', 'UInt64')})
 ORDER BY engine, prompt_tokens DESC, request_id
 LIMIT 5 BY engine
 """
+
 
 # The steps that carried each candidate's prefill: those with prefill tokens between the end of its queue time and
 # its first token. vLLM's queue time leaves out tokenisation, so the first chunk runs a little after the queue time
 # ends (0.13 s on a CPU engine): the span starts at the first chunk, not at the queue's end, and so holds no
 # decode-only step of before the prefill.
-_CARRIED = """
+def _carried_sql(spans: Spans) -> str:
+    return f"""
 SELECT k, min(ts) AS first, max(ts) AS last, argMin(elapsed_ms, ts) AS first_ms
-FROM (SELECT ts, elapsed_ms, EVERY_SPAN AS spans FROM steps PREWHERE num_ctx_tokens > 0 AND INSIDE_ANY)
+FROM (SELECT ts, elapsed_ms, {spans.every} AS spans FROM steps PREWHERE num_ctx_tokens > 0 AND {spans.inside})
 ARRAY JOIN spans AS k
 GROUP BY k
 """
 
-# Steps inside the prefill interval against the window's decode-only steps (those carrying no prefill chunk, so
-# none of the prefill's), in the diagnosis window: what a finding shows. What runs reads the same figures in
-# fewer rows: _INSIDE, and the baselines once per engine.
-_INTERFERENCE = f"""
-SELECT countIf(inside) AS steps_inside,
-       quantileExactIf(0.5)(elapsed_ms, inside) AS step_p50_inside_ms,
-       {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms,
-       maxIf(num_ctx_tokens, inside) AS chunk_tokens,
-       sumIf(length(itl_seconds), inside) AS itl_samples_inside,
-       quantilesExactArrayIf(0.5, 0.99)(itl_seconds, inside) AS itl_inside_s,
-       {ITL_P50_P99} AS itl_outside_s,
-       sumIf(elapsed_ms * num_generation_requests, inside) / 1000 AS delayed_request_s,
-       maxIf(waiting, inside) AS waiting_max_inside,
-       countIf(inside AND num_ctx_requests = 1) / countIf(inside) AS own_steps_share
-FROM (SELECT *, {between("prefill_start", "prefill_end")} AS inside FROM steps WHERE {OF_ENGINE})
-"""
 
-# Requests that arrived while the prefill ran and queued: what a finding shows (what runs is _QUEUED_BEHIND_EACH).
-_QUEUED_BEHIND = f"""
-SELECT count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
-       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
-FROM {MERGED}
-WHERE {ENGINE} AND request_id != {{request_id:String}} AND queue_seconds > 0
-  AND queue_seconds >= {{min_queue_s:Float64}}
-  AND arrival_ts >= {{prefill_start:DateTime64(6)}} AND arrival_ts < {{prefill_end:DateTime64(6)}}
-"""
-
-# _INTERFERENCE split: the steps inside every prefill at once (few), and the baselines once per engine
-# (baseline.baselines). INSIDE_ANY and WHICH are the prefills' (engine, interval) spans (common.which_span).
-_INSIDE = """
+# The steps inside each prefill's span (its steps in the window), all prefills at once (few steps), for their figures
+# against the engine's decode-only steps (baseline.baselines, once per engine). `spans` are the prefills' (engine,
+# interval) spans (queries.query.which_span); k numbers them from 0.
+def _inside_sql(spans: Spans) -> str:
+    return f"""
 SELECT k, count() AS steps_inside, quantileExact(0.5)(elapsed_ms) AS step_p50_inside_ms,
        max(num_ctx_tokens) AS chunk_tokens, sum(length(itl_seconds)) AS itl_samples_inside,
        quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl_inside_s,
        sum(elapsed_ms * num_generation_requests) / 1000 AS delayed_request_s, max(waiting) AS waiting_max_inside,
        countIf(num_ctx_requests = 1) / count() AS own_steps_share
-FROM (SELECT *, WHICH AS k FROM steps PREWHERE INSIDE_ANY)
+FROM (SELECT *, {spans.which} AS k FROM steps PREWHERE {spans.inside})
 GROUP BY k
 """
+
+
+# What a finding shows: its prefill's row of what runs (_inside_sql over its one span), beside the decode-only figures
+# of its engine's steps in the window that its baseline is read from when exact (queries.baselines.DECODE_EXACT).
+def _interference_sql(spans: Spans) -> str:
+    return f"""
+SELECT inside.* EXCEPT (k), outside.*
+FROM ({_inside_sql(spans)}) AS inside
+CROSS JOIN (SELECT {DECODE_STEP_P50} AS step_p50_decode_only_outside_ms, {ITL_P50_P99} AS itl_outside_s
+            FROM steps WHERE {OF_ENGINE}) AS outside
+"""
+
+
 # Every request that arrived while a long prefill of its engine ran and queued at least that prefill's min_queue_s
 # (HOL_QUEUE_STEPS of its engine's decode-only steps), once per prefill (k, 1-based): a request already waiting
 # when the prefill started was queued for another reason.
+_QUEUED_LONG = (f"{ENGINES} AND queue_seconds >= {param('least_queue_s', 'Float64')} AND queue_seconds > 0 "
+                f"AND arrival_ts < {moment('hi')} AND ts > {moment('lo')}")
 _QUEUED_BEHIND_EACH = f"""
 SELECT k, count() AS queued_requests, sum(queue_seconds) AS queue_total_s, max(queue_seconds) AS queue_max_s,
-       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS longest_queued
-FROM {merged_matching(ENGINES + " AND queue_seconds >= {least_queue_s:Float64} AND queue_seconds > 0"
-                      " AND arrival_ts < {hi:DateTime64(6)} AND ts > {lo:DateTime64(6)}",
-                      ("ts", "arrival_ts", "queue_seconds"))}
-ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i] AND request_id != {{ids:Array(String)}}[i]
-    AND queue_seconds >= {{min_queue_s:Array(Float64)}}[i]
-    AND arrival_ts < fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
-    AND arrival_ts >= fromUnixTimestamp64Micro({{starts:Array(Int64)}}[i], 'UTC'),
-    arrayEnumerate({{ids:Array(String)}})) AS k
+       arraySlice(arrayReverseSort(x -> x.2, groupArray((request_id, queue_seconds))), 1, 3) AS worst
+FROM {merged_matching(_QUEUED_LONG, ("ts", "arrival_ts", "queue_seconds"))}
+ARRAY JOIN arrayFilter(i -> engine = {param('engines', 'Array(String)')}[i]
+    AND request_id != {param('ids', 'Array(String)')}[i]
+    AND queue_seconds >= {param('min_queue_s', 'Array(Float64)')}[i]
+    AND arrival_ts < fromUnixTimestamp64Micro({param('ends', 'Array(Int64)')}[i], 'UTC')
+    AND arrival_ts >= fromUnixTimestamp64Micro({param('starts', 'Array(Int64)')}[i], 'UTC'),
+    arrayEnumerate({param('ids', 'Array(String)')})) AS k
 GROUP BY k
 """
 # The finished request behind each run of long chunks (runs.prefill_runs; k, 1-based), when there is one: on the
 # run's engine, arrived before its first chunk, first token at or after its last, with at least the run's tokens
 # uncached; the largest such. A run no finished request explains is a prefill still running (or never finished).
+_FINISHED_LARGE_AROUND = (f"{ENGINES} AND prompt_tokens >= {param('least_tokens', 'UInt64')} "
+                          f"AND ts >= {moment('lo')} AND arrival_ts <= {moment('hi')}")
 _RUN_REQUESTS = f"""
 SELECT k, argMax((request_id, prompt_tokens, cached_tokens, {SCHEDULED}), prompt_tokens) AS request
-FROM {merged_matching(ENGINES + " AND prompt_tokens >= {least_tokens:UInt64}"
-                      " AND ts >= {lo:DateTime64(6)} AND arrival_ts <= {hi:DateTime64(6)}", _REQUEST_FIELDS)}
-ARRAY JOIN arrayFilter(i -> engine = {{engines:Array(String)}}[i]
-    AND arrival_ts <= fromUnixTimestamp64Micro({{starts:Array(Int64)}}[i], 'UTC')
-    AND {FIRST_TOKEN} >= fromUnixTimestamp64Micro({{ends:Array(Int64)}}[i], 'UTC')
-    AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {{tokens:Array(UInt64)}}[i],
-    arrayEnumerate({{engines:Array(String)}})) AS k
+FROM {merged_matching(_FINISHED_LARGE_AROUND, _REQUEST_FIELDS)}
+ARRAY JOIN arrayFilter(i -> engine = {param('engines', 'Array(String)')}[i]
+    AND arrival_ts <= fromUnixTimestamp64Micro({param('starts', 'Array(Int64)')}[i], 'UTC')
+    AND {FIRST_TOKEN} >= fromUnixTimestamp64Micro({param('ends', 'Array(Int64)')}[i], 'UTC')
+    AND prompt_tokens - least(cached_tokens, prompt_tokens) >= {param('tokens', 'Array(UInt64)')}[i],
+    arrayEnumerate({param('engines', 'Array(String)')})) AS k
 WHERE isFinite(ttft_seconds) AND isFinite(queue_seconds)
 GROUP BY k
 """
@@ -220,28 +215,38 @@ def _run_requests(reader: Reads, runs: list[tuple[str, PrefillRun]]) -> list[tup
 
 
 def _carried(reader: Reads, candidates: list[tuple[str, LongPrefill]]) -> list[tuple[str, LongPrefill]]:
-    """The candidates, each span narrowed to the steps that carried prefill tokens within it (_CARRIED)."""
+    """The candidates, each span narrowed to the steps that carried prefill tokens within it (_carried_sql)."""
     if not candidates:
         return candidates
-    sql, params = which_span(_CARRIED, [(e, b.start, b.end + ROUNDING) for e, b in candidates])
-    rows = Query(sql, **params).rows(reader)
-    spans = {int(r.k): r for r in rows}
+    which = which_span([(e, b.start, b.end + ROUNDING) for e, b in candidates])
+    spans = {int(r.k): r for r in Query(_carried_sql(which), **which.parameters).rows(reader)}
     return [(engine, replace(big, start=utc(span.first), end=utc(span.last),
                              first_chunk_ran=timedelta(milliseconds=number(span.first_ms)))
              if (span := spans.get(i)) is not None else big) for i, (engine, big) in enumerate(candidates)]
 
 
+def _span(window: Window, big: LongPrefill) -> tuple[datetime, datetime]:
+    """The part of the prefill in the window (empty, from > to, where they do not meet)."""
+    return max(window.start, big.start), min(window.end, big.end)
+
+
 def _inside(reader: Reads, window: Window, prefills: dict[str, list[LongPrefill]]
             ) -> dict[tuple[str, int], Row]:
-    """(engine, k) -> the inside columns of _INTERFERENCE for prefills[engine][k] (_INSIDE's row), when it has steps
-    in the window."""
-    spans = [(engine, k, lo, hi) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)
-             if (lo := max(window.start, big.start)) <= (hi := min(window.end, big.end))]
+    """(engine, k) -> the row of _inside_sql for prefills[engine][k], when it has steps in the window."""
+    spans = [(engine, k, *_span(window, big))
+             for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
+    spans = [span for span in spans if span[2] <= span[3]]
     if not spans:
         return {}
-    sql, params = which_span(_INSIDE, [(engine, lo, hi) for engine, _k, lo, hi in spans])
+    which = which_span([(engine, lo, hi) for engine, _k, lo, hi in spans])
     owners = [(engine, k) for engine, k, _lo, _hi in spans]
-    return {owners[int(r.k)]: r for r in Query(sql, **params).rows(reader)}
+    return {owners[int(r.k)]: r for r in Query(_inside_sql(which), **which.parameters).rows(reader)}
+
+
+def _interference(window: Window, engine: str, big: LongPrefill) -> Query:
+    """What the finding on `big` shows (_interference_sql): the same figures as the read of every prefill at once."""
+    which = which_span([(engine, *_span(window, big))])
+    return Query(_interference_sql(which), **which.parameters, engine=engine, start=window.start, end=window.end)
 
 
 def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
@@ -255,8 +260,6 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
         config = configs.get(engine, {})
         b = base.get(engine, NO_BASELINE)
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_INTERFERENCE, engine=engine, start=window.start, end=window.end,
-                          prefill_start=big.start, prefill_end=big.end)
             row = inside.get((engine, k))
             if row is None or not row.steps_inside:
                 continue
@@ -284,7 +287,8 @@ def prefill_interference(reader: Reads, window: Window) -> list[Finding]:
             findings.append(Finding(
                 "prefill_interference", "critical" if critical else "warning", engine, big.start, big.end,
                 clip(f"{big.name} prefill: ITL p99 {itl99_in:.2f}s vs {itl99_out * 1000:.0f}ms"),
-                evidence, query.literal(), _chunk_lever(config, int(chunk)), number(delayed)))
+                evidence, _interference(window, engine, big).literal(), _chunk_lever(config, int(chunk)),
+                number(delayed)))
     return findings
 
 
@@ -327,6 +331,17 @@ def _chunk_lever(config: dict[str, str], chunk: int) -> str:
             + "; or route monster prompts to an engine of their own")
 
 
+def _queued_behind_each(prefills: Sequence[tuple[str, LongPrefill]], min_queue_s: dict[str, float]) -> Query:
+    """_QUEUED_BEHIND_EACH over `prefills` (engine, prefill), numbered from 1: what runs for them all, and what a
+    finding shows for its one."""
+    return Query(_QUEUED_BEHIND_EACH, engines=[e for e, _ in prefills], ids=[b.request_id for _, b in prefills],
+                 min_queue_s=[min_queue_s.get(e, 0.0) for e, _ in prefills],
+                 starts=[b.began for _, b in prefills], ends=[b.end for _, b in prefills],
+                 lo=min(b.began for _, b in prefills) - FINISH_SLACK, hi=max(b.end for _, b in prefills),
+                 # The row's own filter first: the per-prefill test runs on the few that queued that long.
+                 least_queue_s=min(min_queue_s.get(e, 0.0) for e, _ in prefills))
+
+
 def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_queue_s: dict[str, float]
                    ) -> dict[tuple[str, int], Row]:
     """(engine, k) -> the row _QUEUED_BEHIND_EACH gives for prefills[engine][k], when any request queued behind
@@ -334,13 +349,7 @@ def _queued_behind(reader: Reads, prefills: dict[str, list[LongPrefill]], min_qu
     flat = [(engine, k, big) for engine, bigs in sorted(prefills.items()) for k, big in enumerate(bigs)]
     if not flat:
         return {}
-    rows = Query(_QUEUED_BEHIND_EACH, engines=[e for e, _, _ in flat], ids=[b.request_id for _, _, b in flat],
-                 min_queue_s=[min_queue_s.get(e, 0.0) for e, _, _ in flat],
-                 starts=[round(b.began.timestamp() * 1e6) for _, _, b in flat],
-                 ends=[round(b.end.timestamp() * 1e6) for _, _, b in flat],
-                 lo=min(b.began for _, _, b in flat) - FINISH_SLACK, hi=max(b.end for _, _, b in flat),
-                 # The row's own filter first: the per-prefill test runs on the few that queued that long.
-                 least_queue_s=min(min_queue_s.get(e, 0.0) for e, _, _ in flat)).rows(reader)
+    rows = _queued_behind_each([(e, b) for e, _, b in flat], min_queue_s).rows(reader)
     owners = [(engine, k) for engine, k, _ in flat]
     return {owners[int(r.k) - 1]: r for r in rows}
 
@@ -355,8 +364,6 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
     queued_behind = _queued_behind(reader, prefills, min_queue_s)
     for engine in engines(reader, window):
         for k, big in enumerate(prefills.get(engine, [])):
-            query = Query(_QUEUED_BEHIND, engine=engine, request_id=big.request_id, prefill_start=big.began,
-                          prefill_end=big.end, min_queue_s=min_queue_s.get(engine, 0.0))
             row = queued_behind.get((engine, k))
             if row is None or int(row.queued_requests) < MIN_QUEUED:
                 continue
@@ -365,7 +372,7 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
             if shape is None:
                 continue
             queued, total, worst_s, worst = (int(row.queued_requests), number(row.queue_total_s),
-                                             number(row.queue_max_s), row.longest_queued)
+                                             number(row.queue_max_s), row.worst)
             findings.append(Finding(
                 "head_of_line_blocking", "warning", engine, big.start, big.end,
                 clip(f"{queued} requests queued behind {big.name}, up to {worst_s:.0f}s"),
@@ -377,7 +384,7 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
                                  f"{base.get(engine, NO_BASELINE).decode_step_ms:.1f} ms (p50)",
                  "uncached_tokens": big.prompt_tokens - min(big.cached_tokens, big.prompt_tokens),
                  "long_from_uncached_tokens": big.min_uncached_tokens, **shape},
-                query.literal(),
+                _queued_behind_each([(engine, big)], min_queue_s).literal(),
                 "admit long prompts apart from short ones (a separate engine or a priority policy), and bound "
                 "per-step prefill (--long-prefill-token-threshold) so short prompts are scheduled beside it",
                 total))
@@ -387,10 +394,10 @@ def head_of_line_blocking(reader: Reads, window: Window) -> list[Finding]:
 # The waiting queue just before a prefill, at its peak while the prefill ran, and at its lowest within one prefill's
 # length after it.
 _QUEUE_SHAPE = f"""
-SELECT argMaxIf(waiting, ts, ts < {{began:DateTime64(6)}}) AS waiting_before,
+SELECT argMaxIf(waiting, ts, ts < {moment('began')}) AS waiting_before,
        maxIf(waiting, {between("began", "end")}) AS waiting_peak_inside,
-       minIf(waiting, ts > {{end:DateTime64(6)}}) AS waiting_min_after,
-       countIf(ts > {{end:DateTime64(6)}}) AS steps_after
+       minIf(waiting, ts > {moment('end')}) AS waiting_min_after,
+       countIf(ts > {moment('end')}) AS steps_after
 FROM steps
 WHERE {of_engine(start="lo", end="hi")}
 """
@@ -413,9 +420,9 @@ def _queue_shape(reader: Reads, engine: str, big: LongPrefill) -> dict[str, Any]
 
 
 _OVER_THRESHOLD = f"""
-SELECT countIf(num_ctx_requests = 1 AND num_ctx_tokens > {{threshold:UInt32}}) AS over_threshold,
+SELECT countIf(num_ctx_requests = 1 AND num_ctx_tokens > {param('threshold', 'UInt32')}) AS over_threshold,
        maxIf(num_ctx_tokens, num_ctx_requests = 1) AS max_single_prefill,
-       countIf(num_ctx_tokens + num_generation_tokens > {{budget:UInt32}}) AS over_budget,
+       countIf(num_ctx_tokens + num_generation_tokens > {param('budget', 'UInt32')}) AS over_budget,
        max(num_ctx_tokens + num_generation_tokens) AS max_step_tokens,
        max(waiting) AS waiting_max, countIf(num_ctx_tokens > 0) AS prefill_steps
 FROM steps

@@ -10,7 +10,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from stepline.diagnosis.evidence import Line, evidence_of
 from stepline.diagnosis.findings import Finding, Window
+from stepline.queries.query import moment
 from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads, Row, named, only
 
@@ -241,22 +243,35 @@ def _number(value: float) -> str:
 
 DEFAULT_TITLE = "stepline incident report"
 
-_BOUNDS = (" WHERE ts >= fromUnixTimestamp64Micro({from_us:Int64}, 'UTC')"
-           " AND ts < fromUnixTimestamp64Micro({to_us:Int64}, 'UTC')"
+_BOUNDS = (f" WHERE ts >= {moment('from_us')}"
+           f" AND ts < {moment('to_us')}"
            f" AND {EACH_ENGINE}")
 _BUCKET = "intDiv(toUnixTimestamp64Micro(ts) - {from_us:Int64}, {bucket_us:Int64}) AS b"
-# Per bucket over every engine in the window: the worst step, the prefill it carried, the ITL tails.
-_STEPS = ("SELECT " + _BUCKET + ", max(elapsed_ms) AS step_ms, sum(num_ctx_tokens) AS prefill_tokens,"
-          " quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl, sum(length(itl_seconds)) AS itl_samples,"
-          " max(running) AS running_max, max(waiting) AS waiting_max, max(kv_cache_usage) AS kv_max,"
-          " sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries"
-          " FROM {steps}" + _BOUNDS + " AND NOT is_dummy GROUP BY b ORDER BY b")
-# NaN means a GPU does not support the reading: averaged over the finite samples only.
-_GPUS = ("SELECT " + _BUCKET + ", host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)) AS sm_mhz,"
-         " avgIf(power_w, isFinite(power_w)) AS power, avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct)) AS dram"
-         " FROM {gpus}" + _BOUNDS + " GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
-_SPAN = ("SELECT count() AS samples, toUnixTimestamp64Micro(min(ts)) AS first_us, toUnixTimestamp64Micro(max(ts)) AS "
-         "last_us FROM {table}" + _BOUNDS)
+
+
+def _steps_sql(steps: str) -> str:
+    """Per bucket over every engine in the window of `steps` (the table): the worst step, the prefill it carried, the
+    ITL tails."""
+    return (f"SELECT {_BUCKET}, max(elapsed_ms) AS step_ms, sum(num_ctx_tokens) AS prefill_tokens,"
+            " quantilesExactArray(0.5, 0.99)(itl_seconds) AS itl, sum(length(itl_seconds)) AS itl_samples,"
+            " max(running) AS running_max, max(waiting) AS waiting_max, max(kv_cache_usage) AS kv_max,"
+            " sum(prefix_cache_hits) AS hits, sum(prefix_cache_queries) AS queries"
+            f" FROM {steps}{_BOUNDS} AND NOT is_dummy GROUP BY b ORDER BY b")
+
+
+def _gpus_sql(gpus: str) -> str:
+    """Per bucket and GPU of `gpus` (the table): clocks, power and DRAM bandwidth. NaN means a GPU does not support
+    the reading: averaged over the finite samples only."""
+    return (f"SELECT {_BUCKET}, host, gpu_index, avgIf(sm_clock_mhz, isFinite(sm_clock_mhz)) AS sm_mhz,"
+            " avgIf(power_w, isFinite(power_w)) AS power, avgIf(dram_bw_util_pct, isFinite(dram_bw_util_pct)) AS dram"
+            f" FROM {gpus}{_BOUNDS} GROUP BY b, host, gpu_index ORDER BY b, host, gpu_index")
+
+
+def _span_sql(table: str) -> str:
+    return (f"SELECT count() AS samples, toUnixTimestamp64Micro(min(ts)) AS first_us, "
+            f"toUnixTimestamp64Micro(max(ts)) AS last_us FROM {table}{_BOUNDS}")
+
+
 _MAX_GPU_LINES = 8  # more GPUs than this are drawn as their average
 
 _STYLE = """
@@ -265,7 +280,8 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 6px}.meta{color
 .finding{border-left:5px solid #999;padding:4px 10px;margin:8px 0;background:#fafafa}
 .finding.critical{border-color:#d62728}.finding.warning{border-color:#ff9f1a}.finding.info{border-color:#4c8bf5}
 .sev{font-weight:bold;text-transform:uppercase;font-size:12px}.kind{color:#555;font-family:monospace}
-.ev{font-size:12px;color:#333;margin:2px 0}.ev b{font-weight:600}
+.ev{font-size:12px;color:#333;margin:2px 0;padding-left:18px;columns:22em auto;column-gap:24px}
+.ev li{break-inside:avoid}.ev b{font-weight:600}.ev.folded{margin-left:14px}.also{font-size:12px;margin:4px 0 0 14px}
 pre{background:#f0f0f0;padding:6px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
 .plots{max-width:1400px}svg.plot{display:block;width:100%;height:auto}
 .frame{fill:none;stroke:#bbb}.grid{stroke:#e6e6e6}.line{fill:none;stroke-width:1.4}
@@ -362,7 +378,7 @@ def _data_span(reader: Reads, window: Window, database: str) -> tuple[float, flo
               "to_us": round(window.end.timestamp() * 1_000_000), "engine": window.engine}
     edges = []
     for table in ("steps", "gpu_samples"):
-        sql = _SPAN.replace("{table}", _table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
+        sql = _span_sql(_table(database, table)) + (" AND NOT is_dummy" if table == "steps" else "")
         span = only(reader.query(sql, parameters=params))
         if span.samples:
             edges += [span.first_us / 1e6, span.last_us / 1e6]
@@ -377,7 +393,7 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
     def at(b: int) -> float:  # a bucket is drawn at its middle
         return t0 + (b + 0.5) * bucket
 
-    steps = named(reader.query(_STEPS.replace("{steps}", _table(database, "steps")), parameters=params))
+    steps = named(reader.query(_steps_sql(_table(database, "steps")), parameters=params))
     cols: dict[str, list[Point]] = {k: [] for k in ("step", "prefill", "p50", "p99", "run", "wait", "kv", "hit")}
     for r in steps:
         t = at(r.b)
@@ -391,7 +407,7 @@ def _plots(reader: Reads, engine: str, t0: float, t1: float, bucket: float, data
         cols["wait"].append((t, _f(r.waiting_max)))
         cols["kv"].append((t, _scaled(r.kv_max, 100)))
         cols["hit"].append((t, 100 * r.hits / r.queries if r.queries else None))
-    gpu_rows = named(reader.query(_GPUS.replace("{gpus}", _table(database, "gpu_samples")), parameters=params))
+    gpu_rows = named(reader.query(_gpus_sql(_table(database, "gpu_samples")), parameters=params))
     sm, power, dram = _gpu_series(gpu_rows, at)
     return [
         Plot("Step duration (max) and prefill tokens (sum) per bucket", "ms", (
@@ -432,19 +448,34 @@ def _gpu_series(rows: Sequence[Row], at: Callable[[int], float]
 
 
 def _finding_html(number: int, f: Finding) -> str:
-    evidence = " · ".join(f"<span>{escape(str(k))}=<b>{escape(_value(v))}</b></span>" for k, v in f.evidence.items())
+    said = evidence_of(f.evidence)
     parts = [f'<div class="finding {escape(f.severity)}" id="finding-{number}">',
              f'<div><b>#{number}</b> <span class="sev">{escape(f.severity)}</span> '
              f'<span class="kind">{escape(f.kind)}</span> · <b>{escape(f.title)}</b></div>',
-             f'<div class="meta">{escape(f.engine or "all engines")} · {_moment(f.start)} → {_moment(f.end)} UTC</div>']
-    if evidence:
-        parts.append(f'<div class="ev">{evidence}</div>')
+             f'<div class="meta">{escape(f.engine or "all engines")} · {_moment(f.start)} → {_moment(f.end)} UTC</div>',
+             _lines_html(said.lines)]
+    for folded in said.folded:
+        parts.append(f'<div class="also">also <span class="kind">{escape(folded.kind)}</span> '
+                     f'<span class="sev">{escape(folded.severity)}</span> · {escape(folded.title)}</div>')
+        parts.append(_lines_html(folded.lines, "ev folded"))
+    if said.whatif:
+        parts.append('<div class="also">whatif: what the best lever of this finding would buy, replayed '
+                     "(value [low-high] over the replays)</div>")
+        parts.append(_lines_html(said.whatif, "ev folded"))
     if f.lever:
         parts.append(f"<div><b>Lever:</b> {escape(f.lever)}</div>")
     if f.sql:
         parts.append(f"<details><summary>SQL</summary><pre>{escape(f.sql)}</pre></details>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def _lines_html(lines: Sequence[Line], css: str = "ev") -> str:
+    """Named lines (evidence.py, as `diagnose` prints them): "name: <b>figure</b>" each."""
+    if not lines:
+        return ""
+    items = "".join(f"<li>{escape(line.name)}: <b>{escape(line.text)}</b></li>" for line in lines)
+    return f'<ul class="{css}">{items}</ul>'
 
 
 def _table(database: str, name: str) -> str:
@@ -488,11 +519,3 @@ def _scaled(value: Any, factor: float) -> float | None:
 def _mean(values: Sequence[float | None]) -> float | None:
     finite = [v for v in values if v is not None]
     return sum(finite) / len(finite) if finite else None
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, datetime):
-        return _moment(value) + " UTC"
-    return str(value)

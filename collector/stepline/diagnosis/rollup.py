@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from stepline.queries.query import moment
 from stepline.store.reads import Row
 
 MINUTE, SECOND, ROW = "toStartOfMinute(ts)", "toStartOfSecond(ts)", "ts"
@@ -97,13 +98,13 @@ def rolled(aggs: Sequence[Agg], where: str, start: datetime | None, end: datetim
     branches = []
     bounds: dict[str, datetime] = {}
     for i, part in enumerate(parts(start, end, minutes=minutes, seconds=seconds, edges=edges)):
-        conditions = [f"bucket {'<=' if part.closed else '<'} {{p{i}_hi:DateTime64(6)}}"]
+        conditions = [f"bucket {'<=' if part.closed else '<'} {moment(f'p{i}_hi')}"]
         bounds[f"p{i}_hi"] = part.hi
         if part.outside is not None:
-            conditions.append(f"NOT (bucket >= {{p{i}_olo:DateTime64(6)}} AND bucket < {{p{i}_ohi:DateTime64(6)}})")
+            conditions.append(f"NOT (bucket >= {moment(f'p{i}_olo')} AND bucket < {moment(f'p{i}_ohi')})")
             bounds[f"p{i}_olo"], bounds[f"p{i}_ohi"] = part.outside
         if part.lo is not None:
-            conditions.insert(0, f"bucket >= {{p{i}_lo:DateTime64(6)}}")
+            conditions.insert(0, f"bucket >= {moment(f'p{i}_lo')}")
             bounds[f"p{i}_lo"] = part.lo
         columns = [f"{expression} AS {alias}" for alias, expression in keys] + [
             f"{a.inner} AS p_{a.alias}" for a in aggs]

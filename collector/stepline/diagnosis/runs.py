@@ -16,30 +16,36 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from stepline.diagnosis.baseline import LONG_CHUNK_SHARE, LONG_PROMPT_CHUNKS, budgets
-from stepline.diagnosis.common import Query, config_int, engine_configs, number, utc, which_span
+from stepline.diagnosis.common import config_int, engine_configs, number, utc
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import Agg, rolled
+from stepline.queries.query import Query, Spans, param, which_span
 from stepline.queries.window import EACH_ENGINE
 from stepline.store.reads import Reads
 
+
 # A chunk is long from LONG_CHUNK_SHARE of the engine's budget (of its long_prefill_token_threshold when that is
 # smaller: chunks are bounded by it); a run is a long prefill from LONG_PROMPT_CHUNKS budgets in all. Iteration
-# numbers less their rank number a run: consecutive iterations share it.
-_RUNS = """
+# numbers less their rank number a run: consecutive iterations share it. Over the steps of `spans` (the engines'
+# tails).
+def _runs(spans: Spans) -> str:
+    return f"""
 SELECT engine, min(ts) AS first_step, max(ts) AS last_step, count() AS steps, sum(num_ctx_tokens) AS tokens,
        argMin(elapsed_ms, ts) AS first_step_ms, max(num_ctx_tokens) AS chunk_tokens
 FROM (SELECT engine, engine_index, ts, elapsed_ms, num_ctx_tokens,
              toInt64(step) - toInt64(row_number() OVER (PARTITION BY engine, engine_index ORDER BY step)) AS run
       FROM steps
-      WHERE (INSIDE_ANY) AND num_ctx_requests = 1
-        AND num_ctx_tokens >= transform(toString(engine), {budget_engines:Array(String)},
-                                        {min_chunk:Array(UInt64)}, {unknown:UInt64}))
+      WHERE ({spans.inside}) AND num_ctx_requests = 1
+        AND num_ctx_tokens >= transform(toString(engine), {param('budget_engines', 'Array(String)')},
+                                        {param('min_chunk', 'Array(UInt64)')}, {param('unknown', 'UInt64')}))
 GROUP BY engine, engine_index, run
-HAVING tokens >= transform(toString(engine), {budget_engines:Array(String)}, {min_tokens:Array(UInt64)},
-                           {unknown:UInt64})
+HAVING tokens >= transform(toString(engine), {param('budget_engines', 'Array(String)')},
+                           {param('min_tokens', 'Array(UInt64)')}, {param('unknown', 'UInt64')})
 ORDER BY engine, tokens DESC
 LIMIT 5 BY engine
 """
+
+
 # Per engine, the start of the last minute with a decode-only step (none: the window's start).
 _TAIL_AGGS = (Agg("steps", "count()", "sum({})"), Agg("prefill_steps", "countIf(num_ctx_tokens > 0)", "sum({})"))
 
@@ -71,8 +77,8 @@ def prefill_runs(reader: Reads, window: Window) -> dict[str, list[PrefillRun]]:
         chunk[e] = max(1, round(LONG_CHUNK_SHARE * bound))
     total = {e: round(LONG_PROMPT_CHUNKS * known[e][0]) for e in names}
     tails = _tails(reader, window)
-    sql, spans = which_span(_RUNS, [(e, max(window.start, tails.get(e, window.start)), window.end) for e in names])
-    rows = Query(sql, **spans, budget_engines=names, min_chunk=[chunk[e] for e in names],
+    spans = which_span([(e, max(window.start, tails.get(e, window.start)), window.end) for e in names])
+    rows = Query(_runs(spans), **spans.parameters, budget_engines=names, min_chunk=[chunk[e] for e in names],
                  min_tokens=[total[e] for e in names], unknown=2**63).rows(reader)
     out: dict[str, list[PrefillRun]] = {}
     for engine, first, last, steps, tokens, first_ms, biggest in rows:

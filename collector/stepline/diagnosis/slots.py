@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from stepline.diagnosis.baseline import IDLE_SLOT_SHARE, LEAK_RECENT_SHARE, MIN_LEAK_STEPS, budgets
-from stepline.diagnosis.common import Query, clip, engines, number, utc
+from stepline.diagnosis.common import clip, engines, number, utc
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.model.schema import UNSCHEDULED_WHILE_WAITING
+from stepline.queries.query import Query, param
 from stepline.queries.window import EACH_ENGINE, ENGINES, between
 from stepline.store.reads import Reads
 
@@ -28,8 +29,8 @@ SELECT engine, count() AS steps,
        min(ts) AS first, max(ts) AS last
 FROM steps
 WHERE {ENGINES} AND {between("recent")} AND waiting > 0
-  AND num_ctx_tokens + num_generation_tokens < transform(toString(engine), {{budget_engines:Array(String)}},
-      {{half_budget:Array(UInt64)}}, 0)
+  AND num_ctx_tokens + num_generation_tokens < transform(toString(engine), {param('budget_engines', 'Array(String)')},
+      {param('half_budget', 'Array(UInt64)')}, 0)
 GROUP BY engine ORDER BY engine
 """
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from stepline.diagnosis.baseline import CLOCK_DROP, THROTTLED_SHARE
-from stepline.diagnosis.common import EXACT_MAX_STEPS, Query, clip, engines, number, utc, window_summary
+from stepline.diagnosis.common import EXACT_MAX_STEPS, clip, engines, number, utc, window_summary
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Agg, rolled
 from stepline.model.schema import (
@@ -23,6 +23,7 @@ from stepline.model.schema import (
     THROTTLE_FLAGS,
     timeline_sql,
 )
+from stepline.queries.query import Query, moment, param
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW, between
 from stepline.store.reads import Reads
 
@@ -51,11 +52,12 @@ WHERE {EACH_ENGINE} AND {IN_WINDOW}
 GROUP BY engine ORDER BY engine
 """
 
-_GPU_WINDOW = " AND ts >= {start:DateTime64(6)} - INTERVAL 10 SECOND AND ts <= {end:DateTime64(6)}"
+_GPU_WINDOW = f" AND ts >= {moment('start')} - INTERVAL 10 SECOND AND ts <= {moment('end')}"
 _TIMELINE = timeline_sql(
-    "", f" AND s.engine = {{engine:String}} AND {between(column='s.ts')} AND s.step % {{every:UInt64}} = 0",
+    "", f" AND s.engine = {param('engine', 'String')} AND {between(column='s.ts')} "
+        f"AND s.step % {param('every', 'UInt64')} = 0",
     f"{_GPU_WINDOW} AND (host, gpu_index) GLOBAL IN (SELECT host, gpu_index FROM gpu_samples "
-    f"WHERE engine = {{engine:String}}{_GPU_WINDOW})")
+    f"WHERE engine = {param('engine', 'String')}{_GPU_WINDOW})")
 # Decode-only steps by batch shape (decoding requests in steps of ~19%: round(4 * log2)), throttled or not, and
 # what every throttled step held up: its time times the requests decoding or waiting through it.
 _MATCHED = f"""
@@ -63,7 +65,7 @@ SELECT throttled, shape, countIf(prefill_tokens = 0) AS decode_steps,
        quantileExactIf(0.5)(elapsed_ms, prefill_tokens = 0) AS step_p50_ms,
        sum(elapsed_ms * (decoding + waiting)) / 1000 AS request_s
 FROM (SELECT elapsed_ms, prefill_tokens, decoding, waiting, round(4 * log2(greatest(decoding, 1))) AS shape,
-             hasAny(clock_event_flags, {{flags:Array(String)}}) AS throttled
+             hasAny(clock_event_flags, {param('flags', 'Array(String)')}) AS throttled
       FROM ({_TIMELINE})
       WHERE gpu_ts > 0 AND decoding > 0)
 GROUP BY throttled, shape ORDER BY throttled, shape

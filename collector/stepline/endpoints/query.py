@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from clickhouse_connect.driver.client import Client
+from prometheus_client import CollectorRegistry, Counter
 
 from stepline.clickhouse_http import body as chbody
 from stepline.clickhouse_http import compression as chcompress
@@ -35,7 +36,6 @@ from stepline.clickhouse_http import settings as chsettings
 from stepline.clickhouse_http.errors import SqlRefused
 from stepline.core.listener import Address, HttpServer, ServerThread
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.endpoints.chunked import ChunkedBody
 from stepline.endpoints.sessions import EngineError, Progress, Sessions
 from stepline.endpoints.watch import Watch, Watchers
@@ -51,6 +51,16 @@ _SPOOL_IN_MEMORY_BYTES = 16 << 20  # wait_end_of_query: beyond this, the result 
 _TEXT = "text/plain; charset=UTF-8"
 _TAG_ALPHABET = string.ascii_letters + string.digits
 _ECHO_CHARS = 2000  # of an error's text sent back: the engine's messages can quote a whole query
+
+
+class QueryMetrics:
+    """The endpoint's own metric, on the registry the collector passes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "stepline_query_requests", "Requests to the read-only query endpoint, by outcome.", ["outcome"],
+            registry=registry,
+        )
 
 
 @dataclass
@@ -86,7 +96,7 @@ class QueryEndpoint(Address):
         max_sessions: int = 4,
         max_memory_bytes: int = 1 << 30,
         session_wait_s: float | None = None,
-        metrics: SelfMetrics | None = None,
+        metrics: QueryMetrics | None = None,
     ) -> None:
         uri = str(getattr(client, "uri", ""))
         if not uri.startswith("chdb://"):
@@ -159,7 +169,7 @@ class QueryEndpoint(Address):
             with self._lock:
                 self._counts[outcome] += 1
             if self._metrics is not None:
-                self._metrics.queries.labels(outcome=outcome).inc()
+                self._metrics.requests.labels(outcome=outcome).inc()
 
     def answer(self, method: str, target: str, headers: Message, body: bytes, peer: str,
                watch: Watch | None = None) -> _Reply:

@@ -1,2 +1,3 @@
-"""The write path: the runner that polls every source (`runner`), one batching writer per table (`writer`), the spool
-batches wait in (`spool`), and the merge of a request's reports into one row (`merge`)."""
+"""The write path, one way: the runner that polls every source (`runner`), request placement (`identity`, by the
+rule of `merge`: which request a report is of), one batching writer per table (`writer`) and the spool batches wait
+in (`spool`); each counts what it drops where it drops it, in the path's metrics (`metrics`)."""

@@ -20,7 +20,7 @@ source, so a second plugin report (or span) under a known id is another request,
 The first report of a request fixes its arrival; later reports of it are written with that arrival, so that they
 share its key and the store merges them field by field (each column keeps its largest value), whatever their
 order. This memory is what lets a later report find its request; it is rebuilt after a restart from what the store
-and the spool hold (stepline.ingest.writer.Writers.remember_requests): a collector that restarts, or replays its
+and the spool hold (stepline.ingest.identity.RequestPlacement.remember): a collector that restarts, or replays its
 spool, places every report it sees again exactly as the first process did, because a replayed report matches its own
 arrival and the other source's report matches within the tolerance. A report too old for the memory to be sure of
 (it finished before what the memory covers: forgotten by age or count, or before the store was read) is looked up in

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from stepline.core.clock import Clock, SystemClock
+from stepline.core.oneline import one_line
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.writer import Writers
 from stepline.model.rows import TABLE_OF, Event, Row, micros
 from stepline.sources.base import Counting, Listener, Source, SourceError
@@ -70,7 +71,7 @@ class Scheduled:
 class Runner:
     """One thread per source: poll, record timing and success, sleep until the next tick."""
 
-    def __init__(self, scheduled: Iterable[Scheduled], writers: Writers, metrics: SelfMetrics, host: str, *,
+    def __init__(self, scheduled: Iterable[Scheduled], writers: Writers, metrics: IngestMetrics, host: str, *,
                  observer: Callable[[Sequence[Row]], None] | None = None, retention_days: int = 30,
                  clock: Clock | None = None) -> None:
         """`observer` sees every batch of rows in range (the watchdog's tap); it must be cheap and never raise.
@@ -84,7 +85,8 @@ class Runner:
         self._retention_us = retention_days * _DAY_US
         self._observer = observer
         self._writers = writers
-        self._metrics = metrics
+        self._metrics = metrics.sources
+        self._drops = metrics.drops
         self._host = host
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -176,7 +178,7 @@ class Runner:
             if not earliest <= row.ts <= latest:
                 dropped.setdefault(TABLE_OF[type(row)], []).append(row.ts - now)
         for table, skews in dropped.items():
-            self._metrics.rows_dropped.labels(table, "ts_out_of_range").inc(len(skews))
+            self._drops.count(table, len(skews), "ts_out_of_range")
             worst = max(skews, key=abs) / 1e6
             self._skew_log.warning(
                 f"{name}:{table}", "dropped %d %s rows from source %s: ts %+.1f s from the collector's clock (rows may "
@@ -213,7 +215,7 @@ class Runner:
             log.exception("source %s failed: %s", name, message)
             # An unexpected failure is a stepline bug: it also goes on the timeline, once per message.
             if first:
-                self._writers.write([Event(micros(time.time()), self._host, "", name, "source_error", "warning",
+                self._writers.write([Event(micros(self._clock.time()), self._host, "", name, "source_error", "warning",
                                            message[:500], {})])
         elif first:
             when = f" (next attempt in {retry_in_s:.0f} s)" if retry_in_s else ""
@@ -236,5 +238,5 @@ class Runner:
 
 
 def _error_label(message: str) -> str:
-    line = " ".join(message.split())
+    line = one_line(message)
     return line if len(line) <= 200 else line[:199] + "…"

@@ -35,7 +35,8 @@ MAGIC = b"STEPLINE-SPOOL-2"  # 2: the payload is Native bytes
 _HEAD = struct.Struct("<16sIIQ")  # magic, header length, payload crc32, payload length
 CACHE_BYTES = 64 << 20  # batches kept in memory beside their files, so a healthy store never reads them back
 
-# Called with (table, rows, reason) for every row the spool gives up.
+# Counts (table, rows, reason) for every row the spool gives up, where it gives them up: the collector's
+# `stepline.ingest.metrics.RowDrops`.
 OnDrop = Callable[[str, int, str], None]
 
 

@@ -5,27 +5,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, cast
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
-from clickhouse_connect.driver.exceptions import ClickHouseError, DatabaseError
-from prometheus_client import Counter
+from clickhouse_connect.driver.exceptions import DatabaseError
 
+from stepline.clickhouse_http.errors import DATA_ERRORS
+from stepline.core.oneline import one_line
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.identity import Lookup, RequestPlacement
 from stepline.ingest.merge import RecentRequests
+from stepline.ingest.metrics import IngestMetrics, WriterMetrics
 from stepline.ingest.spool import Segment, Spool
 from stepline.model import schema
-from stepline.model.rows import TABLE_OF, Request, Row
+from stepline.model.rows import TABLE_OF, Row
 from stepline.store import batches
-from stepline.store.errors import StoreError
 
 log = logging.getLogger(__name__)
-
-
-# The merged requests the store holds for some (engine, request id)s; raises ClickHouseError or StoreError when it
-# cannot say.
-Lookup = Callable[[Sequence[tuple[str, str]]], Iterable[Request]]
 
 
 class Sink(Protocol):
@@ -36,9 +32,6 @@ class Sink(Protocol):
         """Insert one batch of Native bytes; raises on any failure (the batch is then retried)."""
 
 
-# ClickHouse errors that condemn the batch itself (its bytes, its values): retrying it cannot succeed. Anything else
-# (unreachable, too many parts, memory, a missing column an operator may add) is retried.
-DATA_ERRORS = frozenset({6, 27, 32, 33, 38, 41, 53, 69, 70, 117, 131, 321, 349})
 MEMORY_SPOOL_BYTES = 256 << 20  # the bound when the collector runs without a spool directory
 
 
@@ -56,7 +49,7 @@ class TableWriter:
         self,
         table: str,
         sink: Sink,
-        metrics: SelfMetrics,
+        metrics: WriterMetrics,
         spool: Spool,
         *,
         max_rows: int = 200_000,
@@ -70,6 +63,7 @@ class TableWriter:
         self.columns = schema.TABLE_BY_NAME[table].column_names
         self._sink = sink
         self._metrics = metrics
+        self._drops = metrics.drops
         self._spool = spool
         self._max_rows = max_rows
         self._batch_rows = batch_rows
@@ -97,7 +91,7 @@ class TableWriter:
             if len(self._queue) >= self._batch_rows:
                 self._cond.notify()
         if accepted < len(rows):
-            self.drop(len(rows) - accepted, reason)
+            self._drops(self.table, len(rows) - accepted, reason)
         return accepted
 
     def depth(self) -> int:
@@ -125,7 +119,7 @@ class TableWriter:
         with self._cond:
             unspooled, self._queue = self._queue, []
         if unspooled:
-            self.drop(len(unspooled), "store_unavailable_at_stop")
+            self._drops(self.table, len(unspooled), "store_unavailable_at_stop")
         left = self._spool.rows(self.table)
         if not left:
             return
@@ -134,12 +128,7 @@ class TableWriter:
             return
         for segment in self._spool.pending(self.table):
             self._spool.ack(segment)
-        self.drop(left, "store_unavailable_at_stop")
-
-    def drop(self, count: int, reason: str) -> None:
-        """Count and log (rate-limited) rows this table gives up."""
-        self._metrics.rows_dropped.labels(self.table, reason).inc(count)
-        self._drop_log.warning(f"{self.table}:{reason}", "dropped %d %s rows: %s", count, self.table, reason)
+        self._drops(self.table, left, "store_unavailable_at_stop")
 
     def _run(self) -> None:
         backoff = 0.0
@@ -172,7 +161,7 @@ class TableWriter:
             chunk = rows[start:start + self._batch_rows]
             data, kept, error = batches.encode_valid(self.table, chunk)
             if kept < len(chunk):
-                self.drop(len(chunk) - kept, "rejected")
+                self._drops.count(self.table, len(chunk) - kept, "rejected")
                 self._drop_log.warning(f"{self.table}:rejected", "%d %s rows do not fit the table: %s",
                                        len(chunk) - kept, self.table, error)
             if not kept:
@@ -180,7 +169,7 @@ class TableWriter:
             try:
                 self._spool.append(self.table, self.columns, data, kept)
             except OSError as exc:  # a full or failing disk: the rows cannot be kept
-                self.drop(kept, "spool_write_failed")
+                self._drops(self.table, kept, "spool_write_failed")
                 self._drop_log.warning(f"{self.table}:spool", "cannot spool %d %s rows: %s", kept, self.table, exc)
 
     def _insert(self, segment: Segment) -> bool:
@@ -192,12 +181,14 @@ class TableWriter:
         try:
             self._sink.insert_native(self.table, segment.columns, data, segment.token)
         except DatabaseError as exc:
+            # Only errors that condemn the batch itself drop it; anything else (unreachable, too many parts, memory, a
+            # missing column an operator may add) is retried.
             if getattr(exc, "code", None) not in DATA_ERRORS:
                 return self._failed(segment, exc)
             self._spool.ack(segment)
-            self.drop(segment.rows, "rejected")
+            self._drops.count(self.table, segment.rows, "rejected")
             self._drop_log.warning(f"{self.table}:refused", "the store refuses a %s batch of %d rows as bad data, "
-                                   "dropped: %s", self.table, segment.rows, " ".join(str(exc).split())[:200])
+                                   "dropped: %s", self.table, segment.rows, one_line(exc, 200))
             return True
         except Exception as exc:  # the store's failures are many (transport, server, engine): all retried
             return self._failed(segment, exc)
@@ -216,123 +207,52 @@ class TableWriter:
             self._failing_since = time.monotonic()
         self._drop_log.warning(
             f"{self.table}:write", "cannot write %d rows to %s (%d rows wait in the spool; will retry): %s",
-            segment.rows, self.table, self._spool.rows(self.table), " ".join(str(exc).split())[:200],
+            segment.rows, self.table, self._spool.rows(self.table), one_line(exc, 200),
         )
         return False
 
 
 class Writers:
-    """One TableWriter per table; routes typed rows to theirs, writing each request once."""
+    """One TableWriter per table, behind the request placement stage; routes typed rows to theirs."""
 
-    def __init__(self, sink: Sink, metrics: SelfMetrics, *, spool_dir: str | None = None,
+    def __init__(self, sink: Sink, metrics: IngestMetrics, *, spool_dir: str | None = None,
                  spool_max_bytes: int = MEMORY_SPOOL_BYTES, recent: RecentRequests | None = None,
                  lookup: Lookup | None = None, **writer_options: Any) -> None:
-        """Without `spool_dir`, batches wait in memory: bounded, but lost by a restart. `lookup` reads from the
-        store the requests of some (engine, request id)s, for reports older than what memory holds.
+        """Without `spool_dir`, batches wait in memory: bounded, but lost by a restart. `recent` and `lookup` are
+        the placement stage's (`stepline.ingest.identity`): it remembers the request reports the spool holds before
+        anything is written.
 
         Raises SpoolError when the spool directory cannot be used.
         """
-        self._metrics = metrics
-        self._writers: dict[str, TableWriter] = {}
-        self.spool = Spool(self._drop, max_bytes=spool_max_bytes, directory=spool_dir)
-        metrics.spool_limit.set(spool_max_bytes)
-        metrics.spool_bytes.set(self.spool.size_bytes())
+        self.spool = Spool(metrics.drops, max_bytes=spool_max_bytes, directory=spool_dir)
+        metrics.writer.spool_limit.set(spool_max_bytes)
+        metrics.writer.spool_bytes.set(self.spool.size_bytes())
         self._writers = {
-            table.name: TableWriter(table.name, sink, metrics, self.spool, **writer_options) for table in schema.TABLES
+            table.name: TableWriter(table.name, sink, metrics.writer, self.spool, **writer_options)
+            for table in schema.TABLES
         }
-        self._recent = recent or RecentRequests()
-        self._lookup = lookup
-        self._lookup_log = RateLimitedLog(log, interval_s=60.0)
-        self.remember_requests(self._spooled_requests())
-        self._duplicates: dict[str, Counter] = {}
+        self.placement = RequestPlacement(metrics.requests, recent=recent, lookup=lookup)
+        self.placement.remember_spooled(self.spool)
 
     def start(self) -> None:
         for writer in self._writers.values():
             writer.start()
 
     def write(self, rows: Iterable[Row]) -> int:
-        """Queue typed rows for their tables; returns how many were accepted."""
+        """Queue typed rows for their tables, request reports as placed; returns how many were accepted."""
         by_table: dict[str, list[Row]] = {}
-        place, table_of = self._recent.place, TABLE_OF
-        rows = self._look_up_old_requests(rows)
-        for row in rows:
-            kind = type(row)
-            if kind is Request:
-                request = cast(Request, row)
-                placed = place(request)
-                if placed is None:
-                    self._duplicate(request.source)
-                    continue
-                row = placed
-            batch = by_table.get(table_of[kind])
+        table_of = TABLE_OF
+        for row in self.placement.place(rows):
+            table = table_of[type(row)]
+            batch = by_table.get(table)
             if batch is None:
-                by_table[table_of[kind]] = [row]
+                by_table[table] = [row]
             else:
                 batch.append(row)
         return sum(self._writers[table].put(batch) for table, batch in by_table.items())
 
-    def _look_up_old_requests(self, rows: Iterable[Row]) -> Iterable[Row]:
-        """Before placing reports older than the memory of requests reaches (a plugin's backlog after a restart),
-        read their ids' requests from the store, so that they join the request they are of."""
-        rows = rows if isinstance(rows, Sequence) else list(rows)
-        needs_lookup = self._recent.needs_lookup
-        old = [row for row in rows if isinstance(row, Request) and needs_lookup(row)]
-        if not old:
-            return rows
-        keys = sorted({(r.engine, r.request_id) for r in old})
-        if self._lookup is None:
-            reason = "no store to read them from"
-        else:
-            try:
-                self._recent.remember(self._lookup(keys))
-                return rows
-            except (ClickHouseError, StoreError) as exc:
-                reason = " ".join(str(exc).split())[:200]
-        self._metrics.requests_unresolved.inc(len(old))
-        self._lookup_log.warning("lookup", "cannot tell whether %d request reports older than this collector's "
-                                 "memory are of requests already in the store (each is written as a request "
-                                 "of its own: one may then be two rows): %s", len(old), reason)
-        return rows
-
-    def _duplicate(self, source: str) -> None:
-        counter = self._duplicates.get(source)
-        if counter is None:
-            counter = self._duplicates[source] = self._metrics.requests_deduplicated.labels(source)
-        counter.inc()
-
     def depth(self) -> dict[str, int]:
         return {name: writer.depth() for name, writer in self._writers.items()}
-
-    def remember_requests(self, requests: Iterable[Request], *, whole_window: bool = False) -> None:
-        """Reports already written (or waiting in the spool): a later report of one of their requests takes its
-        arrival, and is written only if it adds a field. `whole_window`: they are all the store's requests that
-        finished within the memory's window (RecentRequests.WINDOW_S), read just before."""
-        self._recent.remember(requests)
-        if whole_window:
-            self._recent.remembered_window()
-
-    def _spooled_requests(self) -> list[Request]:
-        """The reports waiting in the spool, oldest first; of a long outage's, only as many as can be remembered."""
-        newest: list[list[Request]] = []
-        count = 0
-        for segment in reversed(self.spool.pending("requests")):
-            if count >= self._recent.max_entries:
-                break
-            data = self.spool.load(segment)
-            if data is None:
-                continue  # unreadable: the spool dropped and counted it
-            names, rows = batches.decode(data)
-            if names == Request._fields:
-                newest.append([Request._make(row) for row in rows])
-                count += len(rows)
-        return [request for batch in reversed(newest) for request in batch]
-
-    def _drop(self, table: str, rows: int, reason: str) -> None:
-        writer = self._writers.get(table)
-        if writer is not None:
-            writer.drop(rows, reason)
-        else:  # a segment found unreadable while the spool opens, before the writers exist
-            self._metrics.rows_dropped.labels(table, reason).inc(rows)
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Drain every table at once, then count what could not be written."""

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepline.core.oneline import one_line
+
 # Common three-letter words: " the" is four characters and, in the usual BPE vocabularies, one token,
 # so a prompt of N words is about N tokens for a real engine and exactly N for the simulator's 4-chars rule.
 _WORDS = ("the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "had", "her", "was", "one",
@@ -299,7 +301,7 @@ def _take_prompt_usage(usage: dict[str, Any], result: StreamResult) -> None:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, socket.timeout | TimeoutError):
         return "timed out"
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return one_line(exc) or type(exc).__name__
 
 
 def _error_detail(response: http.client.HTTPResponse) -> str:
@@ -308,7 +310,7 @@ def _error_detail(response: http.client.HTTPResponse) -> str:
         parsed = json.loads(raw)
         message = parsed.get("message") or parsed.get("detail") or parsed.get("error", {}).get("message")
         if message:
-            return " ".join(str(message).split())[:300]
+            return one_line(message, 300)
         return raw.decode(errors="replace")[:200]
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return response.reason or "no detail"

@@ -14,6 +14,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 from stepline.analysis.window import describe
 from stepline.diagnosis.findings import Window
 from stepline.loadgen.client import MatrixError
+from stepline.queries.query import moment
 from stepline.queries.requests import merged
 from stepline.store.reads import named
 
@@ -83,8 +84,8 @@ def read_window(client: Any, window: Window, database: str = "") -> list[Recorde
     table = f"`{database}`.requests" if database else "requests"
     sql = ("SELECT engine, request_id, toUnixTimestamp64Micro(arrival_ts) AS arrival_us, prompt_tokens, cached_tokens, "
            f"generation_tokens, finish_reason FROM {merged(table)} "
-           "WHERE arrival_ts >= fromUnixTimestamp64Micro({start:Int64}, 'UTC') "
-           "AND arrival_ts <= fromUnixTimestamp64Micro({end:Int64}, 'UTC')"
+           f"WHERE arrival_ts >= {moment('start')} "
+           f"AND arrival_ts <= {moment('end')}"
            f"{engine_filter} ORDER BY arrival_ts, request_id")
     return [Recorded(engine=str(r.engine), request_id=str(r.request_id), arrival_ts=int(r.arrival_us) / 1e6,
                      prompt_tokens=int(r.prompt_tokens), cached_tokens=int(r.cached_tokens),

@@ -206,6 +206,17 @@ class GatewayDecision(NamedTuple):
     user: str = ""
     end_user: str = ""
 
+    @property
+    def tenant(self) -> str:
+        """Who sent it, as one name (`tenant_of`)."""
+        return tenant_of(self.team, self.key, self.end_user, self.user)
+
+
+def tenant_of(team: str, key: str, end_user: str, user: str) -> str:
+    """A request's tenant: the team where the gateway names one, else the API key's alias, else the end user, else
+    the user ('' where it names none): the most stable name of who pays for it."""
+    return team or key or end_user or user
+
 
 class GatewaySample(NamedTuple):
     """One sample scraped from a gateway's /metrics; `engine` is the backend the series is about ('' for the

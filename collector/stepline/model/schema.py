@@ -739,28 +739,28 @@ ZERO_WAS_UNKNOWN = {"gpu_samples": {"energy_mj": "energy_mj", "mem_used_bytes": 
 STORE_TABLES = (*TABLES, SCHEMA_VERSION_TABLE)
 
 # Each engine step beside the sample of each of the engine's GPUs taken at or just before the step ended.
-# STEP_FILTER and GPU_FILTER are empty for the view; `stepline timeline` bounds both sides by time.
-TIMELINE_SELECT = """
-SELECT s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
+TIMELINE_COLUMNS = """s.ts AS ts, s.host AS host, s.engine AS engine, s.engine_index AS engine_index, s.step AS step,
        s.elapsed_ms AS elapsed_ms, s.num_ctx_tokens AS prefill_tokens, s.num_generation_requests AS decoding,
        s.running AS running, s.waiting AS waiting, s.kv_cache_usage AS kv_cache_usage,
        g.gpu_index AS gpu_index, g.ts AS gpu_ts, g.sm_clock_mhz AS sm_clock_mhz, g.power_w AS power_w,
        g.dram_bw_util_pct AS dram_bw_util_pct, g.tensor_active_pct AS tensor_active_pct,
        g.util_gpu_pct AS util_gpu_pct, g.nvlink_tx_bytes_per_s + g.nvlink_rx_bytes_per_s AS nvlink_bytes_per_s,
-       g.clock_event_flags AS clock_event_flags
-FROM DB.steps AS s
-GLOBAL INNER JOIN (SELECT DISTINCT host, engine, gpu_index FROM DB.gpu_samples WHERE engine != '' GPU_FILTER) AS eg
-    ON eg.host = s.host AND eg.engine = s.engine
-GLOBAL ASOF LEFT JOIN (SELECT * FROM DB.gpu_samples WHERE 1 GPU_FILTER) AS g
-    ON g.host = eg.host AND g.gpu_index = eg.gpu_index AND g.ts <= s.ts
-WHERE 1 STEP_FILTER"""
+       g.clock_event_flags AS clock_event_flags"""
 
 
 def timeline_sql(database: str, step_filter: str = "", gpu_filter: str = "") -> str:
-    """The timeline join; filters are SQL fragments starting with AND (bound parameters, never user text).
-    An empty `database` leaves the tables to the session's database."""
-    return (TIMELINE_SELECT.replace("DB.", f"`{database}`." if database else "").replace("GPU_FILTER", gpu_filter)
-            .replace("STEP_FILTER", step_filter))
+    """The timeline join; filters are SQL fragments starting with AND (bound parameters, never user text), empty for
+    the view (`stepline timeline` bounds both sides by time). An empty `database` leaves the tables to the session's
+    database."""
+    db = f"`{database}`." if database else ""
+    return f"""
+SELECT {TIMELINE_COLUMNS}
+FROM {db}steps AS s
+GLOBAL INNER JOIN (SELECT DISTINCT host, engine, gpu_index FROM {db}gpu_samples WHERE engine != '' {gpu_filter}) AS eg
+    ON eg.host = s.host AND eg.engine = s.engine
+GLOBAL ASOF LEFT JOIN (SELECT * FROM {db}gpu_samples WHERE 1 {gpu_filter}) AS g
+    ON g.host = eg.host AND g.gpu_index = eg.gpu_index AND g.ts <= s.ts
+WHERE 1 {step_filter}"""
 
 
 def column_sql(column: Column) -> str:

@@ -265,8 +265,8 @@ class PluginCore:
             carried.preempted += _count(it.num_preempted_reqs)
             carried.generation_tokens += _count(getattr(it, "num_generation_tokens", 0))
             # Bounded by the wire's own sample caps, however long the engine goes without a step.
-            carried.ttft.extend(list(it.time_to_first_tokens_iter or ())[: 4096 - len(carried.ttft)])
-            carried.itl.extend(list(it.inter_token_latencies_iter or ())[: 8192 - len(carried.itl)])
+            carried.ttft.extend(list(it.time_to_first_tokens_iter or ())[: wire.MAX_TTFT_SAMPLES - len(carried.ttft)])
+            carried.itl.extend(list(it.inter_token_latencies_iter or ())[: wire.MAX_ITL_SAMPLES - len(carried.itl)])
 
     def _request(self, ts: float, f: Any, engine_idx: int) -> bytes:
         request_id = f.request_id

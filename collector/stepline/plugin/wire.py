@@ -46,6 +46,9 @@ _CREDENTIAL_CONTEXT = b"stepline plugin datagram credential v2\x00"
 MAX_DATAGRAM = 60_000  # under the 64 KiB a Unix datagram socket takes with default buffers
 MAX_ENGINE_NAME = 200
 MAX_REQUEST_ID = 512
+# TTFT and ITL samples one step record carries at most (a u16 count each; these keep a record under MAX_DATAGRAM).
+MAX_TTFT_SAMPLES = 4096
+MAX_ITL_SAMPLES = 8192
 
 HEADER = struct.Struct("<4sBBHIIQQ")
 RECORD = struct.Struct("<BH")
@@ -241,7 +244,7 @@ def pack_record(kind: int, layout: struct.Struct, values: tuple[Any, ...], tail:
 
 def pack_samples(ttft: Any, itl: Any) -> tuple[int, int, bytes]:
     """TTFT and ITL samples as float32, capped in count; odd values become NaN."""
-    ttft, itl = list(ttft or ())[:4096], list(itl or ())[:8192]
+    ttft, itl = list(ttft or ())[:MAX_TTFT_SAMPLES], list(itl or ())[:MAX_ITL_SAMPLES]
     try:
         data = array("f", ttft).tobytes() + array("f", itl).tobytes()
     except (TypeError, OverflowError):

@@ -9,6 +9,7 @@ expression: https://clickhouse.com/docs/data-modeling/projections).
 
 from __future__ import annotations
 
+from stepline.queries.query import moment
 from stepline.queries.steps import GENERATED, OF_ENGINES
 from stepline.queries.window import ENGINES
 
@@ -19,7 +20,7 @@ ALONE = "num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elap
 # The decode-only step time p50 (ms), and ITL p50 and p99 (s) of the steps that carried no prefill token.
 DECODE_STEP_P50 = f"quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY})"
 ITL_P50_P99 = "quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)"
-_WHOLE_MINUTES = f"{ENGINES} AND bucket >= {{lo:DateTime64(6)}} AND bucket < {{hi:DateTime64(6)}}"
+_WHOLE_MINUTES = f"{ENGINES} AND bucket >= {moment('lo')} AND bucket < {moment('hi')}"
 
 # engine, decode-only step p50 (step_ms), [ITL p50, ITL p99] (itl)
 DECODE_EXACT = f"""

@@ -4,6 +4,7 @@ the gateway dashboard and whatif's router bar all read it."""
 
 from __future__ import annotations
 
+from stepline.queries.query import moment
 from stepline.queries.requests import merged_matching
 from stepline.queries.window import EACH_ENGINE, IN_WINDOW
 
@@ -45,6 +46,10 @@ MATCH_TIME_TIE_S = 0.5
 JOIN_OUTCOMES = ("id", "time_and_size", "time", "ambiguous", "taken", "unjoined")
 
 
+# A decision's (or a rolled-up minute's) tenant, as model.rows.tenant_of names it.
+TENANT = "multiIf(team != '', team, `key` != '', `key`, end_user != '', end_user, `user`)"
+
+
 def size_in_unit(alias: str = "") -> str:
     """The size a decision (columns of `alias`, e.g. 'd') compared with its bar, in the bar's unit: NULL where it
     measured none in that unit, or no bar's unit is known."""
@@ -78,8 +83,8 @@ def _requests(columns: tuple[str, ...]) -> str:
     return merged_matching(
         f"{EACH_ENGINE} AND engine GLOBAL IN (SELECT arrayJoin({BEHIND}) FROM gateway_decisions "
         f"WHERE {IN_WINDOW} AND {EACH_ENGINE})"
-        f" AND arrival_ts <= {{end:DateTime64(6)}} + {_ms(MATCH_FORWARD_S + MATCH_SKEW_S)}"
-        f" AND (arrival_ts >= {{start:DateTime64(6)}} - {_ms(MATCH_SKEW_S)} OR arrival_ts >= {{start:DateTime64(6)}}"
+        f" AND arrival_ts <= {moment('end')} + {_ms(MATCH_FORWARD_S + MATCH_SKEW_S)}"
+        f" AND (arrival_ts >= {moment('start')} - {_ms(MATCH_SKEW_S)} OR arrival_ts >= {moment('start')}"
         f" - INTERVAL 10 MINUTE AND request_id GLOBAL IN {_NAMED})",
         tuple(dict.fromkeys(("prompt_tokens", *columns))))
 

@@ -9,18 +9,24 @@ them is one walk, never a sort in Python.
 
 from __future__ import annotations
 
+from stepline.queries.query import moment
 from stepline.queries.requests import MERGED, SCHEDULED
 from stepline.queries.window import EACH_ENGINE, EACH_HOST
 
-_FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
-_TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
+_FROM = moment("lo")
+_TO = moment("hi")
 # The requests alive at some moment of [lo, hi]: finished at or after lo, arrived by hi.
 _ALIVE = f"{EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND arrival_ts <= {_TO}"
 
-# host, engine, engine_index, end (us), elapsed_ms, prefill tokens, decoding requests, decode tokens (drafts included)
+# host, engine, engine_index, end (us), elapsed_ms, prefill tokens, decoding requests, decode tokens (drafts included),
+# and the arrival (us) of each request whose first token the step's TTFT samples say came in it: vLLM times a sample
+# from the iteration's own timestamp, the step's ts (vllm/v1/metrics/stats.py, IterationStats._time_since: the
+# iteration_timestamp less the request's arrival_time; stepline.plugin.core stamps the step with the same
+# iteration_timestamp), so the step's ts less a sample is that request's arrival, to Float32's precision.
 STEPS = f"""
 SELECT host, engine, engine_index, toUnixTimestamp64Micro(ts) AS end_us, elapsed_ms, num_ctx_tokens,
-       num_generation_requests, num_generation_tokens
+       num_generation_requests, num_generation_tokens,
+       arrayMap(s -> toUnixTimestamp64Micro(ts) - toInt64(round(s * 1000000)), ttft_seconds) AS first_token_arrivals_us
 FROM steps
 WHERE {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
 ORDER BY host, engine, engine_index, ts, step

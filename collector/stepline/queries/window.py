@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from stepline.queries.query import moment, param
+
 
 def one_engine(name: str = "engine") -> str:
     """The engine bound as `name`."""
-    return f"engine = {{{name}:String}}"
+    return f"engine = {param(name, 'String')}"
 
 
 def between(start: str = "start", end: str = "end", column: str = "ts") -> str:
-    """`column` in [start, end], the bounds bound as DateTime64(6) parameters of those names (the columns' type)."""
-    return f"{column} >= {{{start}:DateTime64(6)}} AND {column} <= {{{end}:DateTime64(6)}}"
+    """`column` in [start, end], the bounds moments bound as those names (queries.query.moment)."""
+    return f"{column} >= {moment(start)} AND {column} <= {moment(end)}"
 
 
 ENGINE = one_engine()
@@ -20,5 +22,5 @@ EACH_ENGINE = "({engine:String} = '' OR engine = {engine:String})"
 # Every host, or one collector's: what a collector's own reads of its host's engines add (the usage rollup).
 EACH_HOST = "({host:String} = '' OR host = {host:String})"
 IN_WINDOW = between()
-# From `since` on, bound as epoch microseconds: a bound DateTime64 string would depend on the session's zone.
-SINCE = "ts >= fromUnixTimestamp64Micro({since:Int64}, 'UTC')"
+# From `since` on: its callers, which hold seconds, bind its epoch microseconds themselves.
+SINCE = f"ts >= {moment('since')}"

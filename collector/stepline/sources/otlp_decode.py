@@ -20,6 +20,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from stepline.core.oneline import one_line
 from stepline.gateway.decisions import (
     DECISION_SPAN,
     DEFAULT_GATEWAY,
@@ -136,7 +137,7 @@ def parse(body: bytes, media_type: str) -> ExportTraceServiceRequest:
             message.ParseFromString(body)
     except Exception as exc:  # untrusted bytes: any parser failure means a bad payload
         what = "OTLP/JSON" if media_type == JSON else "protobuf"
-        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
+        detail = one_line(exc, 160) or type(exc).__name__
         raise OtlpDecodeError(f"not a valid {what} ExportTraceServiceRequest ({detail})") from None
     return message
 

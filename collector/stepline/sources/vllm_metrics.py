@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.config.settings import split_named_url, url_host_port
+from stepline.core.oneline import one_line
 from stepline.model.rows import EngineSample, Event, micros
 from stepline.sources.base import Emit, SourceContext, SourceError
 
@@ -83,7 +84,7 @@ def parse_exposition(text: str, prefixes: tuple[str, ...] = (PREFIX,), serving: 
                 samples.append(ParsedSample(sample.name, _kind(family.type, sample.name), dict(sample.labels),
                                             _float(sample.value)))
     except ValueError as exc:
-        raise ExpositionError(f"not a Prometheus exposition ({' '.join(str(exc).split())[:120]})") from None
+        raise ExpositionError(f"not a Prometheus exposition ({one_line(exc, 120)})") from None
     if not samples:
         raise ExpositionError(
             f"no {' or '.join(prefixes)} metrics among {families} families: is this {serving}'s /metrics?"
@@ -280,7 +281,7 @@ def _reason(exc: BaseException) -> str:
         return f"HTTP {exc.code} {exc.reason}"
     if isinstance(exc, urllib.error.URLError):
         return str(exc.reason)
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return one_line(exc) or type(exc).__name__
 
 
 def build(ctx: SourceContext, engines: tuple[str, ...], timeout_s: float) -> list[VllmMetricsSource]:

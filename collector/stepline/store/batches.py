@@ -25,6 +25,7 @@ from clickhouse_connect.driver.insert import InsertContext
 from clickhouse_connect.driver.query import QueryResult
 from clickhouse_connect.driver.transform import NativeTransform
 
+from stepline.core.oneline import one_line
 from stepline.model import schema
 
 _CODEC = re.compile(r"\s+CODEC\(.*\)\Z")
@@ -195,7 +196,7 @@ def encode_valid(table: str, rows: Sequence[Sequence[Any]]) -> tuple[bytes, int,
 
 
 def _raise(exc: Exception) -> None:
-    raise EncodeError(" ".join(str(exc).split())[:200]) from exc
+    raise EncodeError(one_line(exc, 200)) from exc
 
 
 def first_block_rows(data: bytes) -> int:

@@ -19,7 +19,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.model import schema
-from stepline.store.errors import StoreError, one_line
+from stepline.store.errors import StoreError, error_line
 from stepline.store.migrations import Migration
 from stepline.store.reads import scalar
 
@@ -77,7 +77,7 @@ class ClusterSchema:
             found = self.version()
             wrong = self._other_cluster()
         except ClickHouseError as exc:
-            raise StoreError(f"cannot read the schema of the cluster store {store_name}: {one_line(exc)}") from None
+            raise StoreError(f"cannot read the schema of the cluster store {store_name}: {error_line(exc)}") from None
         if found is None:
             raise StoreError(f"the cluster store {store_name} has no stepline tables: run `{job}` first (collectors "
                              "never create tables on a cluster)")
@@ -131,7 +131,7 @@ class ClusterSchema:
                                    [[schema.SCHEMA_VERSION, round(time.time() * 1_000_000)]],
                                    column_names=["version", "applied_at"])
         except ClickHouseError as exc:
-            raise StoreError(f"cannot apply the schema to the cluster store {store_name}: {one_line(exc)}") from None
+            raise StoreError(f"cannot apply the schema to the cluster store {store_name}: {error_line(exc)}") from None
         return run
 
     def _command(self, statement: str, run: list[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from stepline.core.oneline import one_line
 from stepline.store.discovery import RunningCollector
 
 
@@ -23,9 +24,9 @@ class StoreLocked(StoreError):
         self.holder = holder
 
 
-def one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """A ClickHouse or transport error as one line of at most 300 characters."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     # Transport errors nest the cause deep inside retry wrappers: the errno text is what a person needs.
     errno_text = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
     if errno_text:

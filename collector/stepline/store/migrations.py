@@ -14,7 +14,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from stepline.model import schema
-from stepline.store.errors import StoreError, one_line
+from stepline.store.errors import StoreError, error_line
 from stepline.store.reads import scalar
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Migration:
                     column_names=["version", "applied_at"],
                 )
         except ClickHouseError as exc:
-            raise StoreError(f"cannot create the schema in {store_name}: {one_line(exc)}") from None
+            raise StoreError(f"cannot create the schema in {store_name}: {error_line(exc)}") from None
 
     def version(self) -> int:
         """The newest schema version recorded in the store (0 for a new store)."""

@@ -19,7 +19,7 @@ from stepline.store.errors import StoreError, StoreLocked
 from stepline.store.locking import embedded_store_locked
 from stepline.store.reads import scalar
 from stepline.store.store import Store
-from stepline.store.url import StoreUrl, parse_store_url
+from stepline.store.url import StoreUrl, StoreUrlError, parse_store_url, reading_store_url
 
 
 @dataclass
@@ -40,8 +40,13 @@ class TimelineReader:
 
 
 def open_reader(store_url: str) -> TimelineReader:
-    """Connect for reading; raises StoreError with one clear line."""
+    """Connect for reading; raises StoreError with one clear line. A server URL without a password takes the store
+    password the environment gives, as the collector does (url.reading_store_url)."""
     url = parse_store_url(store_url)
+    try:
+        url = parse_store_url(reading_store_url(store_url))
+    except StoreUrlError as exc:  # the URL parsed: what failed is the password the environment gives
+        raise StoreError(f"cannot read the store password: {exc}") from None
     if not url.embedded:
         store = Store.open(url)
         return TimelineReader(store.client, f"ClickHouse at {url.redacted()}", None, store, url.database)

@@ -18,7 +18,7 @@ from stepline.queries.requests import merged
 from stepline.store.chdb import open_client
 from stepline.store.cluster import ClusterSchema
 from stepline.store.discovery import read_beside_store
-from stepline.store.errors import StoreError, StoreLocked, StoreUnreachable, one_line
+from stepline.store.errors import StoreError, StoreLocked, StoreUnreachable, error_line
 from stepline.store.locking import embedded_store_locked
 from stepline.store.migrations import Migration
 from stepline.store.url import StoreUrl, parse_store_url
@@ -57,7 +57,7 @@ class Store:
             except Exception as exc:  # any transport or server failure reads the same to the user
                 # A transport failure may pass; a server that answers with an error (credentials) will not.
                 kind = StoreUnreachable if isinstance(exc, (OperationalError, OSError)) else StoreError
-                raise kind(f"cannot reach the store at {parsed.redacted()}: {one_line(exc)}") from None
+                raise kind(f"cannot reach the store at {parsed.redacted()}: {error_line(exc)}") from None
         return cls(parsed, client)
 
     def ensure_schema(self, retention_days: int) -> None:
@@ -247,7 +247,7 @@ def _open_embedded(url: StoreUrl) -> Client:
     try:
         client = open_client(url.path)
     except Exception as exc:  # chDB reports every start-up failure through its own exception types
-        raise StoreError(f"cannot open the embedded store {url.path}: {one_line(exc)}") from None
+        raise StoreError(f"cannot open the embedded store {url.path}: {error_line(exc)}") from None
     client.command(f"CREATE DATABASE IF NOT EXISTS `{url.database}`")
     client.database = url.database
     return client

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -118,6 +119,49 @@ def with_password(text: str, password: str) -> str:
     userinfo = f"{quote(url.username, safe='')}:{quote(password, safe='')}@"
     host = parts.netloc.rpartition("@")[2]
     return parts._replace(netloc=userinfo + host).geturl()
+
+
+# The ClickHouse password apart from the store URL, merged into a server URL: from VAR or the file VAR_FILE names
+# (a mounted Kubernetes or compose secret), read by the collector and by every command that reads the store.
+STORE_PASSWORD_VARS = ("STEPLINE_STORE_PASSWORD", "STEPLINE_STORE_PASSWORD_FILE")
+
+
+def store_password(env: Mapping[str, str]) -> str | None:
+    """The store password `env` gives (STEPLINE_STORE_PASSWORD, else the file STEPLINE_STORE_PASSWORD_FILE names,
+    without its trailing newline), None when neither is set; StoreUrlError naming the file when it cannot be read."""
+    var, var_file = STORE_PASSWORD_VARS
+    if env.get(var):
+        return env[var]
+    path = env.get(var_file)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise StoreUrlError(f"{var_file}={path!r}: {exc.strerror}") from None
+
+
+def with_store_password(text: str, env: Mapping[str, str] | None = None) -> str:
+    """`text` given the store password of `env` (store_password), as the collector takes it: `text` as it is when
+    none is set; StoreUrlError when the URL is not a server's or carries a password of its own."""
+    password = store_password(os.environ if env is None else env)
+    if password is None:
+        return text
+    try:
+        return with_password(text, password)
+    except StoreUrlError as exc:
+        raise StoreUrlError(f"{STORE_PASSWORD_VARS[0]}: {exc}") from None
+
+
+def reading_store_url(text: str, env: Mapping[str, str] | None = None) -> str:
+    """The URL a command that reads the store connects with: a server URL that carries no password gets the store
+    password of `env`, as `stepline collect` does (`docker compose exec stepline stepline doctor` reads the secret
+    file the collector beside it reads); an embedded store, or a URL given with its password, as it is."""
+    url = parse_store_url(text)
+    if url.embedded or url.password:
+        return text
+    return with_store_password(text, env)
 
 
 def _options(query: str, text: str, known: tuple[str, ...]) -> dict[str, str]:

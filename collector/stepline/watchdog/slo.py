@@ -14,36 +14,58 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from stepline.config.objectives import judge_decision, judge_request
+from prometheus_client import CollectorRegistry, Counter
+
+from stepline.config.objectives import GATEWAY_SLIS, judge_decision, judge_request
 from stepline.config.slo import Slo
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.ingest.merge import arrival_tolerance_us
 from stepline.model.rows import GatewayDecision, Request
 
 log = logging.getLogger(__name__)
 
 MAX_SERIES = 2000
-"""Label sets (objective, engine, model, lane) the counters may hold: a fleet's models and lanes fit many times over;
-a client sending a new model name with every request does not."""
+"""Label sets (objective, engine, model, lane, tenant) the counters may hold: a fleet's models, lanes and tenants fit
+many times over; a client sending a new model name with every request does not."""
 MAX_REMEMBERED = 100_000
 """Requests remembered to tell a second report from a new request: minutes of a busy fleet's traffic, far more than
 the seconds between a request's two reports."""
 
-Labels = tuple[str, str, str, str]  # objective, engine, model, lane
+Labels = tuple[str, str, str, str, str]  # objective, engine, model, lane, tenant ('' unless the objective's scope)
+
+
+class SloMetrics:
+    """The SLIs of the objectives (`stepline.config.objectives`) as good/total counters, what the burn-rate rules
+    divide."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        labels = ["objective", "engine", "model", "lane", "tenant"]
+        self.slo_requests = Counter(
+            "stepline_slo_requests", "Requests the objective's SLI judged (those whose reports tell it: a TTFT, a "
+            "mean TPOT, a finish reason, a gateway's status or first byte), each once; lane: the gateway lane of the "
+            "engine's latest decision ('' without a gateway); model '' for a gateway's decisions; tenant: who sent "
+            "it as the gateway says, for a tenant's objective only ('' otherwise).", labels, registry=r)
+        self.slo_good_requests = Counter(
+            "stepline_slo_good_requests", "Of stepline_slo_requests_total, those good by the objective's SLI.", labels,
+            registry=r)
+        self.slo_dropped = Counter(
+            "stepline_slo_requests_dropped", "Requests an objective's SLI did not count because their label set "
+            "would have passed the collector's bound on SLI series.", ["objective"], registry=r)
 
 
 class SliCounters:
     """Judges each request once per objective and counts it under its labels; `request` and `decision` are called
     from the watchdog's tap, under its lock."""
 
-    def __init__(self, metrics: SelfMetrics, slo: Slo | None = None, *, max_series: int = MAX_SERIES,
+    def __init__(self, metrics: SloMetrics, slo: Slo | None = None, *, max_series: int = MAX_SERIES,
                  max_remembered: int = MAX_REMEMBERED) -> None:
         self._metrics = metrics
         self._slo = slo or Slo()
         self._requests = [(o.name, o.sli, self._slo.threshold(o)) for o in self._slo.objectives
                           if o.sli != "gateway_availability"]
-        self._decisions = [o.name for o in self._slo.objectives if o.sli == "gateway_availability"]
+        self._decisions = [(o.name, o.sli, self._slo.threshold(o), o.scope == "tenant")
+                           for o in self._slo.objectives if o.sli in GATEWAY_SLIS]
         self._max_series = max_series
         self._max_remembered = max_remembered
         self._series: set[Labels] = set()
@@ -60,12 +82,15 @@ class SliCounters:
             good = judge_request(sli, threshold, r)
             if good is not None:
                 counted.add(name)
-                self._count((name, r.engine, r.model_name, lane), good)
+                self._count((name, r.engine, r.model_name, lane, ""), good)
 
     def decision(self, d: GatewayDecision) -> None:
-        """Count a gateway's routing decision for each gateway objective (each attempt: a retry is a decision too)."""
-        for name in self._decisions:
-            self._count((name, d.engine, "", d.lane), judge_decision(d))
+        """Count a gateway's routing decision for each gateway objective it tells (each attempt: a retry is a
+        decision too); a tenant's objective under the tenant the decision names ('' where it names none)."""
+        for name, sli, threshold, by_tenant in self._decisions:
+            good = judge_decision(sli, threshold, d)
+            if good is not None:
+                self._count((name, d.engine, "", d.lane, d.tenant if by_tenant else ""), good)
 
     def _counted(self, r: Request) -> set[str]:
         """The objectives that already counted the request this report is of (a set to add to)."""
@@ -88,7 +113,8 @@ class SliCounters:
             if len(self._series) >= self._max_series:
                 self._metrics.slo_dropped.labels(labels[0]).inc()
                 self._dropped_log.warning(
-                    "series", "SLI of objective %s not counted for engine %r, model %r, lane %r: the SLI counters "
+                    "series", "SLI of objective %s not counted for engine %r, model %r, lane %r, tenant %r: the SLI "
+                    "counters "
                     "hold %d label sets already (stepline_slo_requests_dropped_total counts what is left out)",
                     *labels, self._max_series)
                 return

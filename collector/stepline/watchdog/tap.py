@@ -23,8 +23,8 @@ from typing import Any
 
 from stepline.config.slo import Slo
 from stepline.core.clock import Clock, SystemClock
+from stepline.core.oneline import one_line
 from stepline.core.ratelimit import RateLimitedLog
-from stepline.core.selfmetrics import SelfMetrics
 from stepline.diagnosis.gateway import IN_FLIGHT_METRICS
 from stepline.model.rows import (
     EngineSample,
@@ -39,6 +39,7 @@ from stepline.model.rows import (
 )
 from stepline.store.reads import Reads
 from stepline.watchdog.budget import PROGRESS_COUNTERS, STATES, Assessment, EngineModel, Policy
+from stepline.watchdog.metrics import WatchdogMetrics
 from stepline.watchdog.silence import PluginSilence, resumed_event, silent_event
 from stepline.watchdog.slo import SliCounters
 
@@ -81,7 +82,7 @@ def top_findings(reader: Reads, engines: Sequence[str], now: float) -> dict[str,
 class Watchdog:
     """Per-engine progress watchdog; `observe` is the runner's tap, `evaluate` runs on a timer."""
 
-    def __init__(self, metrics: SelfMetrics, emit: Emit, *, host: str = "", clock: Clock | None = None,
+    def __init__(self, metrics: WatchdogMetrics, emit: Emit, *, host: str = "", clock: Clock | None = None,
                  policy: Policy | None = None, interval_s: float = 1.0,
                  reader_factory: Callable[[], Reads] | None = None, diagnose: Diagnose = top_findings,
                  diagnose_every_s: float = 5.0, diagnose_idle_every_s: float = 60.0, dwell_s: float = 10.0,
@@ -120,7 +121,7 @@ class Watchdog:
         self._expect_plugin = expect_plugin
         self._silence = PluginSilence(self._policy.plugin_silent_after_s, self._policy.plugin_delivery_s)
         self._silent: dict[str, float] = {}  # engine -> since when its plugin has been silent
-        self._slis = SliCounters(metrics, slo)
+        self._slis = SliCounters(metrics.slo, slo)
         metrics.gpu_present.set(0)
 
     # --- the tap: on the ingest path, so it files rows and nothing more ---
@@ -380,7 +381,7 @@ class Watchdog:
             found = self._diagnose(self._reader, due, now)
         except Exception as exc:  # a store hiccup costs the finding, not the watchdog
             self._errors.warning("diagnose", "watchdog diagnosis of %s failed: %s: %s", ", ".join(due),
-                                 type(exc).__name__, " ".join(str(exc).split())[:200])
+                                 type(exc).__name__, one_line(exc, 200))
             with self._lock:
                 for engine in due:  # kept as it was, tried again when next due
                     _, _, old = self._findings.get(engine, (0.0, "", None))

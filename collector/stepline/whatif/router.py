@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stepline.diagnosis.common import Query
 from stepline.diagnosis.findings import Window
 from stepline.queries.gateway import MIN_JOINED, joined, size_in_unit
+from stepline.queries.query import Query
 from stepline.store.reads import Reads
 
 # Per gateway: the bar in force at its latest decision, its unit, and the decisions joined to their engine count, each

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from stepline.diagnosis.common import Query, engine_configs, number
+from stepline.diagnosis.common import engine_configs, number
 from stepline.diagnosis.findings import Window
+from stepline.queries.query import Query
 from stepline.queries.requests import MERGED
 from stepline.queries.steps import OF_EACH_ENGINE
 from stepline.queries.window import EACH_ENGINE, between

@@ -9,9 +9,10 @@ from typing import Any
 
 import pynvml  # type: ignore[import-untyped]
 import pytest
+from prometheus_client import CollectorRegistry
 
 from stepline.core.clock import ManualClock
-from stepline.core.selfmetrics import SelfMetrics
+from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner, Scheduled, next_poll_at
 from stepline.ingest.writer import Writers
 from stepline.model import schema
@@ -108,7 +109,7 @@ def test_no_nvml_is_a_state_retried_every_minute() -> None:
     assert len(_samples(_poll(source))) == 2
 
 
-def _count(metrics: SelfMetrics, name: str) -> float:
+def _count(metrics: IngestMetrics, name: str) -> float:
     return metrics.registry.get_sample_value(name, {"source": "gpu"}) or 0.0
 
 
@@ -116,7 +117,7 @@ def test_no_nvml_under_the_runner_is_one_attempt_a_minute_not_one_a_poll(caplog:
     # The runner polls the GPU source at 10 Hz; without NVML it must wait for the source's own retry time.
     fake = FakeNvml(2, missing=True)
     source, clock = _source(fake)
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     runner = Runner([], Writers(MemorySink(), metrics), metrics, "h")
     polls = errors = 0
     next_at = clock.monotonic()
@@ -145,7 +146,7 @@ def test_no_nvml_under_the_runner_is_one_attempt_a_minute_not_one_a_poll(caplog:
 def test_no_nvml_the_running_collector_polls_once_and_waits(caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeNvml(2, missing=True)
     source, _ = _source(fake)  # its clock stands still: the retry is always a minute away
-    metrics = SelfMetrics()
+    metrics = IngestMetrics(CollectorRegistry())
     writers = Writers(MemorySink(), metrics, flush_interval_s=0.01)
     runner = Runner([Scheduled(source, 0.01)], writers, metrics, "h")
     with caplog.at_level(logging.DEBUG, logger="stepline.ingest.runner"):

@@ -1,5 +1,5 @@
 """No reader indexes a query's row or a wire record by number (STYLE rule 19): rows are read by column name
-(`stepline.store.reads.Row`), wire records by field name (`stepline.plugin.wire.StepFields`, `RequestFields`), so that
+(`stepline.queries.rows.Row`), wire records by field name (`stepline.plugin.wire.StepFields`, `RequestFields`), so that
 a column added to a SELECT or a field to the wire shifts no one's values.
 
 The check reads the package's syntax, not its text (SQL's own `arr[1]` inside strings is no Python index): an

@@ -4,6 +4,7 @@ that refuses inserts, Debian's Prometheus and Alertmanager. NVML alone is a fake
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -207,6 +208,16 @@ def exposition(date_offset_s: float = 0.0) -> Iterator[str]:
 # ---- all wired ------------------------------------------------------------------------------------------------
 
 
+def test_the_plugin_line_says_a_batch_queued_core_steps_by_its_cadence(wired: Wired) -> None:
+    # vLLM 0.33 schedules asynchronously by default on GPUs: its elapsed_ms is then a wait, and stepline's step time
+    # the cadence of step ends (model.schema, steps.step_time): the doctor says which the engine's steps are.
+    config = dataclasses.replace(wired.sim.simulation.config, async_scheduling=True)
+    with feeding(wired, Telemetry("sim", config, plugin_socket=wired.socket)):
+        checks = wired.doctor()
+    assert checks["plugin"].status == OK, checks["plugin"].line()
+    assert "its core steps through a batch queue" in checks["plugin"].message
+
+
 def test_a_wired_engine_passes_every_check(wired_fully: Wired) -> None:
     checks = wired_fully.doctor()
     assert statuses(checks) == ALL_OK, [c.line() for c in checks.values()]
@@ -214,7 +225,7 @@ def test_a_wired_engine_passes_every_check(wired_fully: Wired) -> None:
     assert "vllm: families, model test/model; probe sent" in checks["engine"].message
     assert 0 < int(checks["engine"].message.split(": ")[1].split()[0]) <= families
     assert checks["collector"].message.startswith(f"pid {os.getpid()} scrapes sim; SQL at http://127.0.0.1:")
-    assert checks["plugin"].message.endswith("from sim, iteration details on")
+    assert "from sim, iteration details on; its core steps synchronously" in checks["plugin"].message
     assert checks["otlp"].message.split()[1:3] in (["span", "accepted"], ["spans", "accepted"])
     assert checks["model"].message.startswith("test/model (/metrics, /v1/models, the plugin")
     assert checks["gpu"].message.endswith("none expected (STEPLINE_EXPECT_GPUS unset)")

@@ -188,6 +188,7 @@ class Evidence:
     steps: int = 0
     detailed_steps: int = 0
     steps_model: str = ""
+    batch_queued_steps: int = 0  # steps whose elapsed_ms is the batch-queued core's cadence or wait, not vLLM's own
     other_steps: dict[str, int] = field(default_factory=dict)
     span_requests: dict[str, tuple[int, str]] = field(default_factory=dict)  # engine -> (requests, model)
     gpus: dict[str, int] = field(default_factory=dict)  # engine -> GPUs sampled in the last minute
@@ -393,12 +394,14 @@ class Doctor:
         try:
             steps = only(reader.client.query(
                 f"SELECT count() AS steps, countIf(NOT isNaN(elapsed_ms)) AS detailed, argMax(model_name, ts) AS "
-                f"model FROM `{reader.database}`.steps WHERE host = {param('host', 'String')} AND {ENGINE} AND "
-                f"{SINCE}", parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}))
+                f"model, countIf(step_time IN ('cadence', 'wait')) AS batch_queued FROM `{reader.database}`.steps "
+                f"WHERE host = {param('host', 'String')} AND {ENGINE} AND {SINCE}",
+                parameters={"host": host, "engine": ev.name, "since": round(since * 1e6)}))
         except Exception as exc:  # as in _find_collector
             ev.sql_error = error_line(exc)
             return
         ev.steps, ev.detailed_steps, ev.steps_model = int(steps.steps), int(steps.detailed), str(steps.model)
+        ev.batch_queued_steps = int(steps.batch_queued)
 
     def _read_store(self, ev: Evidence, reader: TimelineReader, host: str, since: float) -> None:
         """Other engines' steps and spans since `since` (a name mismatch), and the GPUs of the last minute."""
@@ -535,7 +538,8 @@ def _plugin(ev: Evidence) -> Check:
         return Check("plugin", FAIL, f"{ev.steps} steps from {ev.name}, none with iteration details — start vLLM "
                      "with --enable-logging-iteration-details")
     if ev.steps:
-        return Check("plugin", OK, f"{ev.steps} step{'s' * (ev.steps != 1)} from {ev.name}, iteration details on")
+        return Check("plugin", OK, f"{ev.steps} step{'s' * (ev.steps != 1)} from {ev.name}, iteration details on; "
+                     + _scheduling(ev))
     waited = f"no steps from engine {ev.name} in {ev.waited_s:.0f} s"
     if ev.rise("stepline_source_counts_total", source="plugin", counter="unauthorized"):
         return Check("plugin", FAIL, f"{waited}: the collector rejects the plugin's datagrams — give vLLM the "
@@ -558,6 +562,14 @@ def _plugin(ev: Evidence) -> Check:
     return Check("plugin", FAIL, f"{waited} — start vLLM with --enable-logging-iteration-details and install "
                  "stepline's plugin (pip install stepline) in its environment, its STEPLINE_PLUGIN_SOCKET the "
                  "collector's" + ("" if ev.probed else "; or drop --no-probe (no traffic?)"))
+
+
+def _scheduling(ev: Evidence) -> str:
+    """How the engine core steps, as its steps say: what a step's time means on it (model.schema, steps.step_time)."""
+    if ev.batch_queued_steps:
+        return ("its core steps through a batch queue (async scheduling, vLLM 0.33's default on GPUs, or pipeline "
+                "parallelism): a step's time is the cadence of step ends, vLLM's own elapsed_ms only a wait")
+    return "its core steps synchronously: a step's time is vLLM's own elapsed_ms"
 
 
 def _otlp(ev: Evidence) -> Check:

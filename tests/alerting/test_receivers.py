@@ -21,7 +21,7 @@ from stepline.alerting.notifications import NOTIFICATION_TEXT, NOTIFICATION_TITL
 from stepline.alerting.prometheus import alertmanager
 from stepline.alerting.receivers import Receiver, alertmanager_config, grafana_settings, parse, routed
 from stepline.cli.main import main
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from tests.alerting.test_grafana import interpolate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from stepline.analysis import timeline
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.model import schema
 from stepline.model.rows import GpuSample, Step, micros
 from stepline.store.store import Store

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from stepline.analysis.window import describe, window_from
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.diagnosis.findings import Window
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -6,7 +6,7 @@ import pytest
 
 from stepline.config.settings import SettingsError
 from stepline.core.timeparse import parse_duration
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 
 def test_units_and_plain_seconds() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from stepline.cli import diagnose as diagnose_cli
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.diagnosis.baseline import LONG_PROMPT_CHUNKS
 from stepline.diagnosis.detectors import as_json, diagnose, render
 from stepline.diagnosis.findings import Finding, Window

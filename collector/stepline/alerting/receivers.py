@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepline.alerting import notifications
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 
 class Routing(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.model.schema import timeline_sql
 from stepline.queries.query import moment
 from stepline.store.reads import Reads, named

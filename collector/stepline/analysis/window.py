@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from stepline.analysis.timeline import parse_moment
 from stepline.core.timeparse import parse_duration
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.diagnosis.findings import Window
 
 

@@ -46,7 +46,7 @@ from stepline.alerting.config import AlertConfig
 from stepline.config.settings import Settings, split_named_url, url_host_port
 from stepline.core.listener import url as url_of
 from stepline.core.oneline import one_line
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.queries.query import param
 from stepline.queries.window import ENGINE, SINCE
 from stepline.sources.vllm_metrics import ExpositionError, ParsedSample, parse_exposition

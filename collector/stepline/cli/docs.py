@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from stepline.cli import headline
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 HELP = "generate the reference pages under docs/reference/"
 DESCRIPTION = ("`stepline docs build` regenerates docs/reference/ from the code: the command line, the settings, "

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from stepline.app.doctor import Doctor, Options, as_json, exit_code
 
     if args.wait <= 0:
-        from stepline.core.usage import UsageError
+        from stepline.core.usageerror import UsageError
 
         raise UsageError(f"--wait must be positive, got {args.wait:g}")
     options = Options(engine=args.engine, store=args.store, prometheus=args.prometheus,

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
 
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.store.errors import StoreError
 from stepline.store.url import StoreUrlError
 

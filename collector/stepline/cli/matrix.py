@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _launched(args: argparse.Namespace) -> int:
     """The launched sweep: 0 when every value was measured, 2 when one could not be (or the results not stored)."""
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
     from stepline.loadgen import sweep
     from stepline.loadgen.client import Endpoint, MatrixError
     from stepline.loadgen.replay import load_window
@@ -198,7 +198,7 @@ def _launched(args: argparse.Namespace) -> int:
 
 
 def _objectives(args: argparse.Namespace) -> Objectives:
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
     from stepline.whatif.figures import Objectives
 
     if not (args.ttft > 0 and args.tpot > 0):

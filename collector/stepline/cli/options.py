@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stepline.config.objectives import load_objectives
 from stepline.config.slo import Slo
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.store.discovery import RUNTIME_DIR_HELP
 
 READ_STORE_HELP = ("store URL: chdb:///path (embedded ClickHouse) or http(s)://user:pass@host:8123/db (default: "

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the configuration; 0. A target that is no host:port is a UsageError (exit 2)."""
     from stepline.alerting.scrape import prometheus_config
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
 
     targets = args.target or [args.default_target]
     for address in [*targets, *([args.alertmanager] if args.alertmanager else [])]:

@@ -83,7 +83,7 @@ def replay_window(args: argparse.Namespace, url: str, recorded: Sequence[Recorde
 def run(args: argparse.Namespace) -> int:
     """Replay and print the report: 0 when every request completed, 1 when some failed, 130 on Ctrl-C, 2 when the
     store, the window or the engine cannot be used."""
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
     from stepline.loadgen.client import Endpoint, MatrixError
     from stepline.loadgen.replay import load_window, render
     from stepline.store.errors import StoreError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 HELP = "print the DDL of the timeline, or apply it to a cluster"
 DESCRIPTION = ("Print the CREATE statements stepline runs, for one node or a cluster; with --apply, create or migrate "

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the report; 0."""
     from stepline.analysis import usage_by, usage_rollup
     from stepline.cli.diagnose import window_of
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
     from stepline.store.reader import open_located
 
     specs = args.gpu_price if args.gpu_price is not None else [

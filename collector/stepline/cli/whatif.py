@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when priced; 2 when the window cannot be replayed."""
-    from stepline.core.usage import UsageError
+    from stepline.core.usageerror import UsageError
     from stepline.store.reader import open_located
     from stepline.whatif.core import WhatIfError, whatif
     from stepline.whatif.figures import Objectives

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from stepline.config.objectives import load_objectives
 from stepline.config.slo import Slo
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 from stepline.store import url as url_module
 from stepline.store.url import StoreUrlError, default_store_url, parse_store_url
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 
 def parse_duration(text: str) -> float:

@@ -7,7 +7,7 @@ import pytest
 from stepline.cli.main import main
 from stepline.config.settings import SettingsError
 from stepline.core.timeparse import parse_duration
-from stepline.core.usage import UsageError
+from stepline.core.usageerror import UsageError
 
 
 def test_it_is_a_value_error_that_keeps_its_message() -> None:

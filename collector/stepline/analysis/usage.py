@@ -175,9 +175,10 @@ def usage(reader: Reads, window: Window, host: str = "") -> Usage:
                         start - round(MAX_LOOKBACK_S * 1e6)))
     hi = end + round(STEP_PAD_S * 1e6)
     engines: dict[tuple[str, str], _Engine] = defaultdict(_Engine)
+    counted = reader.query(q.STEP_COUNT, parameters={**bound, "lo": lo, "hi": hi}).result_rows
+    if counted and int(counted[0][0]) > MAX_STEPS:
+        raise ValueError(f"{int(counted[0][0])} steps to walk, more than {MAX_STEPS}: ask for a shorter window")
     steps = _rows(reader, q.STEPS, StepRow, {**bound, "lo": lo, "hi": hi})
-    if len(steps) > MAX_STEPS:
-        raise ValueError(f"{len(steps)} steps to walk, more than {MAX_STEPS}: ask for a shorter window")
     for s in steps:
         _add_step(engines[(s.host, s.engine)], s)
     for r in _rows(reader, q.REQUESTS, RequestRow, {**bound, "lo": lo, "hi": hi}):

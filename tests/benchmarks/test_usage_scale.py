@@ -27,8 +27,8 @@ def test_the_rolled_minutes_are_copied_back_to_the_spans_first_minute(us: Module
     sd.synthesise(lambda _label, sql: store.client.command(sql), shape)
     end_us = int(store.query("SELECT toUnixTimestamp64Micro(max(ts)) FROM steps").result_rows[0][0])
     made = us.roll_up(store, ["node-0"], shape.start_s * 1_000_000, end_us, 2)
-    per_minute = dict(store.query("SELECT toUnixTimestamp64Micro(ts), count() FROM usage_minutes GROUP BY ts "
-                                  "ORDER BY ts").result_rows)
+    per_minute = {int(ts): int(n) for ts, n in store.query(
+        "SELECT toUnixTimestamp64Micro(ts), count() FROM usage_minutes GROUP BY ts").result_rows}
     last = (end_us - micros(LAG_S)) // MINUTE_US * MINUTE_US  # the collector's rollup, LAG_S behind the end
     first = shape.start_s * 1_000_000 // MINUTE_US * MINUTE_US
     assert sorted(per_minute) == list(range(first, last, MINUTE_US))

@@ -17,7 +17,7 @@ from stepline.config.objectives import FAILED_FINISH_REASONS, Objective
 from stepline.config.slo import Slo
 from stepline.core.texttable import render_table
 from stepline.model.rows import UNKNOWN_FINISH_REASON
-from stepline.queries.requests import merged_matching
+from stepline.queries.requests import MERGED
 from stepline.queries.window import SINCE
 from stepline.store.reads import Reads
 
@@ -65,12 +65,16 @@ class SloStatus:
 def _requests_sql(objectives: Sequence[Objective]) -> str:
     """One pass over the merged requests for every request objective (each `o{i}`, its threshold bound as
     {threshold_i:Float64}): per model, engine and lane, how many requests each objective's SLI judged and how many
-    were good. Merging the requests is most of the cost (a month of a node: 14M requests grouped by their key), so
-    it is done once, not once per objective."""
-    columns = ("ts", "model_name", *dict.fromkeys(_REQUEST_SLI[o.sli][0] for o in objectives))
-    source = merged_matching(SINCE, columns)
+    were good. Reading the requests merged is most of the cost, so it is done once, not once per objective."""
+    by_lane = any(o.scope == "lane" for o in objectives)
+    columns = ("engine", *(("request_id",) if by_lane else ()), "model_name",
+               *dict.fromkeys(_REQUEST_SLI[o.sli][0] for o in objectives))
+    # The merged read (`requests FINAL`, partition by partition) streams the sorted parts; grouping the reports by
+    # their key instead (queries.requests.merged_matching) built a hash table of every request: 56 s for a week of
+    # an 8-GPU node (14.5M requests) against 3 s (benchmarks/RESULTS.md, "Usage and SLO at scale").
+    source = f"(SELECT {', '.join(columns)} FROM {MERGED} WHERE {SINCE})"
     lane = "''"
-    if any(o.scope == "lane" for o in objectives):
+    if by_lane:
         source = f"(SELECT r.*, l.lane AS lane FROM {source} AS r LEFT JOIN {_LANES} AS l USING (engine, request_id))"
         lane = "lane"
     counts = []

@@ -51,14 +51,26 @@ EDGE_MAX_STEPS = 20_000
 _FROM = "fromUnixTimestamp64Micro({lo:Int64}, 'UTC')"
 _TO = "fromUnixTimestamp64Micro({hi:Int64}, 'UTC')"
 _DIMENSIONS = ("gpu_name", "model", "lane", "adapter", "`key`", "team", "`user`", "end_user")
-# The rollup's lines over [lo, hi), whole minutes: one per engine, line and group.
-ROLLED = f"""
-SELECT host, engine, toString(line) AS kind, {', '.join(_DIMENSIONS)}, sum(requests), sum(prompt_tokens),
+# What a report grouped by each dimension reads of the rows (usage_by.Who.value), beside the engine and the GPU model
+# (for its price): grouping a week of a node's rows (4M) by these only, not every dimension, saves a third.
+_READS = {"engine": (), "tenant": ("team", "`key`", "end_user", "`user`"), "key": ("`key`",), "user": ("`user`",)}
+
+
+def rolled_sql(by: str = "") -> str:
+    """The rollup's lines over [lo, hi), whole minutes: one per engine, line and group of `by` ('': of every
+    dimension); the dimensions `by` does not read are ''."""
+    needed = ("gpu_name", *_READS.get(by, (by,))) if by else _DIMENSIONS
+    dims = [d if d in needed else f"'' AS {d}" for d in _DIMENSIONS]
+    return f"""
+SELECT host, engine, toString(line) AS kind, {', '.join(dims)}, sum(requests), sum(prompt_tokens),
        sum(generation_tokens), sum(engine_us), sum(gpu_seconds), sum(energy_mj), max(gpus)
 FROM usage_minutes
 WHERE {EACH_ENGINE} AND ts >= {_FROM} AND ts < {_TO}
-GROUP BY host, engine, kind, {', '.join(_DIMENSIONS)}
+GROUP BY host, engine, kind, {', '.join(d for d in _DIMENSIONS if d in needed)}
 """
+
+
+ROLLED = rolled_sql()
 # The first and last minute the rollup holds in [lo, hi).
 ROLLED_SPAN = f"""
 SELECT minOrNull(toUnixTimestamp64Micro(ts)), maxOrNull(toUnixTimestamp64Micro(ts))
@@ -165,9 +177,10 @@ class UsageRollup:
         self._counts["minutes_rolled"] += 1
 
 
-def rolled_lines(reader: Reads, lo_us: int, hi_us: int, engine: str = "") -> list[Line]:
-    """The rollup's lines over whole minutes [lo_us, hi_us)."""
-    rows = reader.query(ROLLED, parameters={"engine": engine, "lo": lo_us, "hi": hi_us}).result_rows
+def rolled_lines(reader: Reads, lo_us: int, hi_us: int, engine: str = "", by: str = "") -> list[Line]:
+    """The rollup's lines over whole minutes [lo_us, hi_us); with `by`, only what grouping by it reads (the other
+    dimensions '')."""
+    rows = reader.query(rolled_sql(by), parameters={"engine": engine, "lo": lo_us, "hi": hi_us}).result_rows
     return [Line(str(r[0]), str(r[1]), str(r[2]), str(r[3]), Who(*(str(x) for x in r[4:11])), int(r[11]),
                  int(r[12]), int(r[13]), int(r[14]), float(r[15]), None if r[16] is None else int(r[16]), int(r[17]))
             for r in rows]
@@ -199,7 +212,7 @@ def report(reader: Reads, window: Window, by: str, prices: Mapping[str, float] |
     if span is None:
         return usage_by.report(reader, window, by, prices)
     lo, hi = span
-    lines: list[Line] = rolled_lines(reader, lo, hi, window.engine)
+    lines: list[Line] = rolled_lines(reader, lo, hi, window.engine, by)
     edges = [(a, b) for a, b in ((micros(window.start.timestamp()), lo), (hi, micros(window.end.timestamp())))
              if b > a]
     if sum(_steps(reader, a, b, window.engine) for a, b in edges) > EDGE_MAX_STEPS:
@@ -225,4 +238,4 @@ def _one_line(exc: BaseException) -> str:
 
 
 __all__ = ["EDGE_MAX_STEPS", "LAG_S", "ROLLUP_FROM_S", "UsageRollup", "minute_rows", "report", "roll", "rolled_lines",
-           "rolled_span"]
+           "rolled_span", "rolled_sql"]

@@ -69,9 +69,9 @@ def _requests_sql(objectives: Sequence[Objective]) -> str:
     by_lane = any(o.scope == "lane" for o in objectives)
     columns = ("engine", *(("request_id",) if by_lane else ()), "model_name",
                *dict.fromkeys(_REQUEST_SLI[o.sli][0] for o in objectives))
-    # The merged read (`requests FINAL`, partition by partition) streams the sorted parts; grouping the reports by
-    # their key instead (queries.requests.merged_matching) built a hash table of every request: 56 s for a week of
-    # an 8-GPU node (14.5M requests) against 3 s (benchmarks/RESULTS.md, "Usage and SLO at scale").
+    # The merged read (queries.requests.MERGED, partition by partition) streams the sorted parts; grouping the
+    # reports by their key instead (queries.requests.merged_matching) built a hash table of every request: 56 s for a
+    # week of an 8-GPU node (14.5M requests) against 1-3 s (benchmarks/RESULTS.md, "Usage and SLO at scale").
     source = f"(SELECT {', '.join(columns)} FROM {MERGED} WHERE {SINCE})"
     lane = "''"
     if by_lane:

@@ -16,6 +16,9 @@ batch by batch, with nothing else running. Targets: end-to-end >= 50% of the raw
 writer = Writers.write to stored in a sink that discards, insert = clickhouse-connect into the store)
 shows where the time goes. The collector side is pinned to one core, the sender to another.
 
+With `--rollup`, then the usage rollup (stepline.analysis.usage_rollup, the collector's per-minute job) over the
+minutes the stored rows span, its CPU per row of the timeline against the write path's.
+
 Prints figures; always exits 0.
 """
 
@@ -41,13 +44,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from realistic import build_steps
 
+from stepline.analysis import usage_rollup
+from stepline.analysis.usage_rollup import MINUTE_US
 from stepline.core import gctune
 from stepline.core.clock import SystemClock
 from stepline.ingest.metrics import IngestMetrics
 from stepline.ingest.runner import Runner, Scheduled
 from stepline.ingest.writer import Writers
 from stepline.model import schema
-from stepline.model.rows import TABLE_OF, Row, Step
+from stepline.model.rows import TABLE_OF, Row, Step, UsageMinute
 from stepline.plugin import wire
 from stepline.plugin.core import PluginCore
 from stepline.sources.base import SourceContext
@@ -340,6 +345,36 @@ def end_to_end(store: Store | None, tmp: str, bodies: list[bytes], engines: list
                     _counter_total(metrics.registry, "stepline_writer_rows_dropped"))
 
 
+@dataclass(frozen=True)
+class RollupCost:
+    """The usage rollup over the minutes the stored rows span (stepline.analysis.usage_rollup: what the collector's
+    UsageRollup runs once a minute, LAG_S after each minute closes)."""
+
+    minutes: int
+    rows_read: int  # steps and requests of those minutes: what it reads and attributes
+    rows_written: int  # usage_minutes rows
+    cpu_s: float  # this process (the attribution in Python, chDB's reads), rolling and inserting
+    seconds: float
+
+
+def rollup_cost(store: Store) -> RollupCost:
+    """Roll up every whole minute the stored rows of HOST touch, and insert the rows, as the collector would."""
+    lo, hi = (int(v) for v in store.query(
+        "SELECT toUnixTimestamp64Micro(min(ts)), toUnixTimestamp64Micro(max(ts)) FROM steps WHERE host = {h:String}",
+        parameters={"h": HOST}).result_rows[0])
+    first, end = lo // MINUTE_US * MINUTE_US, (hi // MINUTE_US + 1) * MINUTE_US
+    read = sum(int(store.query(
+        f"SELECT count() FROM `{t}` WHERE host = {{h:String}} AND ts >= fromUnixTimestamp64Micro({{lo:Int64}}, 'UTC') "
+        "AND ts < fromUnixTimestamp64Micro({hi:Int64}, 'UTC')",
+        parameters={"h": HOST, "lo": first, "hi": end}).result_rows[0][0]) for t in TABLES)
+    collect_the_last_round()
+    cpu_started, started = time.process_time(), time.perf_counter()
+    rows = usage_rollup.roll(store.client, HOST, first / 1e6, end / 1e6)
+    store.insert("usage_minutes", [list(r) for r in rows], UsageMinute._fields)
+    return RollupCost((end - first) // MINUTE_US, read, len(rows), time.process_time() - cpu_started,
+                      time.perf_counter() - started)
+
+
 def collect_the_last_round() -> None:
     """Free what the round before left, before the next is timed. A collector keeps one set of writers, and one
     memory of requests, for its life; each round here makes its own, and the last round's are garbage in cycles
@@ -364,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pin", action="store_true",
                         help="pin the collector side to one core and the sender to another (default: both share "
                              "every core, as a sidecar and an engine do; the sender needs little)")
+    parser.add_argument("--rollup", action="store_true",
+                        help="then roll the stored rows up into usage_minutes as the collector's usage rollup does, "
+                             "and compare its CPU per row with the write path's")
     args = parser.parse_args(argv)
     rounds = max(1, args.rounds)
     gctune.tune()  # as `stepline collect` does once it has started
@@ -415,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         collect_the_last_round()
         receive_only = end_to_end(None, tmp, bodies, [f"recv-{i}" for i in range(replays)], expected,
                                   writer_options, sender_cpu, writers_on=False)
+        rollup = rollup_cost(store) if args.rollup else None
     finally:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -455,6 +494,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{1e6 / total_us:,.0f} rows/s if the stages ran one after another on one core")
     shares = sorted(((decode_us, "decode"), (writer_us, "writer"), (insert_us, "insert")), reverse=True)
     print(f"  largest share: {shares[0][1]} ({100 * shares[0][0] / total_us:.0f}% of the sum)")
+    if rollup:
+        e2e_cpu_us = 1e6 * statistics.median(e.cpu_s / max(1, e.rows) for e in ends)
+        rollup_cpu_us = 1e6 * rollup.cpu_s / max(1, rollup.rows_read)
+        print()
+        print(f"the usage rollup beside it (usage_rollup.roll over the {rollup.minutes} minute(s) the stored rows "
+              "span, then its rows inserted; the rows of every round and the raw inserts):")
+        print(f"  {rollup.rows_read:,} steps and requests read, {rollup.rows_written:,} usage_minutes rows written in "
+              f"{rollup.seconds:.2f} s, CPU {rollup.cpu_s:.2f} s: {rollup_cpu_us:.1f} us/row read")
+        print(f"  against the collector's write path, end to end (median round): {e2e_cpu_us:.1f} us/row written -> "
+              f"the rollup costs {rollup_cpu_us / e2e_cpu_us:.2f}x the collector's CPU per row of the timeline")
     print()
     ratio = end_rate / raw_rate
     missed = 0

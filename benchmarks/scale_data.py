@@ -4,6 +4,8 @@ Every table gets rows shaped like the collector's: one engine per GPU stepping ~
 (decode steps of 10-40 ms with up to 64 running, 8192-token prefill chunks now and then, one ITL per
 decoding request and one TTFT per first token), finished requests, /metrics scraped every 5 s, NVML at
 10 Hz, psutil at 1 Hz and a few events. Load follows the time of day, so nights have quiet steps.
+A gateway (LiteLLM-like, forwarding the request id) decided every request: one
+decision each, from KEYS API keys in TEAMS teams, lane `heavy` above HEAVY_PROMPT prompt tokens, else `fast`.
 Incidents near the end, on the first node: a 359k-token prefill on engine 2 (20 minutes before the end), an XID on
 GPU 6 (10 minutes before the end), and a power cap on GPU 5 (from 3 h to 2 h 15 min before the end). Every other
 node is healthy. Each engine's steps go in a day at a time, so that no INSERT makes more parts than a day's.
@@ -28,6 +30,8 @@ MONSTER_AGO_S, XID_AGO_S = 20 * 60, 10 * 60
 CAP_GPU, CAP_FROM_AGO_S, CAP_TO_AGO_S = 5, 3 * 3600, 2 * 3600 + 15 * 60
 SPEC_ENGINES = (6, 7)  # these draft with speculative decoding
 DAY_S = 86_400
+KEYS, TEAMS = 40, 8  # the gateway's API keys, and the teams they belong to (key k in team k % TEAMS)
+HEAVY_PROMPT = 20_000  # prompt tokens above which the gateway sends a request to its heavy lane
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class Shape:
     request_rate: float = 3.0  # finished requests per second per engine
     scrape_s: float = 5.0
     gpu_hz: float = 10.0
+    # Steps only over the span's last this many hours (None: all of it): a store for the readers that read the
+    # steps only near the end (usage_scale.py: the rollup's minutes and a report's edges), filled in minutes.
+    steps_hours: float | None = None
 
     @property
     def start_s(self) -> int:
@@ -67,6 +74,14 @@ class Shape:
     def days(self) -> list[tuple[int, int]]:
         """(first second, seconds) of each day-long slice of the span, from its start."""
         return [(s, min(DAY_S, self.seconds - s)) for s in range(0, self.seconds, DAY_S)]
+
+    @property
+    def step_days(self) -> list[tuple[int, int]]:
+        """`days`, cut to the last `steps_hours` of the span: the slices of it that get steps."""
+        if self.steps_hours is None:
+            return self.days
+        first = max(0, self.seconds - round(self.steps_hours * 3600))
+        return [(max(s, first), s + n - max(s, first)) for s, n in self.days if s + n > first]
 
     @property
     def monster_start_s(self) -> int:
@@ -115,7 +130,7 @@ def steps_sql(shape: Shape, e: int, h: int = 0, day: tuple[int, int] | None = No
     u = partial(_u, str(k), "i")
     incidents = int(h == 0)
     return f"""
-INSERT INTO steps ({_columns('steps')})
+INSERT INTO steps ({_columns('steps', upto='is_dummy')})
 SELECT fromUnixTimestamp64Micro(ts_us, 'UTC'), '{shape.host(h)}', '{shape.engine(e, h)}', 0, '{MODEL}', i, elapsed,
        ctx_requests, ctx_tokens, gen_requests, gen_requests + accepted, running, waiting, 0, kv,
        ctx_tokens, hits, preempted, drafts, drafts * 3, accepted,
@@ -151,7 +166,7 @@ def monster_sql(shape: Shape) -> list[str]:
     monster request and the short requests that queued behind it."""
     m0, e = shape.monster_start_s, MONSTER_ENGINE
     steps = f"""
-INSERT INTO steps ({_columns('steps')})
+INSERT INTO steps ({_columns('steps', upto='is_dummy')})
 SELECT fromUnixTimestamp64Micro(toInt64(({m0} + (number + 1) * {MONSTER_STEP_S}) * 1e6), 'UTC'), '{HOST}',
        '{shape.engine(e)}', 0, '{MODEL}', 10000000 + number, toFloat32({MONSTER_STEP_S * 1000} + number % 7 * 13),
        1, least({BUDGET - 64}, {MONSTER_PROMPT} - number * {BUDGET - 64}), 64, 64, 65 + least(number, 30),
@@ -340,13 +355,31 @@ FROM (
 )"""
 
 
+def gateway_decisions_sql(shape: Shape, h: int = 0) -> str:
+    """The gateway's decision for every request of one node, read back from `requests` (so they join by id, as a
+    gateway that forwards X-Request-Id does: stepline.queries.gateway): decided 3 ms before the engine saw it,
+    answered 200 at its first token and ended 2 ms after it finished; the key from a hash of the request id."""
+    key = f"cityHash64(request_id, 300) % {KEYS}"
+    return f"""
+INSERT INTO gateway_decisions (ts, host, engine, gateway, request_id, attempt, lane, candidates, size_tokens,
+                               threshold, threshold_unit, health, status, first_byte_ts, end_ts, model, `key`, team,
+                               `user`)
+SELECT arrival_ts - toIntervalMillisecond(3), host, engine, 'litellm', request_id, 1,
+       if(prompt_tokens > {HEAVY_PROMPT}, 'heavy', 'fast'), [engine], prompt_tokens, {HEAVY_PROMPT}, 'tokens',
+       'healthy',
+       200, arrival_ts + toIntervalMicrosecond(toInt64(ttft_seconds * 1e6)), ts + toIntervalMillisecond(2),
+       model_name, concat('key-', toString({key})), concat('team-', toString({key} % {TEAMS})),
+       concat('user-', toString({key}))
+FROM requests WHERE host = '{shape.host(h)}'"""
+
+
 def statements(shape: Shape) -> list[tuple[str, str]]:
     """(label, SQL) in the order to run them; a label starts with its table's name."""
     out: list[tuple[str, str]] = []
     nodes = range(shape.hosts)
     for h in nodes:
         for e in range(shape.engines):
-            for d, day in enumerate(shape.days):
+            for d, day in enumerate(shape.step_days):
                 out.append((f"steps {shape.engine(e, h)} day {d + 1}", steps_sql(shape, e, h, day)))
     if shape.engines > MONSTER_ENGINE:
         out += [(f"{table} monster prefill", sql) for table, sql in zip(("steps", "requests"), monster_sql(shape),
@@ -357,6 +390,7 @@ def statements(shape: Shape) -> list[tuple[str, str]]:
     out += [(f"gpu_samples {shape.host(h)}", gpu_samples_sql(shape, h)) for h in nodes]
     out += [(f"host_samples {shape.host(h)}", host_samples_sql(shape, h)) for h in nodes]
     out += [(f"events {shape.host(h)}", events_sql(shape, h)) for h in nodes]
+    out += [(f"gateway_decisions {shape.host(h)}", gateway_decisions_sql(shape, h)) for h in nodes]
     return out
 
 

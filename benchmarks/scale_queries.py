@@ -49,7 +49,7 @@ from stepline.store.url import parse_store_url
 
 TARGET_S = 2.0
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
-TABLES = ("steps", "requests", "engine_samples", "gpu_samples", "host_samples", "events")
+TABLES = ("steps", "requests", "engine_samples", "gpu_samples", "host_samples", "events", "gateway_decisions")
 # Grafana's interval for a panel about 1,000 pixels wide: range / 1000, rounded as Grafana rounds it.
 _NICE_MS = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 15_000, 20_000, 30_000, 60_000, 120_000,
             300_000, 600_000, 900_000, 1_200_000, 1_800_000, 3_600_000)
@@ -114,10 +114,15 @@ def dashboard_queries() -> list[tuple[str, int, str]]:
 
 
 def every_variable_all() -> dict[str, str]:
-    """Grafana's default selection for every variable of the committed dashboards ($host, $engine, $gpu, $gateway,
-    $lane, ...): All."""
-    return {v["name"]: ALL for path in sorted(DASHBOARDS.glob("*.json"))
-            for v in json.loads(path.read_text())["templating"]["list"]}
+    """Grafana's default selection for every variable of the committed dashboards: All for the query variables
+    ($host, $engine, $gpu, $gateway, $lane, ...), a custom or text box variable's default value ($by, $gpu_price
+    of the Usage dashboard: team, and no price)."""
+    chosen: dict[str, str] = {}
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for v in json.loads(path.read_text())["templating"]["list"]:
+            current = v.get("current") or {}
+            chosen[v["name"]] = str(current.get("value", "")) if v["type"] in ("custom", "textbox") else ALL
+    return chosen
 
 
 # A query whose round takes this long has missed by far: it is not run again (its row shows fewer rounds).
@@ -271,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=8, help="engines per host, one per GPU (default 8)")
     parser.add_argument("--hosts", type=int, default=1, help="hosts (8 x 8 GPUs: a fleet of 64 engines; default 1)")
     parser.add_argument("--step-rate", type=float, default=45.0, help="steps per second per engine (default 45)")
+    parser.add_argument("--steps-hours", type=float,
+                        help="steps over the last this many hours only (every other table over all of them): a "
+                             "store for usage_scale.py, not for timing the dashboards or diagnose")
     parser.add_argument("--store", help="store URL to fill (or reuse when it holds steps); default: a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temporary store and print its URL")
     parser.add_argument("--rounds", type=int, default=3, help="runs per query (default 3)")
@@ -287,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"the store's schema brought up to date (projections built for the rows there): {built_in:.0f} s")
         if counts(store)["steps"] == 0:
             shape = Shape(end_s=int(time.time()), hours=args.hours, engines=args.engines, hosts=args.hosts,
-                          step_rate=args.step_rate)
+                          step_rate=args.step_rate, steps_hours=args.steps_hours)
             took = fill(store, shape)
             if record:
                 record.write_text(json.dumps({"shape": dataclasses.asdict(shape), "seconds": took,

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
+from stepline.analysis import usage as usage_module
 from stepline.analysis.placement import PRIOR_WEIGHTS, pairs
 from stepline.analysis.usage import EngineUsage, Usage, apportion, usage
 from stepline.diagnosis.findings import Window
 from stepline.model.rows import EngineSample, GpuSample, Request, Step, micros
+from stepline.queries import usage as q
 from stepline.store.store import Store
 
 T0 = float(int(time.time()) - 600)  # whole seconds: every moment below is whole microseconds
@@ -233,3 +236,25 @@ def test_idle_is_counted_while_the_engine_was_up_not_over_a_longer_window(store:
     # Scraped before the window began, up at its start: the life is what lies inside it.
     assert engine_of(usage(store, window(5.0, 50))).window_us == 4_000_000
     assert engine_of(usage(store, window(2.0, 4.0))).window_us == 2_000_000
+
+
+class _Recording:
+    """The store, keeping the SQL of every query it answered."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.sql: list[str] = []
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        self.sql.append(sql)
+        return self.store.query(sql, parameters)
+
+
+def test_a_window_with_more_steps_than_a_pass_may_walk_is_refused_before_they_are_read(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _timeline(store)
+    monkeypatch.setattr(usage_module, "MAX_STEPS", 3)  # as if the window held a week of a node (218M steps)
+    reader = _Recording(store)
+    with pytest.raises(ValueError, match=r"steps to walk, more than 3: ask for a shorter window"):
+        usage(reader, window(0, 10))
+    assert q.STEPS not in reader.sql and q.STEP_COUNT in reader.sql

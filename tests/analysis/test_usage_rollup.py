@@ -179,3 +179,34 @@ def test_short_windows_and_exact_asked_read_the_steps(store: Store) -> None:
     window = _minute(FIRST, LAST + MINUTE_US)
     assert usage_rollup.report(store, window, "team").source == "exact"  # under ROLLUP_FROM_S
     assert usage_rollup.report(store, window, "team", from_s=0, exact=True).source == "exact"
+
+
+def test_edges_with_more_steps_than_a_quick_pass_leave_the_report_on_the_whole_minutes(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _rolled(store)
+    start, end = FIRST - 30_000_000, LAST + MINUTE_US + 20_000_000
+    kept = usage_rollup.report(store, _minute(start, end), "team", from_s=0)
+    assert kept.source == "rollup"  # a few steps at the edges: walked
+    monkeypatch.setattr(usage_rollup, "EDGE_MAX_STEPS", -1)  # as if 64 engines stepped there (these edges hold none)
+    r = usage_rollup.report(store, _minute(start, end), "team", from_s=0)
+    whole = _minute(FIRST, LAST + MINUTE_US)
+    assert r.source == "rollup_minutes" and (r.window.start, r.window.end) == (whole.start, whole.end)
+    rolled = usage_rollup.report(store, whole, "team", from_s=0)  # the same minutes, no edges
+    assert r.gpu_seconds == pytest.approx(rolled.gpu_seconds) and r.gpu_seconds <= kept.gpu_seconds
+    assert f"over its whole minutes from {whole.start:%Y-%m-%d %H:%M} to {whole.end:%Y-%m-%d %H:%M} UTC" in (
+        usage_by.render(r))
+    assert '"source": "rollup_minutes"' in usage_by.as_json(r)
+
+
+@pytest.mark.parametrize("by", usage_by.DIMENSIONS)
+def test_reading_only_what_a_grouping_needs_groups_the_same(store: Store, by: str) -> None:
+    _rolled(store)
+    window = _minute(FIRST, LAST + MINUTE_US)
+    every = usage_rollup.rolled_lines(store, FIRST, LAST + MINUTE_US)
+    needed = usage_rollup.rolled_lines(store, FIRST, LAST + MINUTE_US, by=by)
+    assert len(needed) <= len(every)
+    a, b = (usage_by.grouped(lines, window, by, {GPU: PRICE}) for lines in (every, needed))
+    assert [(g.name, g.requests, g.tokens, round(g.gpu_seconds, 6), g.cost and round(g.cost, 9))
+            for g in (*a.groups, a.idle, a.unattributed)] == [
+        (g.name, g.requests, g.tokens, round(g.gpu_seconds, 6), g.cost and round(g.cost, 9))
+        for g in (*b.groups, b.idle, b.unattributed)]

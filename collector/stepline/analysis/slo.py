@@ -10,7 +10,7 @@ engine's latest).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from stepline.config.objectives import FAILED_FINISH_REASONS, GATEWAY_SLIS, Objective
@@ -18,17 +18,19 @@ from stepline.config.slo import Slo
 from stepline.core.texttable import render_table
 from stepline.model.rows import UNKNOWN_FINISH_REASON
 from stepline.queries.gateway import TENANT
-from stepline.queries.requests import merged_matching
+from stepline.queries.query import param
+from stepline.queries.requests import MERGED
 from stepline.queries.window import SINCE
 from stepline.store.reads import Reads, named
 
 _FAILED = ", ".join(f"'{r}'" for r in FAILED_FINISH_REASONS)
-# What each request SLI reads, and when a request counts and is good (as `judge_request`).
-_REQUEST_SLI = {
-    "ttft": ("ttft_seconds", "NOT isNaN(ttft_seconds)", "ttft_seconds <= {threshold:Float64}"),
-    "tpot": ("mean_tpot_seconds", "NOT isNaN(mean_tpot_seconds)", "mean_tpot_seconds <= {threshold:Float64}"),
+# What each request SLI reads, and when a request counts and is good (as `judge_request`), given the placeholder its
+# threshold is bound to.
+_REQUEST_SLI: dict[str, tuple[str, str, Callable[[str], str]]] = {
+    "ttft": ("ttft_seconds", "NOT isNaN(ttft_seconds)", lambda threshold: f"ttft_seconds <= {threshold}"),
+    "tpot": ("mean_tpot_seconds", "NOT isNaN(mean_tpot_seconds)", lambda bound: f"mean_tpot_seconds <= {bound}"),
     "availability": ("finish_reason", f"finish_reason NOT IN ('', '{UNKNOWN_FINISH_REASON}')",
-                     f"finish_reason NOT IN ({_FAILED})"),
+                     lambda _: f"finish_reason NOT IN ({_FAILED})"),
 }
 _SCOPE_COLUMN = {"model": "model_name", "engine": "engine", "lane": "lane"}
 # The lane of each request a gateway routed: its latest decision's (a retry may change lanes).
@@ -63,15 +65,28 @@ class SloStatus:
                 "budget_left": 1 - self.budget_used}
 
 
-def _request_sql(o: Objective) -> str:
-    column, known, good = _REQUEST_SLI[o.sli]
-    scope = _SCOPE_COLUMN[o.scope]
-    columns = ("ts", column, "model_name")
-    source = merged_matching(SINCE, columns)
-    if o.scope == "lane":
+def _requests_sql(objectives: Sequence[Objective]) -> str:
+    """One pass over the merged requests for every request objective (the i-th's counts total_i and good_i, its
+    threshold bound as threshold_i): per model, engine and lane, how many requests each objective's SLI judged and
+    how many were good. Reading the requests merged is most of the cost, so it is done once, not once per objective."""
+    by_lane = any(o.scope == "lane" for o in objectives)
+    columns = ("engine", *(("request_id",) if by_lane else ()), "model_name",
+               *dict.fromkeys(_REQUEST_SLI[o.sli][0] for o in objectives))
+    # The merged read (queries.requests.MERGED, partition by partition) streams the sorted parts; grouping the
+    # reports by their key instead (queries.requests.merged_matching) built a hash table of every request: 56 s for a
+    # week of an 8-GPU node (14.5M requests) against 1-3 s (benchmarks/RESULTS.md, "Usage and SLO at scale").
+    source = f"(SELECT {', '.join(columns)} FROM {MERGED} WHERE {SINCE})"
+    lane = "''"
+    if by_lane:
         source = f"(SELECT r.*, l.lane AS lane FROM {source} AS r LEFT JOIN {_LANES} AS l USING (engine, request_id))"
-    return (f"SELECT toString({scope}) AS scope, count() AS total, countIf({good}) AS good FROM {source} "
-            f"WHERE {known} GROUP BY scope ORDER BY scope")
+        lane = "lane"
+    counts = []
+    for i, o in enumerate(objectives):
+        _, known, good = _REQUEST_SLI[o.sli]
+        counts.append(f"countIf({known}) AS total_{i}, "
+                      f"countIf(({known}) AND ({good(param(f'threshold_{i}', 'Float64'))})) AS good_{i}")
+    return (f"SELECT toString(model_name) AS model, toString(engine) AS engine, toString({lane}) AS lane, "
+            f"{', '.join(counts)} FROM {source} GROUP BY model, engine, lane")
 
 
 # What each gateway SLI reads, as `judge_decision`: when a decision counts, and when it is good.
@@ -79,7 +94,7 @@ _DECISION_SLI = {
     "gateway_availability": ("1", "(status > 0 AND status < 500) OR client_disconnected"),
     "gateway_first_byte": ("first_byte_ts IS NOT NULL OR NOT client_disconnected",
                            "first_byte_ts IS NOT NULL AND "
-                           "dateDiff('microsecond', ts, first_byte_ts) <= {threshold:Float64} * 1000000"),
+                           f"dateDiff('microsecond', ts, first_byte_ts) <= {param('threshold', 'Float64')} * 1000000"),
 }
 
 
@@ -92,12 +107,29 @@ def _decision_sql(o: Objective) -> str:
 
 def statuses(reader: Reads, slo: Slo, *, since: float) -> list[SloStatus]:
     """Every objective in every scope that had requests since `since` (epoch seconds)."""
+    since_us = round(since * 1e6)
+    on_requests = [o for o in slo.objectives if o.sli not in GATEWAY_SLIS]
+    counted: dict[str, dict[str, list[int]]] = {o.name: {} for o in on_requests}
+    if on_requests:
+        parameters: dict[str, object] = {"since": since_us}
+        parameters.update({f"threshold_{i}": slo.threshold(o) for i, o in enumerate(on_requests)})
+        for row in named(reader.query(_requests_sql(on_requests), parameters=parameters)):
+            by_scope = {"model": str(row.model), "engine": str(row.engine), "lane": str(row.lane)}
+            for i, o in enumerate(on_requests):
+                total, good = int(getattr(row, f"total_{i}")), int(getattr(row, f"good_{i}"))
+                if total:
+                    sums = counted[o.name].setdefault(by_scope[o.scope], [0, 0])
+                    sums[0] += total
+                    sums[1] += good
     out = []
     for o in slo.objectives:
-        sql = _decision_sql(o) if o.sli in GATEWAY_SLIS else _request_sql(o)
-        parameters = {"since": round(since * 1e6), "threshold": slo.threshold(o)}
-        for r in named(reader.query(sql, parameters=parameters)):
-            out.append(SloStatus(o.name, o.sli, f"{o.scope}={r.scope}", int(r.total), int(r.good), o.target))
+        if o.sli in GATEWAY_SLIS:
+            parameters = {"since": since_us, "threshold": slo.threshold(o)}
+            for r in named(reader.query(_decision_sql(o), parameters=parameters)):
+                out.append(SloStatus(o.name, o.sli, f"{o.scope}={r.scope}", int(r.total), int(r.good), o.target))
+            continue
+        for scope, (total, good) in sorted(counted[o.name].items()):
+            out.append(SloStatus(o.name, o.sli, f"{o.scope}={scope}", total, good, o.target))
     return out
 
 

@@ -26,7 +26,7 @@ from stepline.analysis.energy import EnergyCurve, curve, method, used
 from stepline.analysis.placement import CostWeights, Phases, Rank, features, fit, pairs, place
 from stepline.diagnosis.findings import Window
 from stepline.queries import usage as q
-from stepline.store.reads import Reads, Row, first_or_none, named
+from stepline.store.reads import Reads, Row, first_or_none, named, scalar
 
 MAX_LOOKBACK_S = 3600.0  # a request scheduled earlier still counts; its earlier prefill steps are not walked
 STEP_PAD_S = 30.0  # a step that began in the window and ended after it (a long prefill chunk takes seconds)
@@ -184,9 +184,10 @@ def usage(reader: Reads, window: Window, host: str = "") -> Usage:
                         start - round(MAX_LOOKBACK_S * 1e6)))
     hi = end + round(STEP_PAD_S * 1e6)
     engines: dict[tuple[str, str], _Engine] = defaultdict(_Engine)
+    counted = int(scalar(reader.query(q.STEP_COUNT, parameters={**bound, "lo": lo, "hi": hi})))
+    if counted > MAX_STEPS:
+        raise ValueError(f"{counted} steps to walk, more than {MAX_STEPS}: ask for a shorter window")
     steps = _rows(reader, q.STEPS, StepRow, {**bound, "lo": lo, "hi": hi})
-    if len(steps) > MAX_STEPS:
-        raise ValueError(f"{len(steps)} steps to walk, more than {MAX_STEPS}: ask for a shorter window")
     for s in steps:
         _add_step(engines[(s.host, s.engine)], s)
     for r in _rows(reader, q.REQUESTS, RequestRow, {**bound, "lo": lo, "hi": hi}):

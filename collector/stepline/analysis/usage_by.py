@@ -202,7 +202,9 @@ class Report:
     unpriced_gpus: list[str] = field(default_factory=list)  # GPU models seen without a price
     engines: list[EngineUsage] = field(default_factory=list)  # the exact pass's engines (none from the rollup)
     without_gpus: list[str] = field(default_factory=list)  # engines no GPU sample tied to: 1 GPU per rank
-    source: str = "exact"  # exact: one pass over the steps; rollup: usage_minutes (stepline.analysis.usage_rollup)
+    # exact: one pass over the steps; rollup: usage_minutes and its edges from the steps; rollup_minutes: usage_minutes
+    # over its whole minutes only, `window` cut to them (stepline.analysis.usage_rollup)
+    source: str = "exact"
 
     @property
     def gpu_seconds(self) -> float:
@@ -262,7 +264,10 @@ def _group(groups: dict[str, Group], name: str) -> Group:
 
 SOURCES = {"exact": "from one pass over the window's steps (exact)",
            "rollup": "from the per-minute rollup (usage_minutes), the window's edges from its steps: each minute as "
-                     "it was rolled up, minutes after it closed (requests running then count as unattributed)"}
+                     "it was rolled up, minutes after it closed (requests running then count as unattributed)",
+           "rollup_minutes": "from the per-minute rollup (usage_minutes) only, over its whole minutes from {start} to "
+                             "{end} UTC: the rest of the window held too many steps to walk quickly (--exact walks "
+                             "them); each minute as it was rolled up, minutes after it closed"}
 COLUMNS = ("requests", "prompt_tokens", "generation_tokens", "gpu_seconds", "energy_kwh", "cost",
            "cost_per_1m_tokens", "share_of_gpu_time")
 
@@ -320,7 +325,8 @@ def render(r: Report) -> str:
               _text(g.cost_per_million_tokens, 2), f"{g.gpu_seconds / total:.1%}" if total else "-")
              for g in (*r.groups, r.idle, r.unattributed)]
     table = render_table((r.by, "requests", "tokens", "GPU-s", "kWh", "cost", "$/1M tok", "of GPU time"), lines)
-    notes = [f"idle: {r.idle_share():.1%} of the GPU time in the window (no request on the engine)", SOURCES[r.source]]
+    source = SOURCES[r.source].format(start=f"{r.window.start:%Y-%m-%d %H:%M}", end=f"{r.window.end:%Y-%m-%d %H:%M}")
+    notes = [f"idle: {r.idle_share():.1%} of the GPU time in the window (no request on the engine)", source]
     if not r.prices:
         notes.append("no cost: set a price per GPU-hour per GPU model (--gpu-price 'MODEL=USD', "
                      "$STEPLINE_GPU_PRICES)")

@@ -32,6 +32,14 @@ WHERE {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
 ORDER BY host, engine, engine_index, ts, step
 """
 
+# How many steps STEPS would answer: counted first, so that a window too long to walk is refused before its rows
+# are read (a week of an 8-GPU node is 218M steps).
+STEP_COUNT = f"""
+SELECT count() AS steps
+FROM steps
+WHERE {EACH_ENGINE} AND {EACH_HOST} AND ts >= {_FROM} AND ts <= {_TO}
+"""
+
 # The earliest moment a request alive in [lo, hi] was scheduled (us; NULL when none is known): where its prefill
 # began, so the walk over the steps starts there.
 EARLIEST_SCHEDULED = f"""

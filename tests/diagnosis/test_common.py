@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
-from typing import Any
 
 from stepline.diagnosis.common import (
     EXACT_MAX_QUERY_STEPS,
@@ -20,22 +19,11 @@ from stepline.diagnosis.common import (
     utc,
 )
 from stepline.store.store import Store
-
-
-class Counting:
-    """A reader that counts what it is asked, answering from a real store."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.asked: list[tuple[str, dict[str, Any] | None]] = []
-
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
-        self.asked.append((sql, parameters))
-        return self.store.query(sql, parameters=parameters)
+from tests.queries.test_query import Recorder
 
 
 def test_a_memo_reads_each_distinct_query_once(store: Store) -> None:
-    reader = Counting(store)
+    reader = Recorder(store)
     memo = Memo(reader)
     first = memo.query("SELECT {x:Int64} + 1", parameters={"x": 1}).result_rows
     assert memo.query("SELECT {x:Int64} + 1", parameters={"x": 1}).result_rows == first == [(2,)]
@@ -45,7 +33,7 @@ def test_a_memo_reads_each_distinct_query_once(store: Store) -> None:
 
 def test_rows_by_engine_asks_only_for_the_engines_not_read_yet(store: Store) -> None:
     sql = "SELECT e AS engine, length(e) AS n FROM (SELECT arrayJoin({engines:Array(String)}) AS e) WHERE e != 'gone'"
-    reader = Counting(store)
+    reader = Recorder(store)
     memo = Memo(reader)
     assert rows_by_engine(memo, sql, ["a", "bb"]) == {"a": ("a", 1), "bb": ("bb", 2)}
     # "bb" is known, "gone" has no row: only "ccc" and "gone" are asked for, and "gone" is left out of the answer.

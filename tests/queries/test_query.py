@@ -33,7 +33,7 @@ def two_engines(chdb_dir: Path) -> Iterator[Store]:
     store.close()
 
 
-class _Recorder:
+class Recorder:
     """The store's client, keeping each text and parameters it is asked to run."""
 
     def __init__(self, store: Store) -> None:
@@ -50,7 +50,7 @@ def test_the_text_that_runs_is_the_text_shown_with_its_values(two_engines: Store
     query = Query(f"SELECT step, engine FROM steps WHERE engine IN {param('engines', 'Array(String)')} "
                   f"AND ts >= {moment('start')} AND ts <= {moment('end')} AND {param('quoted', 'String')} != '' "
                   "ORDER BY engine, step", engines=["spans_a", "spans_b"], start=start, end=end, quoted="it's")
-    recorder = _Recorder(two_engines)
+    recorder = Recorder(two_engines)
     rows = query.rows(recorder)
     [(ran, bound)] = recorder.asked
     assert ran == query.sql  # nothing rewritten on the way

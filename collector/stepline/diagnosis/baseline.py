@@ -30,7 +30,7 @@ from stepline.diagnosis.common import (
 )
 from stepline.diagnosis.findings import Window
 from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span
-from stepline.queries.baselines import DECODE_APPROXIMATE, DECODE_EXACT
+from stepline.queries.baselines import DECODE_EXACT, decode_approximate
 from stepline.store.reads import Reads, Row
 
 # prefill_interference and head_of_line_blocking
@@ -156,7 +156,7 @@ def baselines(reader: Reads, window: Window, names: list[str]) -> dict[str, Base
             figures[str(r.engine)] = (number(r.step_ms), r.itl, "")
 
     def read_span(over: Span, engines: list[str]) -> Iterable[Row]:
-        return rows_by_engine(reader, over.reads(DECODE_APPROXIMATE), engines, lo=over.lo, hi=over.hi).values()
+        return rows_by_engine(reader, over.reads(decode_approximate), engines, lo=over.lo, hi=over.hi).values()
 
     for engine, (r, over) in approximate_rows(read_span, big, window.start, window.end).items():
         figures[engine] = (number(r.step_ms), r.itl, over.says)

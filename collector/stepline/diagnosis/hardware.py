@@ -18,7 +18,7 @@ from stepline.diagnosis.common import (
 from stepline.diagnosis.findings import Finding, Window
 from stepline.diagnosis.rollup import Span, approximate_rows, approximate_span, whole_minutes
 from stepline.model.schema import DECODED, PROMPT_BAND_INDEX, PROMPT_BANDS
-from stepline.queries.baselines import ALONE_APPROXIMATE, ALONE_EXACT, ALONE_TOKENS_PER_STEP
+from stepline.queries.baselines import ALONE_EXACT, ALONE_TOKENS_PER_STEP, alone_approximate
 from stepline.queries.query import Query, moment, param
 from stepline.queries.requests import MERGED, PROMPT_BAND
 from stepline.queries.steps import OF_ENGINE, OF_ENGINES
@@ -91,7 +91,7 @@ def _alone(reader: Reads, window: Window) -> dict[str, tuple[int, tuple[float, f
                   Query(ALONE_TOKENS_PER_STEP, engines=engines, lo=over.lo, hi=over.hi).rows(reader)}
         return rows_of(("engine", "step_ms", "tokens"), [
             (r.engine, r.step_ms, number(tokens.get(r.engine), 1.0))
-            for r in Query(over.reads(ALONE_APPROXIMATE), engines=engines, lo=over.lo, hi=over.hi).rows(reader)])
+            for r in Query(over.reads(alone_approximate), engines=engines, lo=over.lo, hi=over.hi).rows(reader)])
 
     for engine, (r, over) in approximate_rows(read_span, big, window.start, window.end).items():
         tokens = r.tokens

@@ -137,9 +137,10 @@ class Span:
     hi: datetime
     says: str  # for the evidence
 
-    def reads(self, sql: str) -> str:
-        """`sql`, written over whole minutes (`WITH toStartOfMinute(ts) AS bucket`), over this span's buckets."""
-        return sql.replace(f"WITH {MINUTE} AS bucket", f"WITH {self.bucket} AS bucket")
+    def reads(self, sql_over: Callable[[str], str]) -> str:
+        """The SQL `sql_over` writes over buckets of the expression it is given, over this span's buckets (e.g.
+        queries.baselines.decode_approximate)."""
+        return sql_over(self.bucket)
 
 
 def approximate_span(start: datetime, end: datetime) -> Span | None:

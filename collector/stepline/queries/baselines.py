@@ -21,6 +21,7 @@ ALONE = "num_ctx_tokens = 0 AND num_generation_requests BETWEEN 1 AND 4 AND elap
 DECODE_STEP_P50 = f"quantileExactIf(0.5)(elapsed_ms, {DECODE_ONLY})"
 ITL_P50_P99 = "quantilesExactArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0)"
 _WHOLE_MINUTES = f"{ENGINES} AND bucket >= {moment('lo')} AND bucket < {moment('hi')}"
+MINUTE_BUCKET = "toStartOfMinute(ts)"  # the per-minute projection's key (model.schema.STEP_BASELINES)
 
 # engine, decode-only step p50 (step_ms), [ITL p50, ITL p99] (itl)
 DECODE_EXACT = f"""
@@ -30,14 +31,23 @@ FROM steps
 WHERE {OF_ENGINES}
 GROUP BY engine
 """
-DECODE_APPROXIMATE = f"""
-WITH toStartOfMinute(ts) AS bucket
+
+
+# engine, decode-only step p50 (step_ms), [ITL p50, ITL p99] (itl), from the projection
+def decode_approximate(bucket: str = MINUTE_BUCKET) -> str:
+    """DECODE_EXACT's figures from the projection keyed by `bucket` (its minutes, or its hours over long windows:
+    diagnosis.rollup.Span), over whole buckets [lo, hi)."""
+    return f"""
+WITH {bucket} AS bucket
 SELECT engine, quantilesBFloat16If(0.5)(elapsed_ms, {DECODE_ONLY})[1] AS step_ms,
        quantilesBFloat16ArrayIf(0.5, 0.99)(itl_seconds, num_ctx_tokens = 0) AS itl
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
+
+
+DECODE_APPROXIMATE = decode_approximate()
 # engine, [rate p10, p50, p90] (rates) of its steps alone (tokens generated/s per decoding request: with speculative
 # decoding a request gets 1 + its accepted drafts a step), their step p50 (step_ms)
 ALONE_EXACT = f"""
@@ -48,15 +58,22 @@ WHERE {OF_ENGINES}
   AND {ALONE}
 GROUP BY engine
 """
+
+
 # engine, [step time p10, p50, p90] (step_ms) of its steps alone: the caller inverts them into rates (p10 of rate =
 # p90 of time), times ALONE_TOKENS_PER_STEP
-ALONE_APPROXIMATE = f"""
-WITH toStartOfMinute(ts) AS bucket
+def alone_approximate(bucket: str = MINUTE_BUCKET) -> str:
+    """ALONE_EXACT's figures from the projection keyed by `bucket`, over whole buckets [lo, hi)."""
+    return f"""
+WITH {bucket} AS bucket
 SELECT engine, quantilesBFloat16If(0.1, 0.5, 0.9)(elapsed_ms, {ALONE}) AS step_ms
 FROM steps
 WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
+
+
+ALONE_APPROXIMATE = alone_approximate()
 # engine, tokens generated per decoding request a step over whole minutes [lo, hi) of the per-minute projection (its
 # sums): 1 + accepted drafts / decoding requests, the requests being the tokens scheduled less the drafts
 # (queries.steps.GENERATED). 1 without speculative decoding. Over all the engine's steps, alone or not (the

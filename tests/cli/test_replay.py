@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -130,3 +131,15 @@ def test_ctrl_c_stops_sending_abandons_streams_and_still_reports(engine: SimServ
     assert time.monotonic() - sent_before < 10
     assert process.returncode == 130, err
     assert "stopped by Ctrl-C" in out and "sent 1 of 10" in out and "abandoned 1" in out, out
+
+
+def test_the_first_ctrl_c_asks_the_replay_to_stop_and_a_second_interrupts() -> None:
+    stop = threading.Event()
+    before = signal.getsignal(signal.SIGINT)
+    with replay.ctrl_c_stops(stop):
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(5)  # no KeyboardInterrupt: the replay stops at its next poll and reports
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is before  # the handler before it, again

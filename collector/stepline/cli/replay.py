@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from stepline.config.settings import split_named_url
@@ -80,6 +84,23 @@ def replay_window(args: argparse.Namespace, url: str, recorded: Sequence[Recorde
                                 corpus_seed=replay.repeat_corpus_seed(repeat))
 
 
+@contextmanager
+def ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
+    """While the block runs, Ctrl-C sets `stop` (the replay sends nothing more, abandons its streams and reports);
+    a second Ctrl-C interrupts at once. Only an event is set, where a KeyboardInterrupt would be raised wherever the
+    main thread happens to be (inside an HTTP read, a thread's start): the replay then stops at its next poll."""
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     """Replay and print the report: 0 when every request completed, 1 when some failed, 130 on Ctrl-C, 2 when the
     store, the window or the engine cannot be used."""
@@ -94,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
         Endpoint(url, 1.0)  # a malformed URL is refused before the store is read
         window = window_of(args)
         recorded = load_window(args.store, window)
-        report = replay_window(args, url, recorded, window)
+        stop = threading.Event()
+        with ctrl_c_stops(stop):
+            report = replay_window(args, url, recorded, window, stop=stop)
+        if stop.is_set():
+            report = dataclasses.replace(report, stopped_by="interrupted")
     except (MatrixError, StoreError, StoreUrlError, UsageError) as exc:
         print(f"stepline replay: {exc}", file=sys.stderr)
         return 2

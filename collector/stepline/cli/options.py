@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from stepline.config.objectives import load_objectives
-from stepline.config.slo import Slo
+from stepline.config.slo import Slo, load_slo
 from stepline.core.usageerror import UsageError
 from stepline.store.discovery import RUNTIME_DIR_HELP
 
@@ -28,10 +26,7 @@ def add_objectives(parser: argparse.ArgumentParser) -> None:
 def chosen_slo(path: str | None) -> Slo:
     """The objectives of `path`, else of $STEPLINE_OBJECTIVES_FILE, else the built-in ones; UsageError naming the
     file and what is wrong."""
-    path = path or os.environ.get("STEPLINE_OBJECTIVES_FILE") or None
-    if path is None:
-        return Slo()
     try:
-        return Slo(objectives=load_objectives(Path(path)))
+        return load_slo(path or os.environ.get("STEPLINE_OBJECTIVES_FILE"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None

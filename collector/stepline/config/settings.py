@@ -8,12 +8,10 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from stepline.config.objectives import load_objectives
-from stepline.config.slo import Slo
+from stepline.config.slo import Slo, load_slo
 from stepline.core.usageerror import UsageError
 from stepline.store import url as url_module
 from stepline.store.url import StoreUrlError, default_store_url, parse_store_url
@@ -184,10 +182,8 @@ class Settings:
 
     def slo(self) -> Slo:
         """The objectives of objectives_file, else the built-in ones; raises SettingsError naming what is wrong."""
-        if not self.objectives_file:
-            return Slo()
         try:
-            return Slo(objectives=load_objectives(Path(self.objectives_file)))
+            return load_slo(self.objectives_file)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
 

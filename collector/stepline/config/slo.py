@@ -4,8 +4,9 @@ them, `stepline whatif` scores goodput against them, `stepline slo` reports them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from stepline.config.objectives import DEFAULT_OBJECTIVES, LATENCY_SLIS, Objective
+from stepline.config.objectives import DEFAULT_OBJECTIVES, LATENCY_SLIS, Objective, load_objectives
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,9 @@ class Slo:
         if o.threshold_seconds is not None:
             return o.threshold_seconds
         return self.tpot_seconds if o.sli == "tpot" else self.ttft_p99_seconds
+
+
+def load_slo(path: str | None) -> Slo:
+    """The objectives of the TOML file at `path` (`config.objectives.load_objectives`), else ('' or None) the
+    built-in ones; ValueError naming the file and what is wrong."""
+    return Slo(objectives=load_objectives(Path(path))) if path else Slo()

@@ -8,11 +8,11 @@ import pytest
 
 from stepline.model.rows import Step, micros
 from stepline.queries.baselines import (
-    ALONE_APPROXIMATE,
     ALONE_EXACT,
     ALONE_TOKENS_PER_STEP,
-    DECODE_APPROXIMATE,
     DECODE_EXACT,
+    alone_approximate,
+    decode_approximate,
 )
 from stepline.store.store import Store
 from tests.queries.conftest import Rows
@@ -46,7 +46,7 @@ def test_the_decode_baseline_leaves_prefill_steps_out(store: Store, rows: Rows) 
 
 def test_the_approximate_decode_baseline_reads_the_projection(store: Store, rows: Rows) -> None:
     _fill(store)
-    by_engine = {r[0]: r[1:] for r in rows(DECODE_APPROXIMATE, settings=FORCED, **MINUTES)}
+    by_engine = {r[0]: r[1:] for r in rows(decode_approximate(), settings=FORCED, **MINUTES)}
     step_ms, (itl50, itl99) = by_engine["e0"]
     assert step_ms == pytest.approx(10.0, rel=0.01)
     assert (itl50, itl99) == (pytest.approx(0.01, rel=0.01), pytest.approx(0.01, rel=0.01))
@@ -61,7 +61,7 @@ def test_the_alone_baseline_counts_few_decoders_only(store: Store, rows: Rows) -
 
 def test_the_approximate_alone_baseline_reads_the_projection(store: Store, rows: Rows) -> None:
     _fill(store)
-    by_engine = {r[0]: r[1] for r in rows(ALONE_APPROXIMATE, settings=FORCED, **MINUTES)}
+    by_engine = {r[0]: r[1] for r in rows(alone_approximate(), settings=FORCED, **MINUTES)}
     assert by_engine["e0"] == [pytest.approx(10.0, rel=0.01)] * 3
     assert by_engine["e1"] == [pytest.approx(5.0, rel=0.01)] * 3
 

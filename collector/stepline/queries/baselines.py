@@ -46,8 +46,6 @@ WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
 
-
-DECODE_APPROXIMATE = decode_approximate()
 # engine, [rate p10, p50, p90] (rates) of its steps alone (tokens generated/s per decoding request: with speculative
 # decoding a request gets 1 + its accepted drafts a step), their step p50 (step_ms)
 ALONE_EXACT = f"""
@@ -72,8 +70,6 @@ WHERE {_WHOLE_MINUTES}
 GROUP BY engine
 """
 
-
-ALONE_APPROXIMATE = alone_approximate()
 # engine, tokens generated per decoding request a step over whole minutes [lo, hi) of the per-minute projection (its
 # sums): 1 + accepted drafts / decoding requests, the requests being the tokens scheduled less the drafts
 # (queries.steps.GENERATED). 1 without speculative decoding. Over all the engine's steps, alone or not (the
